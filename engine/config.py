@@ -1,0 +1,71 @@
+"""Engine configuration: one dataclass, validated in one place.
+
+Every front end (the app, ``kvplay run``, replay, labs, bench) builds an EngineConfig from the
+same command-line flags (see kvplay/options.py) or a script's ``[engine]`` table.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .errors import EngineError
+
+ISOLATION_MODES = ("shared", "user", "group", "system")
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+HASH_NAMES = ("sha256", "blake2b64", "builtin", "trunc:N")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    cache_mb: float = 256.0
+    num_blocks: int | None = None  # overrides cache_mb when set
+    hash: str = "sha256"
+    verify_on_hit: bool = True
+    isolation: str = "shared"
+    eviction: str = "lru"
+    deterministic: bool = False
+    prefill_budget: int = 256  # max prompt tokens computed per scheduler step (chunked prefill)
+    max_running: int = 16  # max requests decoding at once
+    hash_seed: str = "kvplay"  # root of every hash chain (like vLLM's PYTHONHASHSEED NONE_HASH)
+
+    def validate(self) -> "EngineConfig":
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise EngineError(f"--block-size must be a positive integer (got {self.block_size!r})")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):
+            raise EngineError(f"--num-blocks must be a positive integer (got {self.num_blocks!r})")
+        if self.num_blocks is None and not (isinstance(self.cache_mb, (int, float)) and self.cache_mb > 0):
+            raise EngineError(f"--cache-mb must be positive (got {self.cache_mb!r})")
+        if self.isolation not in ISOLATION_MODES:
+            raise EngineError(f"unknown isolation mode {self.isolation!r} ({', '.join(ISOLATION_MODES)})")
+        if self.eviction not in EVICTION_POLICIES:
+            raise EngineError(f"unknown eviction policy {self.eviction!r} ({', '.join(EVICTION_POLICIES)})")
+        from .prefix import parse_hash_name
+
+        parse_hash_name(self.hash)  # raises EngineError on a bad name
+        if self.prefill_budget < self.block_size:
+            raise EngineError(f"--prefill-budget ({self.prefill_budget}) must be at least the block size ({self.block_size})")
+        if self.max_running < 1:
+            raise EngineError("--max-running must be at least 1")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "[engine]") -> "EngineConfig":
+        names = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise EngineError(f"{where}: unknown engine option {key!r}")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        d = self.to_dict()
+        d.update({k: v for k, v in changes.items() if v is not None})
+        return EngineConfig(**d)

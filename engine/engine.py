@@ -1,0 +1,327 @@
+"""The public Engine: one model, one block pool, one thread.
+
+Clients (the app, ``kvplay run``, replay, labs, bench) call ``submit`` from any thread and get
+a ``RequestHandle`` to iterate streamed ``TokenDelta``s or wait for the ``RequestResult``.
+Everything that touches the model or the pool runs on the engine's own thread; other threads
+talk to it through a command queue. Event listeners are called on the engine thread and must
+be quick (the app posts a Textual message; the recorder enqueues a row).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from .chat import encode_chat
+from .config import EngineConfig
+from .errors import EngineError
+from .events import Event
+from .eviction import make_policy
+from .model import LoadedModel, load_model
+from .pool import BlockPool, KVStore
+from .prefix import BlockHasher
+from .request import Request, RequestHandle
+from .runner import ModelRunner, kv_geometry
+from .sampling import SamplingParams, make_generator
+from .scheduler import Scheduler
+
+Listener = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """An immutable picture of one block, for the block map."""
+    block_id: int
+    state: str  # free | cached | in_use
+    ref_count: int
+    hash: str | None
+    creator: str | None
+    creator_request: str | None
+    token_ids: tuple[int, ...]
+    hits: int
+    created_at: float
+    last_used: float
+    users: tuple[str, ...]
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 progress: Callable[[str], None] | None = None):
+        self.config = (config or EngineConfig()).validate()
+        kwargs = {"progress": progress} if progress else {}
+        self.loaded = loaded or load_model(self.config.model, self.config.device, self.config.dtype, **kwargs)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self._listeners: list[Listener] = []
+        self._seq = itertools.count(1)
+        self._cmds: "queue.Queue[tuple]" = queue.Queue()
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._snapshot: tuple[BlockView, ...] = ()
+        self.failure: str | None = None
+        self._build()
+
+    # --- construction -------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        layers, kv_heads, head_dim = kv_geometry(self.loaded.model)
+        per_block = KVStore.bytes_per_block(cfg.block_size, layers, kv_heads, head_dim, self.loaded.dtype)
+        n = int(cfg.cache_mb * 1024 * 1024 // per_block)
+        if n < 1:
+            raise EngineError(f"--cache-mb {cfg.cache_mb} is smaller than one block "
+                              f"({per_block / 1024 / 1024:.2f} MB at block size {cfg.block_size})")
+        return n
+
+    def _build(self) -> None:
+        cfg = self.config
+        n = self._num_blocks()
+        self.hasher = BlockHasher(cfg.hash, cfg.block_size, cfg.hash_seed)
+        self.pool = BlockPool(n, cfg.block_size, cfg.eviction, emit=self._emit, hex_fn=self.hasher.fn.hex)
+        self.runner = ModelRunner(self.loaded, n, cfg.block_size)
+        eos = self.loaded.model.generation_config.eos_token_id if self.loaded.model.generation_config else None
+        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(cfg, self.pool, self.runner, self.hasher, self.tokenizer,
+                                   self.model_name, self._emit, eos_ids)
+        self._publish_snapshot()
+
+    # --- events -------------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call `listener(event)` on the engine thread for every event; returns an unsubscribe."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _emit(self, event: Event) -> None:
+        event.seq = next(self._seq)
+        event.ts = time.time()
+        for fn in list(self._listeners):
+            try:
+                fn(event)
+            except Exception:  # a broken listener never stops the engine
+                pass
+
+    # --- thread -------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvplay-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("noop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = self.scheduler.has_work()
+            try:
+                cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5) if not busy \
+                    else self._cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._run_cmd(cmd)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.scheduler.has_work():
+                try:
+                    with self._lock:
+                        self.scheduler.step()
+                        self._publish_snapshot()
+                except Exception as exc:  # model failure: fail in-flight requests, keep serving
+                    self.failure = f"{type(exc).__name__}: {exc}"
+                    with self._lock:
+                        self.scheduler.fail_all(f"engine step failed: {self.failure}")
+                        self._publish_snapshot()
+
+    def _run_cmd(self, cmd: tuple) -> None:
+        op, *args = cmd
+        if op == "noop":
+            return
+        fut: Future | None = args[-1] if args and isinstance(args[-1], Future) else None
+        try:
+            with self._lock:
+                if op == "submit":
+                    self.scheduler.add(args[0])
+                    out = None
+                elif op == "cancel":
+                    out = self.scheduler.cancel(args[0])
+                elif op == "call":
+                    out = args[0]()
+                else:  # pragma: no cover
+                    raise ValueError(op)
+                self._publish_snapshot()
+            if fut is not None:
+                fut.set_result(out)
+        except Exception as exc:
+            if fut is not None:
+                fut.set_exception(exc)
+
+    def call(self, fn: Callable[[], object], timeout: float | None = 60.0):
+        """Run `fn` on the engine thread between steps and return its result."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            with self._lock:
+                out = fn()
+                self._publish_snapshot()
+                return out
+        fut: Future = Future()
+        self._cmds.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    # --- client API ---------------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> tuple[list[int], int]:
+        return encode_chat(self.tokenizer, messages)
+
+    def submit(self, user: str, messages: list[dict] | None = None, sampling: SamplingParams | None = None,
+               group: str | None = None, prompt_ids: list[int] | None = None, system_tokens: int = 0,
+               request_id: str | None = None, trace_logits: bool = False) -> RequestHandle:
+        """Queue one turn for `user`. Raises EngineError (one clear line) for bad input."""
+        sampling = (sampling or SamplingParams()).validate()
+        if not user or not str(user).strip():
+            raise EngineError("a request needs a user name")
+        if prompt_ids is None:
+            if messages is None:
+                raise EngineError("submit needs messages or prompt_ids")
+            prompt_ids, system_tokens = self.encode(messages)
+        if not prompt_ids:
+            raise EngineError("empty message")
+        n = len(prompt_ids)
+        limit = self.runner.max_positions
+        if n >= limit:
+            raise EngineError(f"message is {n} tokens; the model's context is {limit}")
+        need = -(-(n + 1) // self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise EngineError(f"message is {n} tokens ({need} blocks of {self.config.block_size}); "
+                              f"the whole pool holds {self.pool.num_blocks} blocks — raise --cache-mb")
+        rid = request_id or _new_id()
+        seed = sampling.seed if sampling.seed is not None else int(uuid.UUID(int=uuid.uuid4().int).int & 0xFFFFFFFF)
+        handle = RequestHandle(rid, user, self)
+        req = Request(rid, user, group, list(prompt_ids), sampling, system_tokens, handle, make_generator(seed))
+        if trace_logits:
+            req.logits_trace = []
+        handle.request = req  # read-only access for labs (logits trace, stats)
+        from .events import RequestQueued
+
+        if self._thread is None:
+            raise EngineError("engine is not started (use Engine(...).start() or `with Engine(...)`)")
+        self._cmds.put(("submit", req))
+        self._emit_threadsafe(RequestQueued(request_id=rid, user=user, prompt_tokens=n))
+        return handle
+
+    def _emit_threadsafe(self, event: Event) -> None:
+        self.call(lambda: self._emit(event)) if self._thread is not None else self._emit(event)
+
+    def generate(self, user: str, messages: list[dict], sampling: SamplingParams | None = None,
+                 group: str | None = None, timeout: float | None = None):
+        """Submit and wait: returns the RequestResult."""
+        return self.submit(user, messages, sampling, group).result(timeout)
+
+    def cancel(self, request_id: str) -> None:
+        self._cmds.put(("cancel", request_id, Future()))
+
+    # --- control ------------------------------------------------------------------------------
+    def clear_cache(self) -> int:
+        """Drop every cached block (blocks in use by running requests keep serving them)."""
+        return self.call(lambda: self.pool.clear("cleared"))
+
+    def needs_fresh_cache(self, **changes) -> bool:
+        """Would these config changes invalidate what is cached? (hash, seed, determinism)."""
+        return any(k in changes and changes[k] != getattr(self.config, k)
+                   for k in ("hash", "hash_seed", "deterministic", "block_size", "model"))
+
+    def reconfigure(self, **changes) -> EngineConfig:
+        """Change isolation / eviction / determinism / hashing / verify-on-hit at run time.
+
+        Hash, seed or determinism changes clear the cache first (old blocks would be unreachable
+        or not bitwise-compatible). Block size and model need a new Engine.
+        """
+        for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype"):
+            if k in changes and changes[k] != getattr(self.config, k):
+                raise EngineError(f"changing {k} needs a new engine (restart with --{k.replace('_', '-')})")
+        new = self.config.replace(**changes).validate()
+
+        def apply():
+            clear = self.needs_fresh_cache(**changes)
+            self.config.__dict__.update(new.__dict__)
+            if "eviction" in changes:
+                self.pool.set_policy(make_policy(new.eviction))
+            if clear:
+                self.hasher = BlockHasher(new.hash, new.block_size, new.hash_seed)
+                self.scheduler.hasher = self.hasher
+                self.pool.hex = self.hasher.fn.hex
+                self.pool.clear("reconfigured")
+            return self.config
+
+        return self.call(apply)
+
+    # --- observation --------------------------------------------------------------------------
+    def _publish_snapshot(self) -> None:
+        self._snapshot = tuple(
+            BlockView(b.block_id, b.state, b.ref_count, None if b.hash is None else self.hasher.fn.hex(b.hash),
+                      b.creator, b.creator_request, b.token_ids, b.hits, b.created_at, b.last_used,
+                      tuple(sorted(b.users_seen)))
+            for b in self.pool.blocks)
+
+    def snapshot(self) -> tuple[BlockView, ...]:
+        """The state of every block as of the last step (never blocks on the engine)."""
+        return self._snapshot
+
+    def stats(self) -> dict:
+        """Global counters (a consistent copy taken between steps)."""
+        with self._lock:
+            pool, sch = self.pool, self.scheduler
+            block_bytes = self.runner.store.block_bytes
+            resident = [b for b in pool.blocks if b.state != "free"]
+            dedicated = sum(max(1, len(b.users_seen)) for b in resident)
+            return {
+                "model": self.model_name,
+                "blocks_total": pool.num_blocks,
+                "blocks_free": pool.num_free(),
+                "blocks_cached": pool.num_cached(),
+                "blocks_in_use": pool.num_in_use(),
+                "block_size": pool.block_size,
+                "block_bytes": block_bytes,
+                "pool_bytes": block_bytes * pool.num_blocks,
+                "used_bytes": block_bytes * len(resident),
+                "dedicated_bytes": block_bytes * dedicated,
+                "bytes_saved": block_bytes * (dedicated - len(resident)),
+                "query_tokens": sch.query_tokens,
+                "hit_tokens": sch.hit_tokens,
+                "hit_rate": sch.hit_tokens / sch.query_tokens if sch.query_tokens else 0.0,
+                "evictions": pool.evictions,
+                "preemptions": sch.preemptions,
+                "collisions_caught": sch.collisions_caught,
+                "requests_finished": sch.finished,
+                "running": len(sch.running),
+                "waiting": len(sch.waiting),
+                "forwards": self.runner.forwards,
+                "isolation": self.config.isolation,
+                "eviction": self.config.eviction,
+                "deterministic": self.config.deterministic,
+                "hash": self.config.hash,
+                "verify_on_hit": self.config.verify_on_hit,
+            }

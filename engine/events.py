@@ -1,0 +1,126 @@
+"""Typed engine events.
+
+Cache events are shaped like vLLM's KV events (``BlockStored{block_hashes, parent_block_hash,
+token_ids, block_size}``, ``BlockRemoved{block_hashes}``, ``AllBlocksCleared``) plus our own
+creator/request fields, so a recorded session and a real vLLM stream could feed the same block
+map. Every event carries a monotonically increasing ``seq`` and a wall-clock ``ts``.
+
+Hashes travel as lowercase hex strings (JSON- and SQLite-friendly).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Event:
+    seq: int = 0
+    ts: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kind"] = self.kind
+        return d
+
+
+# --- cache events (vLLM KV-event names) ---------------------------------------------------
+@dataclass
+class BlockStored(Event):
+    """A full block was computed and entered the prefix index (one event per block here)."""
+    block_hashes: list[str] = field(default_factory=list)
+    parent_block_hash: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    block_size: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    user: str = ""
+    request_id: str = ""
+
+
+@dataclass
+class BlockRemoved(Event):
+    """Cached blocks were evicted (their hash leaves the index)."""
+    block_hashes: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    reason: str = "evicted"  # evicted | cleared | reconfigured
+    creators: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AllBlocksCleared(Event):
+    reason: str = "cleared"
+
+
+@dataclass
+class BlockHit(Event):
+    """A request reused cached blocks; `by_creator` is tokens per creating user."""
+    request_id: str = ""
+    user: str = ""
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    by_creator: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class CollisionCaught(Event):
+    """Verify-on-hit found a block whose hash matched but whose contents did not."""
+    request_id: str = ""
+    user: str = ""
+    block_id: int = -1
+    block_hash: str = ""
+    position: int = 0  # block index within the prompt
+
+
+# --- request lifecycle ---------------------------------------------------------------------
+@dataclass
+class RequestQueued(Event):
+    request_id: str = ""
+    user: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass
+class RequestStarted(Event):
+    request_id: str = ""
+    user: str = ""
+    cached_tokens: int = 0
+
+
+@dataclass
+class FirstToken(Event):
+    request_id: str = ""
+    user: str = ""
+    ttft_ms: float = 0.0
+
+
+@dataclass
+class RequestPreempted(Event):
+    request_id: str = ""
+    user: str = ""
+    freed_blocks: int = 0
+
+
+@dataclass
+class RequestFinished(Event):
+    request_id: str = ""
+    user: str = ""
+    stats: dict = field(default_factory=dict)  # RequestStats.to_dict()
+    finish_reason: str = "stop"  # stop | length | cancelled | error
+    error: str | None = None
+
+
+CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught)
+EVENT_TYPES = {cls.__name__: cls for cls in (
+    BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, RequestQueued,
+    RequestStarted, FirstToken, RequestPreempted, RequestFinished)}
+
+
+def event_from_dict(d: dict) -> Event:
+    """Inverse of Event.to_dict (used by replay and recorded-session viewers)."""
+    d = dict(d)
+    cls = EVENT_TYPES[d.pop("kind")]
+    return cls(**d)

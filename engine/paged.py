@@ -1,0 +1,132 @@
+"""Paged attention through transformers' Cache API.
+
+A ``PagedCache`` is a transformers ``Cache`` whose layers write each step's new K/V into the
+shared block pool (at the slots of each request's block table) and hand attention the K/V
+gathered from the pool. Attention is our registered function ``kvplay_paged``: in the default
+mode it is transformers' SDPA with a per-row causal mask over the gathered keys; in
+deterministic mode it computes every query against exactly its own keys, and every linear
+layer sees at least 16 rows (see ``BatchInvariantLinear``), so a token's logits do not depend on
+whether its prefix came from the cache, on chunking, or on which other requests share the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_NAME = "kvplay_paged"
+MIN_LINEAR_ROWS = 16  # measured: CPU GEMMs give row-wise identical results for M >= 16
+
+
+@dataclass
+class StepPlan:
+    """Where one forward's tokens go. Rows are requests; row b has q_lens[b] new tokens after
+    past_lens[b] tokens already in the pool."""
+    write_slots: torch.Tensor  # [N] flat pool slots for the N valid new tokens
+    write_rows: torch.Tensor  # [N] batch row of each
+    write_cols: torch.Tensor  # [N] position within the row's new tokens
+    gather_slots: torch.Tensor  # [B, Kmax] flat pool slots of each row's keys (padded)
+    past_lens: list[int]
+    q_lens: list[int]
+    deterministic: bool
+
+
+class PagedLayer(CacheLayerMixin):
+    is_compileable = False
+
+    def __init__(self, owner: "PagedCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - nothing lazy
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        plan = self.owner.plan
+        store = self.owner.store.data[self.layer_idx]  # [2, slots, H, D]
+        kpool, vpool = store[0], store[1]
+        k = key_states.transpose(1, 2)  # [B, L, H, D]
+        v = value_states.transpose(1, 2)
+        kpool.index_copy_(0, plan.write_slots, k[plan.write_rows, plan.write_cols].to(kpool.dtype))
+        vpool.index_copy_(0, plan.write_slots, v[plan.write_rows, plan.write_cols].to(vpool.dtype))
+        b, kmax = plan.gather_slots.shape
+        flat = plan.gather_slots.reshape(-1)
+        keys = kpool.index_select(0, flat).view(b, kmax, *kpool.shape[1:]).transpose(1, 2)
+        values = vpool.index_select(0, flat).view(b, kmax, *vpool.shape[1:]).transpose(1, 2)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int):
+        return self.owner.plan.gather_slots.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        plan = self.owner.plan
+        return max(plan.past_lens) if plan else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+
+class PagedCache(Cache):
+    def __init__(self, store, num_layers: int):
+        self.store = store
+        self.plan: StepPlan | None = None
+        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over pool-gathered K/V. query [B, Hq, L, D]; key/value [B, Hkv, Kmax, D]."""
+    plan: StepPlan | None = kwargs.get("kvplay_plan")
+    if plan is None or not plan.deterministic:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, is_causal=False)
+    groups = query.shape[1] // key.shape[1]
+    b, h, l, d = query.shape
+    out = query.new_zeros((b, l, h, d))
+    for row in range(b):
+        past = plan.past_lens[row]
+        k = _repeat_kv(key[row:row + 1], groups)
+        v = _repeat_kv(value[row:row + 1], groups)
+        for i in range(plan.q_lens[row]):
+            n = past + i + 1  # exactly this token's keys: no padding, no mask
+            o = F.scaled_dot_product_attention(query[row:row + 1, :, i:i + 1], k[:, :, :n], v[:, :, :n],
+                                               scale=scaling)
+            out[row, i] = o[0, :, 0]
+    return out, None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)
+
+
+class BatchInvariantLinear(TorchFunctionMode):
+    """Pads every F.linear input to at least MIN_LINEAR_ROWS rows.
+
+    CPU GEMM kernels pick a different reduction order for very small M (M=1 decode is a GEMV),
+    so the same row gives different bits alone and in a batch; from 16 rows on, each output
+    row depended only on its input row in every shape we measured (tests guard this).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0]
+            flat = x.reshape(-1, x.shape[-1])
+            m = flat.shape[0]
+            if m < MIN_LINEAR_ROWS:
+                pad = flat.new_zeros((MIN_LINEAR_ROWS - m, flat.shape[1]))
+                y = func(torch.cat([flat, pad]), *args[1:], **kwargs)[:m]
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+        return func(*args, **kwargs)

@@ -1,0 +1,62 @@
+"""Sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator.
+
+Each request owns a ``torch.Generator`` seeded from its seed, and draws exactly one sample per
+token from it, so the same seed gives the same tokens however many other users are active.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .errors import EngineError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+    seed: int | None = None  # None: derived from the request id
+    stop_on_eos: bool = True
+
+    def validate(self) -> "SamplingParams":
+        if self.temperature < 0:
+            raise EngineError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise EngineError(f"top_k must be >= 0 (got {self.top_k})")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick one token id from a 1-D float32 logits vector (on any device)."""
+    logits = logits.detach().float().cpu()
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,308 @@
+"""Continuous batching over the shared pool.
+
+Each ``step()``:
+
+1. admits waiting requests (FIFO) while blocks and running slots allow: the longest cached
+   prefix is looked up block by block (verify-on-hit compares stored tokens, extra keys and
+   the parent block), hit blocks are shared (ref += 1), the rest of the prompt gets new blocks;
+2. runs **one batched decode forward** for every request that has a single pending token
+   (a new block is allocated at a block boundary; when the pool is exhausted the newest
+   running request is preempted: its blocks are freed and it is recomputed later);
+3. runs **one chunked prefill forward** over prefilling requests, at most ``prefill_budget``
+   tokens, so a long prompt never freezes the others' streaming. In deterministic mode chunks
+   end on block boundaries;
+4. registers every block that became full (BlockStored) and samples/streams tokens.
+
+At least the last prompt token is always computed (its logits start the answer).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .events import (BlockHit, CollisionCaught, Event, FirstToken, RequestFinished,
+                     RequestPreempted, RequestStarted)
+from .pool import BlockPool, NoFreeBlocks
+from .prefix import BlockHasher, block_extras
+from .request import FINISHED, RUNNING, WAITING, Request, RequestResult, TokenDelta
+from .runner import ModelRunner, Row
+from .sampling import sample
+
+
+class Scheduler:
+    def __init__(self, config, pool: BlockPool, runner: ModelRunner, hasher: BlockHasher,
+                 tokenizer, model_key: str, emit: Callable[[Event], None], eos_ids: set[int]):
+        self.config = config
+        self.pool = pool
+        self.runner = runner
+        self.hasher = hasher
+        self.tokenizer = tokenizer
+        self.model_key = model_key
+        self.emit = emit
+        self.eos_ids = eos_ids
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        # token-level prefix-cache counters (first admission only: recompute after
+        # preemption is not a "hit", cf. vllm#25780)
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.preemptions = 0
+        self.collisions_caught = 0
+        self.finished = 0
+
+    # --- bookkeeping --------------------------------------------------------------------------
+    @property
+    def bs(self) -> int:
+        return self.pool.block_size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _extras(self, req: Request, n_blocks: int):
+        return block_extras(self.config.isolation, req.user, req.group, self.model_key,
+                            n_blocks, req.system_tokens, self.bs)
+
+    def _ensure_hashes(self, req: Request) -> None:
+        """Extend req.hashes to cover every full block of its tokens."""
+        full = req.num_tokens // self.bs
+        if len(req.hashes) >= full:
+            return
+        toks = req.tokens
+        extras = self._extras(req, full)
+        parent = req.hashes[-1] if req.hashes else None
+        req.hashes.extend(self.hasher.chain(toks, extras, start_parent=parent, start_block=len(req.hashes)))
+
+    # --- admission ----------------------------------------------------------------------------
+    def _match_prefix(self, req: Request) -> list[int]:
+        self._ensure_hashes(req)
+        toks = req.tokens
+        extras = self._extras(req, len(req.hashes))
+        limit = (req.num_tokens - 1) // self.bs  # always compute at least the last token
+        matched: list[int] = []
+        for j in range(min(limit, len(req.hashes))):
+            blk = self.pool.lookup(req.hashes[j])
+            if blk is None:
+                break
+            if self.config.verify_on_hit:
+                want = tuple(toks[j * self.bs:(j + 1) * self.bs])
+                parent_ok = blk.parent_id == (matched[-1] if matched else None)
+                if blk.token_ids != want or blk.extra != tuple(extras[j]) or not parent_ok:
+                    self.collisions_caught += 1
+                    req.stats.collisions_caught += 1
+                    self.emit(CollisionCaught(request_id=req.request_id, user=req.user, block_id=blk.block_id,
+                                              block_hash=self.hasher.hex(req.hashes[j]), position=j))
+                    break
+            matched.append(blk.block_id)
+        return matched
+
+    def _try_admit(self, req: Request) -> bool:
+        matched = self._match_prefix(req)
+        need = -(-req.num_tokens // self.bs) - len(matched)
+        matched_evictable = sum(1 for b in matched if self.pool.blocks[b].ref_count == 0)
+        if need > self.pool.available() - matched_evictable:
+            return False
+        now = time.time()
+        self.pool.touch(matched, now)
+        new = self.pool.allocate(need, now)
+        req.block_table = matched + new
+        req.num_computed = len(matched) * self.bs
+        req.registered = len(matched)
+        for b in matched:
+            self.pool.blocks[b].users_seen.add(req.user)
+        cached = req.num_computed
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.start_time = time.perf_counter()
+            req.stats.queued_ms = (req.start_time - req.arrival) * 1000
+            req.stats.cached_tokens = cached
+            req.stats.computed_tokens = len(req.prompt_ids) - cached
+            by: dict[str, int] = {}
+            for b in matched:
+                c = self.pool.blocks[b].creator or "?"
+                by[c] = by.get(c, 0) + self.bs
+            req.stats.cached_from = by
+            self.query_tokens += len(req.prompt_ids)
+            self.hit_tokens += cached
+            if matched:
+                self.emit(BlockHit(request_id=req.request_id, user=req.user, block_ids=list(matched),
+                                   block_hashes=[self.hasher.hex(self.pool.blocks[b].hash) for b in matched],
+                                   cached_tokens=cached, by_creator=dict(by)))
+        else:
+            req.stats.recomputed_tokens += req.num_tokens - cached - 1
+        req.status = RUNNING
+        self.emit(RequestStarted(request_id=req.request_id, user=req.user, cached_tokens=cached))
+        return True
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if not self._try_admit(req):
+                if not self.running:  # nothing will free blocks: the request can never fit
+                    self.waiting.pop(0)
+                    self._finish(req, "error", error=(
+                        f"message needs {-(-req.num_tokens // self.bs)} blocks of {self.bs} tokens; "
+                        f"the pool has {self.pool.num_blocks} (raise --cache-mb or shorten it)"))
+                    continue
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+
+    # --- preemption ---------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        freed = len(victim.block_table)
+        self.pool.release(victim.block_table)
+        victim.block_table = []
+        victim.hashes = victim.hashes[: victim.num_tokens // self.bs]
+        victim.num_computed = 0
+        victim.registered = 0
+        victim.status = WAITING
+        victim.stats.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(victim)
+        self.waiting.insert(0, victim)
+        self.emit(RequestPreempted(request_id=victim.request_id, user=victim.user, freed_blocks=freed))
+
+    def _reserve_decode_slot(self, req: Request) -> bool:
+        """Make sure the block for position req.num_computed exists; preempt if the pool is full.
+        Returns False when `req` itself had to be preempted or stopped."""
+        while req.num_computed // self.bs >= len(req.block_table):
+            try:
+                req.block_table += self.pool.allocate(1)
+            except NoFreeBlocks:
+                victim = max(self.running, key=lambda r: r.arrival)
+                if victim is req and len(self.running) == 1:
+                    self._finish(req, "length", error=None)  # alone and the pool is full
+                    return False
+                self._preempt(victim)
+                if victim is req:
+                    return False
+        return True
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step. Returns True if any model work was done."""
+        self._admit()
+        worked = False
+        decoders = [r for r in self.running if r.pending == 1]
+        decoders = [r for r in decoders if r.status == RUNNING and self._reserve_decode_slot(r)]
+        decoders = [r for r in decoders if r.status == RUNNING]
+        if decoders:
+            rows = [Row(r.block_table, r.num_computed, [r.tokens[-1]]) for r in decoders]
+            logits = self.runner.forward(rows, self.config.deterministic)
+            for r, lg in zip(decoders, logits):
+                r.num_computed += 1
+                self._after_compute(r, lg)
+            worked = True
+        prefill = self._plan_prefill()
+        if prefill:
+            rows = [Row(r.block_table, r.num_computed, r.tokens[r.num_computed:r.num_computed + n])
+                    for r, n in prefill]
+            logits = self.runner.forward(rows, self.config.deterministic)
+            for (r, n), lg in zip(prefill, logits):
+                r.num_computed += n
+                self._after_compute(r, lg if r.pending == 0 else None)
+            worked = True
+        return worked
+
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        budget = self.config.prefill_budget
+        out = []
+        for r in self.running:
+            if r.status != RUNNING or r.pending <= 1 or budget <= 0:
+                continue
+            n = min(r.pending, budget)
+            if self.config.deterministic and n < r.pending:
+                end = (r.num_computed + n) // self.bs * self.bs  # end chunks on block boundaries
+                n = end - r.num_computed
+                if n <= 0:
+                    continue
+            out.append((r, n))
+            budget -= n
+        return out
+
+    def _after_compute(self, req: Request, logits) -> None:
+        self._register_full_blocks(req)
+        if logits is None:
+            return
+        if req.logits_trace is not None:
+            req.logits_trace.append(logits.detach().cpu().clone())
+        tok = sample(logits, req.sampling, req.generator)
+        self._emit_token(req, tok)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        full = req.num_computed // self.bs
+        if full <= req.registered:
+            return
+        self._ensure_hashes(req)
+        toks = req.tokens
+        extras = self._extras(req, full)
+        for j in range(req.registered, full):
+            parent = req.block_table[j - 1] if j > 0 else None
+            self.pool.register(req.block_table[j], req.hashes[j], parent, toks[j * self.bs:(j + 1) * self.bs],
+                               extras[j], req.user, req.request_id)
+            self.pool.blocks[req.block_table[j]].users_seen.add(req.user)
+        req.registered = full
+
+    def _emit_token(self, req: Request, tok: int) -> None:
+        now = time.perf_counter()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            req.stats.ttft_ms = (now - req.arrival) * 1000
+            self.emit(FirstToken(request_id=req.request_id, user=req.user, ttft_ms=req.stats.ttft_ms))
+        is_eos = tok in self.eos_ids and req.sampling.stop_on_eos
+        if not is_eos:
+            req.output_ids.append(tok)
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                delta = ""  # wait for the rest of a multi-byte character
+            else:
+                delta, req.text = text[len(req.text):], text
+            if req.handle is not None:
+                req.handle._put(TokenDelta(req.request_id, delta, tok, len(req.output_ids) - 1))
+        if is_eos:
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= req.sampling.max_tokens:
+            self._finish(req, "length")
+        elif req.num_tokens >= self.runner.max_positions:
+            self._finish(req, "length")
+
+    # --- finishing ----------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status == FINISHED:
+            return
+        if req.block_table:
+            self.pool.release(req.block_table)
+            req.block_table = []
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = FINISHED
+        now = time.perf_counter()
+        st = req.stats
+        st.output_tokens = len(req.output_ids)
+        st.finish_reason = reason
+        st.total_ms = (now - req.arrival) * 1000
+        if req.first_token_time is not None and st.output_tokens > 1:
+            st.decode_tok_s = (st.output_tokens - 1) / max(now - req.first_token_time, 1e-9)
+        full_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if req.output_ids else ""
+        self.finished += 1
+        self.emit(RequestFinished(request_id=req.request_id, user=req.user, stats=st.to_dict(),
+                                  finish_reason=reason, error=error))
+        if req.handle is not None:
+            req.handle._put(RequestResult(req.request_id, req.user, full_text, list(req.output_ids), st,
+                                          reason, error))
+
+    def cancel(self, request_id: str) -> bool:
+        for req in self.running + self.waiting:
+            if req.request_id == request_id:
+                self._finish(req, "cancelled")
+                return True
+        return False
+
+    def fail_all(self, error: str) -> None:
+        for req in list(self.running + self.waiting):
+            self._finish(req, "error", error=error)

@@ -1,0 +1,3 @@
+from kvplay.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""`kvplay` command line: one parser, subcommands implemented next to what they drive.
+
+Every user-facing failure is one line on stderr and exit code 2 (KvplayError/EngineError);
+never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvplay.engine.errors import EngineError
+
+# name -> (module, help). The module defines configure(parser) and main(args) -> int.
+COMMANDS = {
+    "app": ("kvplay.tui.cli", "open the multi-user chat playground (the default)"),
+    "run": ("kvplay.sessions.run_cmd", "play a TOML script headless and report per-turn cache use"),
+    "sessions": ("kvplay.sessions.cli_list", "list recorded sessions"),
+    "show": ("kvplay.sessions.cli_show", "show one recorded session"),
+    "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md or a toml script"),
+    "replay": ("kvplay.sessions.cli_replay", "replay a recorded session and compare outputs"),
+    "lab": ("kvplay.labs.cli", "measure a claim about shared KV caches"),
+    "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
+    "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
+}
+
+
+class KvplayError(EngineError):
+    """A user-facing error outside the engine (bad script, bad DB, unknown session)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvplay", description=(
+        "See how a shared, paged LLM prefix KV cache behaves: many users, one model, one block pool."))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("kvplay"):
+                p.set_defaults(_missing=f"`kvplay {name}` is not available in this build")
+                continue
+            raise
+        mod.configure(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["app"] + argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"kvplay: error: {args._missing}", file=sys.stderr)
+        return 2
+    try:
+        return int(args._main(args) or 0)
+    except EngineError as exc:
+        print(f"kvplay: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvplay: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

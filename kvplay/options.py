@@ -1,0 +1,48 @@
+"""The engine flags shared by every command (`kvplay`, `run`, `replay`, `lab`, `bench`,
+`screenshot`), and how they combine with a script's `[engine]` table.
+
+Flags given on the command line override the script; flags left out keep the script's value,
+then the EngineConfig default.
+"""
+from __future__ import annotations
+
+import argparse
+
+from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES, EngineConfig
+
+# flag -> (dest, type, help)
+ENGINE_FLAGS = [
+    ("--model", "model", str, "default (embedded SmolLM2-135M-Instruct), tiny:llama|tiny:qwen2, a local path or a HF id"),
+    ("--device", "device", str, "auto|cpu|cuda|mps"),
+    ("--dtype", "dtype", str, "auto|float32|bfloat16|float16"),
+    ("--block-size", "block_size", int, "tokens per KV block (default 16)"),
+    ("--cache-mb", "cache_mb", float, "size of the block pool in MiB (default 256)"),
+    ("--num-blocks", "num_blocks", int, "size of the pool in blocks (overrides --cache-mb)"),
+    ("--hash", "hash", str, "block hash: sha256 (default), blake2b64, builtin, trunc:N"),
+    ("--isolation", "isolation", str, "who shares blocks: " + ", ".join(ISOLATION_MODES)),
+    ("--eviction", "eviction", str, "eviction policy: " + ", ".join(EVICTION_POLICIES)),
+    ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 256)"),
+    ("--max-running", "max_running", int, "requests decoding at once (default 16)"),
+    ("--hash-seed", "hash_seed", str, "root of every hash chain (default 'kvplay')"),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    for flag, dest, typ, help_ in ENGINE_FLAGS:
+        g.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    g.add_argument("--deterministic", dest="deterministic", action="store_const", const=True, default=None,
+                   help="bitwise-reproducible logits: cached == cold, whatever shares the batch")
+    g.add_argument("--no-verify", dest="verify_on_hit", action="store_const", const=False, default=None,
+                   help="trust the hash on a hit (do not compare stored tokens)")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """Only the engine flags the user actually gave."""
+    names = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["deterministic", "verify_on_hit"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def config_from_args(args: argparse.Namespace, base: dict | None = None, where: str = "[engine]") -> EngineConfig:
+    cfg = EngineConfig.from_dict(base or {}, where)
+    return cfg.replace(**engine_overrides(args)).validate()
