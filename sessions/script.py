@@ -1,0 +1,192 @@
+"""Scripts: the TOML format shared by `kvplay run`, `kvplay screenshot --script`, replay and
+`kvplay export --format toml`.
+
+```toml
+[engine]                 # any EngineConfig field (command-line flags override it)
+isolation = "shared"
+cache_mb = 64
+
+[system]
+prompt = "You are a helpful assistant."
+
+[[users]]
+name = "alice"
+group = "team-a"         # optional (isolation = "group")
+seed = 1                 # optional, default: derived from the name
+temperature = 0.0        # optional, default 0 (greedy)
+max_tokens = 48          # optional
+
+[[turns]]
+user = "alice"
+text = "What is a KV cache?"
+max_tokens = 32          # optional: temperature, seed, top_p, top_k too
+at = 0.0                 # optional: seconds from start; turns with `at` run concurrently
+```
+Turns of one user form that user's conversation: a later turn includes the earlier turns and
+their replies.
+"""
+from __future__ import annotations
+
+import tomllib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvplay.engine.errors import EngineError
+
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
+TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at"}
+USER_KEYS = {"name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour", "color"}
+
+
+class ScriptError(EngineError):
+    """A script that cannot be run: malformed TOML (with its line), unknown user, bad field."""
+
+
+def default_seed(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class UserSpec:
+    name: str
+    group: str | None = None
+    seed: int | None = None
+    temperature: float = 0.0
+    max_tokens: int = 48
+    top_p: float = 1.0
+    top_k: int = 0
+    colour: str | None = None
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = default_seed(self.name)
+
+
+@dataclass
+class TurnSpec:
+    user: str
+    text: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    at: float | None = None
+
+
+@dataclass
+class Script:
+    engine: dict = field(default_factory=dict)
+    system: str = DEFAULT_SYSTEM
+    users: list[UserSpec] = field(default_factory=list)
+    turns: list[TurnSpec] = field(default_factory=list)
+    path: str | None = None
+
+    def user(self, name: str) -> UserSpec:
+        for u in self.users:
+            if u.name == name:
+                return u
+        raise ScriptError(f"unknown user {name!r}")
+
+
+def _check_keys(table: dict, allowed: set, where: str) -> None:
+    extra = set(table) - allowed
+    if extra:
+        raise ScriptError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+
+
+def parse_script(text: str, where: str = "script") -> Script:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScriptError(f"{where}: malformed TOML: {exc}") from None
+    _check_keys(data, {"engine", "system", "users", "turns"}, where)
+    engine = data.get("engine", {})
+    if not isinstance(engine, dict):
+        raise ScriptError(f"{where}: [engine] must be a table")
+    system = data.get("system", {})
+    if isinstance(system, str):
+        prompt = system
+    elif isinstance(system, dict):
+        _check_keys(system, {"prompt"}, f"{where}: [system]")
+        prompt = system.get("prompt", DEFAULT_SYSTEM)
+    else:
+        raise ScriptError(f"{where}: [system] must be a table with `prompt`")
+    users = []
+    for i, u in enumerate(data.get("users", [])):
+        _check_keys(u, USER_KEYS, f"{where}: users[{i}]")
+        if "name" not in u or not str(u["name"]).strip():
+            raise ScriptError(f"{where}: users[{i}] needs a name")
+        u = dict(u)
+        if "color" in u:
+            u["colour"] = u.pop("color")
+        users.append(UserSpec(**u))
+    names = [u.name for u in users]
+    if len(set(names)) != len(names):
+        raise ScriptError(f"{where}: duplicate user names")
+    turns = []
+    for i, t in enumerate(data.get("turns", [])):
+        _check_keys(t, TURN_KEYS, f"{where}: turns[{i}]")
+        if "user" not in t or "text" not in t:
+            raise ScriptError(f"{where}: turns[{i}] needs `user` and `text`")
+        if t["user"] not in names:
+            if users:
+                raise ScriptError(f"{where}: turns[{i}]: unknown user {t['user']!r} (users: {', '.join(names)})")
+            users.append(UserSpec(t["user"]))  # no [[users]] table: users are implied by turns
+            names.append(t["user"])
+        if not str(t["text"]).strip():
+            raise ScriptError(f"{where}: turns[{i}]: empty message")
+        turns.append(TurnSpec(**t))
+    if not turns:
+        raise ScriptError(f"{where}: no [[turns]]")
+    return Script(engine=engine, system=prompt, users=users, turns=turns)
+
+
+def load_script(path: str | Path) -> Script:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ScriptError(f"script not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScriptError(f"cannot read script {p}: {exc}") from None
+    script = parse_script(text, str(p))
+    script.path = str(p)
+    return script
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v)
+    if "\n" in s:
+        return '"""\n' + s.replace("\\", "\\\\").replace('"""', '\\"\\"\\"') + '"""'
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dump_script(script: Script) -> str:
+    """Serialise a Script back to TOML (used by `kvplay export --format toml`)."""
+    out = []
+    if script.engine:
+        out.append("[engine]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in script.engine.items() if v is not None]
+        out.append("")
+    out += ["[system]", f"prompt = {_toml_value(script.system)}", ""]
+    for u in script.users:
+        out.append("[[users]]")
+        for k in ("name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour"):
+            v = getattr(u, k)
+            if v is not None:
+                out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    for t in script.turns:
+        out.append("[[turns]]")
+        for k in ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at"):
+            v = getattr(t, k)
+            if v is not None:
+                out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
