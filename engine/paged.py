@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "kvplay_paged"
 MIN_LINEAR_ROWS = 16  # measured: CPU GEMMs give row-wise identical results for M >= 16
@@ -90,7 +91,10 @@ def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over pool-gathered K/V. query [B, Hq, L, D]; key/value [B, Hkv, Kmax, D]."""
     plan: StepPlan | None = kwargs.get("kvplay_plan")
-    if plan is None or not plan.deterministic:
+    if plan is None:  # the model used outside the engine (e.g. HF generate): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if not plan.deterministic:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=False)
     groups = query.shape[1] // key.shape[1]
@@ -109,6 +113,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
+# Outside the engine the model still builds ordinary SDPA masks.
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 class BatchInvariantLinear(TorchFunctionMode):
