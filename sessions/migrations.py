@@ -1,0 +1,75 @@
+"""Numbered schema migrations (the `llm` pattern): each function runs once, in order, and is
+recorded by name in `_kvplay_migrations`; `PRAGMA user_version` holds how many ran, so a DB
+from a newer kvplay (more migrations than we know) is recognised and refused."""
+from __future__ import annotations
+
+import time
+
+import sqlite_utils
+
+MIGRATIONS_TABLE = "_kvplay_migrations"
+MIGRATIONS = []
+
+
+def migration(fn):
+    MIGRATIONS.append(fn)
+    return fn
+
+
+@migration
+def m001_initial(db: sqlite_utils.Database) -> None:
+    db["sessions"].create({
+        "id": str, "created": float, "ended": float, "source": str, "model": str,
+        "engine_config": str, "versions": str, "system_prompt": str, "script_path": str,
+        "replay_of": str, "title": str,
+    }, pk="id")
+    db["users"].create({
+        "session_id": str, "name": str, "group": str, "colour": str, "seed": int,
+        "temperature": float, "max_tokens": int, "top_p": float, "top_k": int,
+    }, pk=("session_id", "name"), foreign_keys=[("session_id", "sessions", "id")])
+    db["turns"].create({
+        "id": str, "session_id": str, "seq": int, "user": str, "text": str, "reply": str,
+        "messages": str, "sampling": str, "seed": int, "at": float, "started": float, "ended": float,
+        "request_id": str, "ttft_ms": float, "decode_tok_s": float, "prompt_tokens": int,
+        "cached_tokens": int, "computed_tokens": int, "output_tokens": int, "cached_from": str,
+        "preemptions": int, "finish_reason": str, "error": str, "token_ids": str,
+    }, pk="id", foreign_keys=[("session_id", "sessions", "id")])
+    db["turns"].create_index(["session_id", "seq"], unique=True)
+    db["cache_events"].create({
+        "id": int, "session_id": str, "seq": int, "ts": float, "kind": str, "block_ids": str,
+        "block_hashes": str, "user": str, "request_id": str, "payload": str,
+    }, pk="id", foreign_keys=[("session_id", "sessions", "id")])
+    db["cache_events"].create_index(["session_id", "seq"])
+
+
+def schema_version(db: sqlite_utils.Database) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def applied(db: sqlite_utils.Database) -> set[str]:
+    if MIGRATIONS_TABLE not in db.table_names():
+        return set()
+    return {r["name"] for r in db[MIGRATIONS_TABLE].rows}
+
+
+def is_newer(db: sqlite_utils.Database) -> bool:
+    """Was this DB migrated by a kvplay that knows migrations we do not?"""
+    known = {fn.__name__ for fn in MIGRATIONS}
+    return schema_version(db) > len(MIGRATIONS) or bool(applied(db) - known)
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Apply pending migrations; returns how many ran."""
+    done = applied(db)
+    ran = 0
+    for n, fn in enumerate(MIGRATIONS, 1):
+        if fn.__name__ in done:
+            continue
+        with db.atomic():
+            if MIGRATIONS_TABLE not in db.table_names():
+                db[MIGRATIONS_TABLE].create({"name": str, "applied_at": float}, pk="name")
+            fn(db)
+            db[MIGRATIONS_TABLE].insert({"name": fn.__name__, "applied_at": time.time()})
+            db.execute(f"PRAGMA user_version = {n}")
+        ran += 1
+    return ran

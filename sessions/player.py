@@ -1,0 +1,112 @@
+"""Play turns through one Engine: the scheduling shared by `kvplay run` and headless replay.
+
+Turns without `at` run in file order, each after the previous turn finished; turns with `at`
+(seconds from the start, divided by `speed`) are submitted at that offset and run concurrently.
+Either way a user's turn waits for that user's previous reply, and (unless the job carries
+fixed `messages`) its prompt is the system prompt + that user's earlier turns and replies.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvplay.engine.errors import EngineError
+from kvplay.engine.request import RequestResult
+from kvplay.engine.sampling import SamplingParams
+
+
+@dataclass
+class Job:
+    turn: int  # 1-based position in the script / recording
+    user: str
+    text: str
+    sampling: SamplingParams
+    group: str | None = None
+    at: float | None = None
+    messages: list[dict] | None = None  # fixed prompt (replay); None: build from the conversation
+
+
+@dataclass
+class Done:
+    job: Job
+    messages: list[dict]
+    result: RequestResult | None
+    error: str | None
+    started: float  # wall clock (time.time()) at submit
+    ended: float
+    offset: float = 0.0  # seconds from the start of play at submit
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] | None = None,
+         speed: float = 1.0) -> list[Done]:
+    """Run every job; call `on_done` (serialised, in finish order); return Dones in job order."""
+    if speed <= 0:
+        raise EngineError(f"--speed must be positive (got {speed})")
+    n = len(jobs)
+    finished = [threading.Event() for _ in jobs]
+    last_of_user: dict[str, int] = {}
+    prev_same_user: list[int | None] = []
+    for i, job in enumerate(jobs):
+        prev_same_user.append(last_of_user.get(job.user))
+        last_of_user[job.user] = i
+    history: dict[str, list[tuple[str, str]]] = {}
+    out: list[Done | None] = [None] * n
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+    t0 = time.monotonic()
+
+    def run(i: int) -> None:
+        job = jobs[i]
+        try:
+            if job.at is None:
+                if i > 0:
+                    finished[i - 1].wait()
+            else:
+                delay = t0 + job.at / speed - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            p = prev_same_user[i]
+            if p is not None:
+                finished[p].wait()
+            if job.messages is not None:
+                messages = job.messages
+            else:
+                messages = [{"role": "system", "content": system}] if system else []
+                for q, a in history.get(job.user, []):
+                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                messages.append({"role": "user", "content": job.text})
+            started, offset = time.time(), time.monotonic() - t0
+            try:
+                res = engine.submit(job.user, messages, job.sampling, group=job.group).result()
+                err = res.error
+            except EngineError as exc:
+                res, err = None, str(exc)
+            done = Done(job, messages, res, err, started, time.time(), offset)
+            if err is None:
+                history.setdefault(job.user, []).append((job.text, res.text))
+            out[i] = done
+            if on_done is not None:
+                with lock:
+                    on_done(done)
+        except BaseException as exc:  # surfaced in the calling thread after join
+            failures.append(exc)
+        finally:
+            finished[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"kvplay-turn-{i + 1}", daemon=True)
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+    if failures:
+        raise failures[0]
+    return [d for d in out if d is not None]

@@ -1,0 +1,167 @@
+"""Recorder: writes one session (its users, turns and engine events) into the sessions DB.
+
+    rec = Recorder.open(db_path, config, model_name, source, system_prompt, script_path, replay_of)
+    rec.attach(engine)        # engine events are buffered (the listener only enqueues)
+    rec.add_user("alice", group=None, colour=None, seed=1, temperature=0.0)
+    rec.record_turn(user, text, messages, sampling, result)   # one commit per finished turn
+    rec.close()               # marks the session ended
+
+Usable from any thread: one sqlite connection (check_same_thread=False) guarded by a lock.
+A turn and the events buffered before it are written in one `db.atomic()` transaction, so a
+`kill -9` loses at most the turn in flight.
+"""
+from __future__ import annotations
+
+import collections
+import importlib.metadata
+import json
+import threading
+import time
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.request import RequestResult
+from kvplay.engine.sampling import SamplingParams
+
+from .ids import new_ulid
+from .store import open_db, resolve_path
+
+SOURCES = ("run", "app", "replay")
+
+
+def versions() -> dict:
+    out = {}
+    for dist in ("kvplay", "torch", "transformers"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _dumps(v) -> str:
+    return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+
+def event_row(session_id: str, ev) -> dict:
+    d = ev.to_dict()
+    ids = d.get("block_ids")
+    if ids is None and d.get("block_id") is not None:
+        ids = [d["block_id"]]
+    hashes = d.get("block_hashes")
+    if hashes is None and d.get("block_hash"):
+        hashes = [d["block_hash"]]
+    user = d.get("user") or (",".join(d["creators"]) if d.get("creators") else None)
+    return {"session_id": session_id, "seq": d.get("seq"), "ts": d.get("ts"), "kind": d["kind"],
+            "block_ids": None if ids is None else _dumps(ids),
+            "block_hashes": None if hashes is None else _dumps(hashes),
+            "user": user, "request_id": d.get("request_id") or None, "payload": _dumps(d)}
+
+
+class Recorder:
+    def __init__(self, db, session_id: str):
+        self.db = db
+        self.session_id = session_id
+        self._lock = threading.Lock()
+        self._events: collections.deque = collections.deque()
+        self._unsub = None
+        self._seq = 0
+        self._closed = False
+        self.path = None
+
+    @classmethod
+    def open(cls, db_path: str | None, config: EngineConfig, model_name: str, source: str,
+             system_prompt: str, script_path: str | None = None, replay_of: str | None = None,
+             title: str | None = None) -> "Recorder":
+        db = open_db(db_path)
+        sid = new_ulid()
+        with db.atomic():
+            db["sessions"].insert({
+                "id": sid, "created": time.time(), "ended": None, "source": source, "model": model_name,
+                "engine_config": _dumps(config.to_dict()), "versions": _dumps(versions()),
+                "system_prompt": system_prompt, "script_path": script_path, "replay_of": replay_of,
+                "title": title,
+            })
+        rec = cls(db, sid)
+        rec.path = str(resolve_path(db_path))
+        return rec
+
+    # --- engine events (listener runs on the engine thread: only enqueue) ----------------------
+    def attach(self, engine) -> None:
+        if self._unsub is None:
+            self._unsub = engine.subscribe(self._events.append)
+
+    def detach(self) -> None:
+        if self._unsub is not None:
+            self._unsub()
+            self._unsub = None
+
+    def _drain(self) -> list[dict]:
+        rows = []
+        while True:
+            try:
+                ev = self._events.popleft()
+            except IndexError:
+                return rows
+            rows.append(event_row(self.session_id, ev))
+
+    # --- writes -------------------------------------------------------------------------------
+    def add_user(self, name: str, group: str | None = None, colour: str | None = None, seed: int | None = None,
+                 temperature: float | None = None, max_tokens: int | None = None,
+                 top_p: float | None = None, top_k: int | None = None) -> None:
+        with self._lock, self.db.atomic():
+            self.db["users"].upsert({
+                "session_id": self.session_id, "name": name, "group": group, "colour": colour, "seed": seed,
+                "temperature": temperature, "max_tokens": max_tokens, "top_p": top_p, "top_k": top_k,
+            }, pk=("session_id", "name"))
+
+    def record_turn(self, user: str, text: str, messages: list[dict], sampling: SamplingParams,
+                    result: RequestResult, at: float | None = None, started: float | None = None) -> str:
+        """Write one finished turn (and the events buffered so far) in one transaction."""
+        ended = time.time()
+        st = result.stats
+        if started is None:
+            started = ended - (st.total_ms or 0.0) / 1000
+        tid = new_ulid()
+        with self._lock:
+            self._seq += 1
+            row = {
+                "id": tid, "session_id": self.session_id, "seq": self._seq, "user": user, "text": text,
+                "reply": result.text, "messages": _dumps(messages), "sampling": _dumps(sampling.to_dict()),
+                "seed": sampling.seed, "at": at, "started": started, "ended": ended,
+                "request_id": result.request_id, "ttft_ms": st.ttft_ms, "decode_tok_s": st.decode_tok_s,
+                "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
+                "computed_tokens": st.computed_tokens, "output_tokens": st.output_tokens,
+                "cached_from": _dumps(st.cached_from), "preemptions": st.preemptions,
+                "finish_reason": result.finish_reason, "error": result.error,
+                "token_ids": _dumps(list(result.token_ids)),
+            }
+            events = self._drain()
+            with self.db.atomic():
+                self.db["turns"].insert(row)
+                if events:
+                    self.db["cache_events"].insert_all(events)
+        return tid
+
+    def flush(self) -> None:
+        with self._lock:
+            events = self._drain()
+            if events:
+                with self.db.atomic():
+                    self.db["cache_events"].insert_all(events)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.detach()
+        self.flush()
+        with self._lock:
+            with self.db.atomic():
+                self.db["sessions"].update(self.session_id, {"ended": time.time()})
+            self.db.close()
+            self._closed = True
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

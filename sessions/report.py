@@ -1,0 +1,60 @@
+"""Formatting shared by `kvplay run`, `replay` and `show`: per-turn rows and JSON objects."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .player import Done
+
+
+def attribution(cached_from: dict[str, int] | None, user: str) -> str:
+    """{"alice": 496, "bob": 16} seen by bob -> "alice 496, own 16"."""
+    if not cached_from:
+        return ""
+    items = sorted(cached_from.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{'own' if who == user else who} {n}" for who, n in items if n)
+
+
+def excerpt(text: str, width: int = 60) -> str:
+    flat = " ".join((text or "").split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def turn_object(done: Done) -> dict:
+    res, st = done.result, done.result.stats if done.result else None
+    return {
+        "turn": done.job.turn, "user": done.job.user, "text": done.job.text,
+        "prompt_tokens": st.prompt_tokens if st else None,
+        "cached_tokens": st.cached_tokens if st else None,
+        "cached_from": dict(st.cached_from) if st else {},
+        "computed_tokens": st.computed_tokens if st else None,
+        "ttft_ms": None if not st or st.ttft_ms is None else round(st.ttft_ms, 2),
+        "output_tokens": st.output_tokens if st else None,
+        "decode_tok_s": None if not st or st.decode_tok_s is None else round(st.decode_tok_s, 2),
+        "preemptions": st.preemptions if st else None,
+        "reply": res.text if res else None,
+        "finish_reason": res.finish_reason if res else "error",
+        "error": done.error,
+        "seed": done.job.sampling.seed,
+        "at": done.job.at,
+    }
+
+
+def print_json(obj: dict, file=None) -> None:
+    print(json.dumps(obj, ensure_ascii=False), file=file or sys.stdout, flush=True)
+
+
+def fmt_num(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

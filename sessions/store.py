@@ -1,0 +1,100 @@
+"""Open the sessions database safely.
+
+Default path: `<XDG data dir>/kvplay/sessions.db` (platformdirs); env `KVPLAY_DB` overrides it,
+`--db PATH` overrides both. WAL mode so the app and a headless replay can share one DB.
+
+A file that is not SQLite, a DB written by a newer kvplay, a locked DB or an unwritable path
+is refused with one clear line (KvplayError) — and such a file is never modified: every check
+runs before the first write (WAL mode and migrations are written only after they pass).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import sqlite_utils
+
+from kvplay.engine.errors import EngineError
+
+from .migrations import is_newer, migrate
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+LOCK_TIMEOUT_S = float(os.environ.get("KVPLAY_DB_TIMEOUT", "5"))
+
+
+class StoreError(EngineError):
+    """A sessions DB that cannot be used (one line, exit code 2)."""
+
+
+def default_db_path() -> Path:
+    env = os.environ.get("KVPLAY_DB")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("kvplay", appauthor=False)) / "sessions.db"
+
+
+def resolve_path(path: str | os.PathLike | None) -> Path:
+    return Path(path).expanduser() if path else default_db_path()
+
+
+def _check_file(p: Path) -> None:
+    if p.is_dir():
+        raise StoreError(f"{p} is a directory, not a sessions database")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise StoreError(f"cannot read {p}: {exc.strerror or exc}") from None
+    if head and head != SQLITE_MAGIC:
+        raise StoreError(f"{p} is not a SQLite database (left unchanged)")
+
+
+def open_db(path: str | os.PathLike | None = None, create: bool = True,
+            timeout: float | None = None) -> sqlite_utils.Database:
+    """Open (and migrate) the sessions DB; `create=False` refuses a missing file instead.
+
+    The connection may be used from any thread (callers serialise access with a lock).
+    """
+    p = resolve_path(path)
+    if p.exists():
+        _check_file(p)
+    elif not create:
+        raise StoreError(f"no sessions database at {p} (record one with `kvplay run` or the app)")
+    else:
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
+        if not os.access(p.parent, os.W_OK):
+            raise StoreError(f"cannot create a database at {p}: directory is not writable")
+    t = LOCK_TIMEOUT_S if timeout is None else timeout
+    try:
+        conn = sqlite3.connect(str(p), timeout=t, check_same_thread=False)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open {p}: {exc}") from None
+    try:
+        db = sqlite_utils.Database(conn, execute_plugins=False)
+        if is_newer(db):
+            raise StoreError(f"{p} was written by a newer kvplay (schema {db.execute('PRAGMA user_version').fetchone()[0]}); "
+                             "upgrade kvplay to open it (left unchanged)")
+        if db.journal_mode != "wal":
+            db.enable_wal()
+        migrate(db)
+        db.execute("PRAGMA foreign_keys = ON")
+    except StoreError:
+        conn.close()
+        raise
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        msg = str(exc)
+        if "locked" in msg or "busy" in msg:
+            raise StoreError(f"{p} is locked by another process (tried for {t:g} s)") from None
+        if "readonly" in msg or "read-only" in msg or "unable to open" in msg:
+            raise StoreError(f"cannot write {p}: {msg}") from None
+        if "not a database" in msg or "malformed" in msg:
+            raise StoreError(f"{p} is not a usable SQLite database: {msg}") from None
+        raise StoreError(f"cannot use {p}: {msg}") from None
+    return db
