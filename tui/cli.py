@@ -1,0 +1,47 @@
+"""`kvplay` (no arguments) / `kvplay app`: open the multi-user playground."""
+from __future__ import annotations
+
+import argparse
+
+from kvplay.options import add_engine_args, config_from_args
+from kvplay.sessions.script import DEFAULT_SYSTEM, UserSpec, load_script
+
+
+def parse_users(text: str) -> list[UserSpec]:
+    from kvplay.cli import KvplayError
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise KvplayError("--users needs at least one name, e.g. --users alice,bob,carol")
+    if len(set(names)) != len(names):
+        raise KvplayError(f"--users: duplicate names in {text!r}")
+    if len(names) > 9:
+        raise KvplayError("--users: at most 9 panes fit on one screen")
+    return [UserSpec(n) for n in names]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--users", default=None, help="comma-separated user names (default alice,bob,carol)")
+    parser.add_argument("--system", default=None, help="the shared system prompt")
+    parser.add_argument("--script", default=None, metavar="FILE",
+                        help="a TOML script whose turns play through the panes (F11 pause, F12 step)")
+    parser.add_argument("--speed", type=float, default=1.0, help="script pace multiplier (default 1)")
+    parser.add_argument("--db", default=None, metavar="PATH", help="session database (default: the user data dir)")
+    parser.add_argument("--no-record", dest="record", action="store_false", help="do not record this session")
+    add_engine_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .app import run_app
+
+    base, turns, system = {}, None, DEFAULT_SYSTEM
+    users = parse_users(args.users or "alice,bob,carol")
+    if args.script:
+        script = load_script(args.script)
+        base, turns, system = script.engine, script.turns, script.system
+        if not args.users:
+            users = script.users
+    if args.system:
+        system = args.system
+    config = config_from_args(args, base)
+    return run_app(config, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)

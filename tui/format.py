@@ -1,0 +1,127 @@
+"""Plain formatting of engine numbers as Rich Text: the reply badge, request bars, sparklines,
+the stats block. No widgets here, so these are easy to test and reuse."""
+from __future__ import annotations
+
+from rich.style import Style
+from rich.text import Text
+
+from .theme import UNKNOWN_COLOUR, UserLook
+
+SPARK = "▁▂▃▄▅▆▇█"
+DIM = Style(color="#8a8a8a")
+
+
+def _look(looks: dict[str, UserLook], name: str) -> UserLook:
+    return looks.get(name) or UserLook(name, UNKNOWN_COLOUR, "?")
+
+
+def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
+    """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`."""
+    t = Text(style=DIM)
+    t.append(f"prompt {stats.prompt_tokens} · cached {stats.cached_tokens}")
+    if stats.cached_from:
+        t.append(" (")
+        parts = sorted(stats.cached_from.items(), key=lambda kv: (kv[0] == stats.user, -kv[1]))
+        for i, (who, n) in enumerate(parts):
+            if i:
+                t.append(", ")
+            label = "own" if who == stats.user else who
+            t.append(f"{label} {n}", style=_look(looks, who).style)
+        t.append(")")
+    if timings:
+        ttft = "–" if stats.ttft_ms is None else f"{stats.ttft_ms / 1000:.2f} s"
+        rate = "–" if not stats.decode_tok_s else f"{stats.decode_tok_s:.0f} tok/s"
+        t.append(f" · TTFT {ttft} · {rate}")
+    if stats.preemptions:
+        t.append(f" · preempted {stats.preemptions}×", style="bold")
+    return t
+
+
+def request_bar(stats, looks: dict[str, UserLook], width: int = 24) -> Text:
+    """One request: cached tokens coloured by creator (█), computed tokens (░) in the user's colour."""
+    me = _look(looks, stats.user)
+    total = max(1, stats.prompt_tokens)
+    t = Text()
+    t.append(f"{me.glyph} ", style=me.style)
+    cells = 0
+    for who, n in sorted(stats.cached_from.items(), key=lambda kv: -kv[1]):
+        k = round(n * width / total)
+        k = min(k, width - cells)
+        t.append("█" * k, style=Style(color=_look(looks, who).colour))
+        cells += k
+    t.append("░" * (width - cells), style=Style(color=me.colour, dim=True))
+    t.append(f" {stats.cached_tokens:>4}/{stats.prompt_tokens:<4}", style=DIM)
+    return t
+
+
+def sparkline(values: list[float], width: int = 16) -> str:
+    vals = values[-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in vals)
+
+
+def mib(n: float) -> str:
+    return f"{n / 1024 / 1024:.1f} MiB"
+
+
+def stats_text(s: dict) -> Text:
+    t = Text()
+    t.append("hit rate ", style=DIM)
+    t.append(f"{s['hit_rate'] * 100:.0f}%", style="bold")
+    t.append(f"  ({s['hit_tokens']} of {s['query_tokens']} prompt tokens reused)\n", style=DIM)
+    t.append("blocks   ", style=DIM)
+    t.append(f"in use {s['blocks_in_use']} · cached {s['blocks_cached']} · free {s['blocks_free']}")
+    t.append(f" / {s['blocks_total']}\n", style=DIM)
+    t.append("memory   ", style=DIM)
+    t.append(f"{mib(s['used_bytes'])} of {mib(s['pool_bytes'])}")
+    t.append("\nsaved    ", style=DIM)
+    t.append(mib(s["bytes_saved"]), style="bold")
+    t.append(" vs a dedicated cache per user\n", style=DIM)
+    t.append("evictions ", style=DIM)
+    t.append(str(s["evictions"]))
+    t.append(" · preemptions ", style=DIM)
+    t.append(str(s["preemptions"]))
+    t.append(" · running ", style=DIM)
+    t.append(f"{s['running']}")
+    t.append(" · waiting ", style=DIM)
+    t.append(f"{s['waiting']}")
+    return t
+
+
+def mode_line(s: dict, model: str, device: str = "") -> Text:
+    t = Text()
+    t.append(model, style="bold")
+    if device:
+        t.append(f" on {device}", style=DIM)
+    t.append(f" · {s['blocks_total']} blocks × {s['block_size']} tokens\n", style=DIM)
+    t.append("isolation ", style=DIM)
+    t.append(s["isolation"], style="bold")
+    t.append(" · eviction ", style=DIM)
+    t.append(s["eviction"], style="bold")
+    t.append(" · deterministic ", style=DIM)
+    t.append("on" if s["deterministic"] else "off", style="bold")
+    return t
+
+
+def event_line(ev, looks: dict[str, UserLook]) -> str | None:
+    """One line for the event log (plain text), or None for events not worth a line."""
+    k = ev.kind
+    if k == "BlockStored":
+        return f"{ev.seq:>5} stored  {len(ev.block_ids)} block(s) #{','.join(map(str, ev.block_ids))} by {ev.user}"
+    if k == "BlockRemoved":
+        return f"{ev.seq:>5} removed {len(ev.block_ids)} block(s) ({ev.reason}) from {','.join(sorted(set(ev.creators))) or '-'}"
+    if k == "AllBlocksCleared":
+        return f"{ev.seq:>5} cleared all blocks ({ev.reason})"
+    if k == "BlockHit":
+        by = ", ".join(f"{who} {n}" for who, n in ev.by_creator.items())
+        return f"{ev.seq:>5} hit     {ev.user}: {ev.cached_tokens} tokens ({by})"
+    if k == "RequestPreempted":
+        return f"{ev.seq:>5} PREEMPT {ev.user}: freed {ev.freed_blocks} blocks"
+    if k == "CollisionCaught":
+        return f"{ev.seq:>5} COLLISION caught for {ev.user} at block {ev.block_id}"
+    if k == "RequestFinished":
+        return f"{ev.seq:>5} done    {ev.user} ({ev.finish_reason})" + (f": {ev.error}" if ev.error else "")
+    return None

@@ -1,0 +1,137 @@
+"""One chat pane per user: a scrolling conversation, streaming replies with a badge line under
+each, and its own input. The pane only displays; the app submits to the engine."""
+from __future__ import annotations
+
+import re
+
+from rich.text import Text
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Input, Static
+
+from .format import badge
+from .theme import UserLook
+
+
+def safe_id(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+class ChatPane(Vertical):
+    """The conversation of one user."""
+
+    class Submitted(Message):
+        def __init__(self, pane: "ChatPane", text: str) -> None:
+            super().__init__()
+            self.pane = pane
+            self.text = text
+
+    def __init__(self, spec, look: UserLook, hint: str = "") -> None:
+        super().__init__(id=f"pane-{safe_id(spec.name)}", classes="pane")
+        self.spec = spec
+        self.look = look
+        self.hint = hint
+        self.history: list[dict] = []  # user/assistant messages of this user's conversation
+        self.busy = False
+        self.ready = False
+        self._replies: dict[int, tuple[Static, Static]] = {}
+        self._texts: dict[int, str] = {}
+
+    @property
+    def user(self) -> str:
+        return self.spec.name
+
+    def compose(self):
+        with VerticalScroll(classes="log"):
+            yield Static(self.hint, classes="hint")
+        yield Input(placeholder="loading the model…", disabled=True, id=f"input-{safe_id(self.user)}")
+
+    def on_mount(self) -> None:
+        self.styles.border = ("round", self.look.colour)
+        self.styles.border_title_color = self.look.colour
+        self.border_title = f"[reverse] {self.look.glyph} [/reverse] {self.user}"
+        self.query_one(".log", VerticalScroll).anchor()
+        self.refresh_subtitle()
+
+    @property
+    def input(self) -> Input:
+        return self.query_one(Input)
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".log", VerticalScroll)
+
+    def refresh_subtitle(self) -> None:
+        s = self.spec
+        bits = [f"seed {s.seed}", f"T {s.temperature:g}"]
+        if s.group:
+            bits.append(f"group {s.group}")
+        if self.busy:
+            bits.insert(0, "generating…")
+        self.border_subtitle = " · ".join(bits)
+
+    def set_ready(self, ready: bool, placeholder: str | None = None) -> None:
+        self.ready = ready
+        self.input.disabled = not ready
+        self.input.placeholder = placeholder or (f"message as {self.user} — Enter sends" if ready else "loading…")
+
+    def set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.refresh_subtitle()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value
+        if not text.strip():
+            self.notice("Type a message first (an empty message is ignored).")
+            return
+        if self.busy:
+            self.notice(f"{self.user} is still waiting for a reply; send when it finishes.")
+            return
+        event.input.value = ""
+        self.post_message(self.Submitted(self, text))
+
+    # --- content ------------------------------------------------------------------------------
+    def _drop_hint(self) -> None:
+        for w in self.query(".hint"):
+            w.remove()
+
+    def notice(self, text: str, error: bool = False) -> None:
+        """A one-line note in this pane only (empty input, errors)."""
+        self._drop_hint()
+        self.log_view.mount(Static(Text(text), classes="error" if error else "note"))
+
+    def add_user_message(self, text: str) -> None:
+        self._drop_hint()
+        t = Text()
+        t.append(f"{self.look.glyph} {self.user} › ", style=self.look.style)
+        t.append(text)
+        self.log_view.mount(Static(t, classes="user-msg"))
+
+    def start_reply(self, turn_id: int) -> None:
+        body = Static("…", classes="reply")
+        meta = Static("", classes="badge")
+        self._replies[turn_id] = (body, meta)
+        self._texts[turn_id] = ""
+        self.log_view.mount(body, meta)
+
+    def update_reply(self, turn_id: int, text: str) -> None:
+        if turn_id in self._replies:
+            self._texts[turn_id] = text
+            self._replies[turn_id][0].update(Text(text or "…"))
+
+    def finish_reply(self, turn_id: int, result, looks: dict, timings: bool = True) -> None:
+        if turn_id not in self._replies:
+            return
+        body, meta = self._replies.pop(turn_id)
+        body.update(Text(result.text if result.text else "(no text)"))
+        meta.update(badge(result.stats, looks, timings))
+        if result.error:
+            meta.update(Text(f"error: {result.error}", style="bold red"))
+
+    def fail_reply(self, turn_id: int, error: str) -> None:
+        if turn_id in self._replies:
+            body, meta = self._replies.pop(turn_id)
+            body.remove()
+            meta.remove()
+        self.notice(f"✗ {error}", error=True)

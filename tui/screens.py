@@ -1,0 +1,166 @@
+"""Modal screens: help, start-up failure, yes/no questions, text and settings editors."""
+from __future__ import annotations
+
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, Input, Label, Markdown, Static, TextArea
+
+HELP = """\
+# kvplay — what you are looking at
+
+Several users chat with **one** model that keeps **one** pool of KV-cache blocks.
+A block holds the attention keys/values of *block size* tokens. When a prompt starts with
+exactly the same tokens as something already in the pool (the shared system prompt, a common
+question), those blocks are **reused** instead of computed again.
+
+**Try it:** ask something as *alice*, then ask *bob* something. Bob's badge says how many of
+his prompt tokens came from alice's blocks, and the map marks the reused blocks with `+`.
+
+## The chat panes
+Each user has a colour and a letter (`[A] alice`). Under every reply a badge:
+
+`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`
+
+* **prompt** – tokens in the whole prompt (system prompt + conversation so far)
+* **cached** – of those, how many were found in the pool; in brackets, *whose* blocks they were
+  (`own` = this user's earlier turns)
+* **TTFT** – time to first token; **tok/s** – decoding speed of this reply
+
+## The block map
+One cell per block of the pool, colour and letter = the user who first computed it.
+
+* `A` upper case on colour – **in use**: a running request reads it now
+* `a` lower case – **cached**: kept for reuse, evicted when space runs out
+* `·` – **free**
+* `+` after a cell – reused by the latest request (it flashes white when it happens)
+
+Move with the arrow keys (after clicking the map) or hover with the mouse: the panel below
+shows the block's hash, its tokens as text, creator, ref count, hits, age and users.
+
+## Stats
+* **hit rate** – share of all prompt tokens served from the cache
+* **saved** – memory the sharing saves versus giving every user a private cache
+* bars – one per request: `█` cached tokens in the creator's colour, `░` computed tokens
+* TTFT sparklines per user – lower is better; cache hits make it drop
+
+## Modes (F-keys or the command palette, ctrl+p)
+* **isolation** – `shared` (everyone shares), `user` (each user private), `group`, `system`
+  (only the system prompt is shared)
+* **eviction** – which cached block goes first when the pool is full: `lru`, `lfu`, `fifo`
+* **deterministic** – bitwise-identical results whether cached or not (needs an empty cache)
+
+Press **Esc** to close.
+"""
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
+
+    def compose(self):
+        with VerticalScroll(id="help-box"):
+            yield Markdown(HELP)
+
+
+class ErrorScreen(Screen):
+    """Shown when the engine cannot start: what went wrong and how to fix it."""
+
+    BINDINGS = [Binding("q,escape", "app.quit", "Quit", id="error.quit")]
+
+    def __init__(self, error: str, fix: str) -> None:
+        super().__init__()
+        self.error, self.fix = error, fix
+
+    def compose(self):
+        with Vertical(id="error-box"):
+            yield Static("kvplay could not start the model", classes="title")
+            yield Static(self.error, id="error-text")
+            yield Static("How to fix it", classes="title")
+            yield Static(self.fix, id="error-fix")
+            yield Static("Press q to quit.", classes="hint")
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("escape,n", "no", "No", id="confirm.no"), Binding("y", "yes", "Yes", id="confirm.yes")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Static(self.question)
+            with Horizontal(classes="buttons"):
+                yield Button("Yes (y)", variant="warning", id="yes")
+                yield Button("No (n)", id="no")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    def action_no(self) -> None:
+        self.dismiss(False)
+
+
+class TextScreen(ModalScreen[str | None]):
+    """Edit a longer text (the shared system prompt)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="text.cancel"),
+                Binding("ctrl+s", "save", "Save", id="text.save")]
+
+    def __init__(self, title: str, text: str) -> None:
+        super().__init__()
+        self.title_text, self.text = title, text
+
+    def compose(self):
+        with Vertical(classes="dialog wide"):
+            yield Static(self.title_text)
+            yield TextArea(self.text, id="text-edit")
+            with Horizontal(classes="buttons"):
+                yield Button("Save (ctrl+s)", variant="primary", id="save")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.action_save() if event.button.id == "save" else self.action_cancel()
+
+    def action_save(self) -> None:
+        self.dismiss(self.query_one(TextArea).text)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class FormScreen(ModalScreen[dict | None]):
+    """A few labelled one-line fields; returns {name: text} or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="form.cancel")]
+
+    def __init__(self, title: str, fields: list[tuple[str, str, str]]) -> None:
+        super().__init__()
+        self.title_text, self.fields = title, fields  # (name, label, value)
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Static(self.title_text)
+            for name, label, value in self.fields:
+                yield Label(label)
+                yield Input(value, id=f"field-{name}")
+            yield Label("", id="form-error", classes="error")
+            with Horizontal(classes="buttons"):
+                yield Button("OK", variant="primary", id="ok")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def values(self) -> dict:
+        return {name: self.query_one(f"#field-{name}", Input).value for name, _, _ in self.fields}
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(self.values())
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(self.values() if event.button.id == "ok" else None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
