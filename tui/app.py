@@ -471,6 +471,14 @@ class KvplayApp(App):
         t.append(repr(text)[:200], style="italic")
         return t
 
+    def select_block(self, block_id: int) -> None:
+        """Put the map's cursor on a block and show its details."""
+        bm = self.query_one(BlockMap)
+        bm.focus()
+        bm.cursor = max(0, min(block_id, max(0, bm.cell_count - 1)))
+        self._detail_block = bm.cursor
+        self._show_detail(bm.cursor)
+
     def _show_detail(self, block_id: int) -> None:
         self.query_one("#detail", Static).update(self.block_detail(block_id))
 
@@ -487,8 +495,8 @@ class KvplayApp(App):
                 pane = self.pane(turn.user)
             except KeyError:
                 continue
-            if turn.at is not None and self.speed > 0:
-                while time.monotonic() - paused_for < t0 + turn.at / self.speed:
+            if turn.at is not None:  # timed turns overlap (speed 0: all at once)
+                while self.speed > 0 and time.monotonic() - paused_for < t0 + turn.at / self.speed:
                     await asyncio.sleep(0.02)
             else:
                 while self.busy:

@@ -1,0 +1,186 @@
+"""Pilot tests of the playground against the real engine on the tiny random model."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvplay.engine.config import EngineConfig
+from kvplay.sessions.script import UserSpec
+from kvplay.tui.app import KvplayApp
+from kvplay.tui.blockmap import BlockMap
+from kvplay.tui.screens import ErrorScreen
+
+SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
+
+
+def make_app(loaded, users=("alice", "bob", "carol"), **cfg):
+    cfg.setdefault("model", "tiny:llama")
+    cfg.setdefault("num_blocks", 64)
+    return KvplayApp(EngineConfig(**cfg), [UserSpec(u, max_tokens=8) for u in users], SYSTEM,
+                     loaded=loaded, record=False, timings=False)
+
+
+async def wait_until(pilot, cond, timeout=60.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await pilot.pause(0.05)
+
+
+async def say(app, pilot, user, text):
+    pane = app.pane(user)
+    pane.input.focus()
+    pane.input.value = text
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: not app.busy)
+    await wait_until(pilot, lambda: not app._dirty and not app._refreshing)
+    await pilot.pause(0.1)
+
+
+def badges(app, user):
+    return [str(w.render()) for w in app.pane(user).query(".badge")]
+
+
+async def test_second_user_reuses_first_users_blocks(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        assert "cached 0" in badges(app, "alice")[-1]
+        await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
+        badge = badges(app, "bob")[-1]
+        stats = app._requests[-1]
+        assert stats.user == "bob" and stats.cached_from.get("alice", 0) >= 16
+        assert f"cached {stats.cached_tokens} (alice {stats.cached_from['alice']})" in badge
+        bm = app.query_one(BlockMap)
+        # the map marks the blocks bob reused, and they are alice's
+        assert bm.hit and all(bm.views[i].creator == "alice" for i in bm.hit)
+        assert all("bob" in bm.views[i].users for i in bm.hit)
+        row = bm.render_line(0).text
+        assert "+" in row and "a" in row
+
+
+async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.set_isolation("user")
+        await wait_until(pilot, lambda: app.engine.config.isolation == "user")
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        await say(app, pilot, "bob", "What is a KV cache in a transformer?")
+        stats = app._requests[-1]
+        assert stats.user == "bob" and "alice" not in stats.cached_from
+        assert "alice" not in badges(app, "bob")[-1]
+        assert not app.query_one(BlockMap).hit
+        await pilot.pause(0.2)
+        assert "isolation user" in str(app.query_one("#status").render())
+
+
+async def test_map_has_one_cell_per_pool_block(tiny_llama):
+    app = make_app(tiny_llama, num_blocks=77)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await wait_until(pilot, lambda: app.query_one(BlockMap).cell_count > 0)
+        bm = app.query_one(BlockMap)
+        assert bm.cell_count == app.engine.pool.num_blocks == 77
+        assert bm.virtual_size.height == -(-77 // bm.cols)
+
+
+async def test_map_refreshes_only_changed_rows(tiny_llama):
+    app = make_app(tiny_llama, num_blocks=200)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.query_one(BlockMap).cell_count == 200)
+        bm = app.query_one(BlockMap)
+        views = list(bm.views)
+        bm.update_blocks(views, app.looks)
+        assert bm.rows_refreshed == 0
+        import dataclasses
+        views[bm.cols + 1] = dataclasses.replace(views[bm.cols + 1], state="cached", creator="alice")
+        bm.update_blocks(views, app.looks)
+        assert bm.rows_refreshed == 1
+
+
+async def test_block_details_decode_tokens(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello there")
+        app.select_block(0)
+        await pilot.pause(0.1)
+        detail = str(app.query_one("#detail").render())
+        assert "block #0" in detail and "creator alice" in detail and "<|im_start|>system" in detail
+        await pilot.press("right")
+        assert app.query_one(BlockMap).cursor == 1
+        assert "block #1" in str(app.query_one("#detail").render())
+
+
+async def test_empty_and_too_long_messages_stay_in_their_pane(tiny_llama):
+    app = make_app(tiny_llama, num_blocks=12)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        alice = app.pane("alice")
+        alice.input.focus()
+        alice.input.value = "   "
+        await pilot.press("enter")
+        assert "empty message is ignored" in str(alice.query(".note").last().render())
+        await say(app, pilot, "alice", "x" * 400)  # 12 blocks x 16 tokens cannot hold it
+        err = str(alice.query(".error").last().render())
+        assert "pool holds 12 blocks" in err
+        assert not app.pane("bob").query(".error")
+        await say(app, pilot, "bob", "Hi")
+        assert "prompt" in badges(app, "bob")[-1]
+
+
+async def test_engine_failure_shows_error_screen_with_fix(tiny_llama):
+    app = KvplayApp(EngineConfig(model="no-such-model"), [UserSpec("alice")], SYSTEM, record=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=30)
+        assert "model not found" in app.screen.error
+        assert "--model" in app.screen.fix
+
+
+async def test_too_small_terminal_shows_notice(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause(0.1)
+        assert app.screen.has_class("too-small")
+        assert "needs at least 80×24" in str(app.query_one("#too-small").render())
+
+
+async def test_add_and_remove_user(tiny_llama):
+    app = make_app(tiny_llama, users=("alice", "bob"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.add_user(UserSpec("dave", max_tokens=4))
+        await pilot.pause(0.2)
+        assert [p.user for p in app.panes] == ["alice", "bob", "dave"]
+        await say(app, pilot, "dave", "Hi")
+        assert "prompt" in badges(app, "dave")[-1]
+        assert app.looks["dave"].glyph == "D"
+
+
+async def test_bindings_have_ids_and_palette_commands_read_category_action(tiny_llama):
+    app = make_app(tiny_llama)
+    assert all(b.id and b.description for b in KvplayApp.BINDINGS)
+    async with app.run_test(size=(160, 48)):
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+    for want in ("pane: focus next", "user: add", "user: remove", "isolation: user", "eviction: lfu",
+                 "cache: clear", "mode: toggle deterministic", "prompt: edit system prompt",
+                 "user: settings", "app: save screenshot", "app: quit", "app: help"):
+        assert want in titles
+    assert all(": " in t for t in titles[:10])
+
+
+async def test_deterministic_toggle_asks_first(tiny_llama):
+    from kvplay.tui.screens import ConfirmScreen
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert "fresh cache" in app.screen.question
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.engine.config.deterministic)
