@@ -1,0 +1,198 @@
+"""What every lab shares: the result shape, tables, JSON, plots, progress and recording.
+
+A lab is a function ``run(engine, params, ctx) -> LabResult``. ``LabContext`` carries the
+optional session recorder and the progress reporter, so the same function serves the CLI and
+the tests (which pass no context).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+
+
+@dataclass
+class LabResult:
+    lab: str
+    verdict: str
+    tables: list[Table] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
+    model: str = ""
+    config: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
+        return _jsonable(x.item())
+    return x
+
+
+def fmt(v: Any) -> str:
+    """Short, readable cell text."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000 or abs(v) < 1e-3:
+            return f"{v:.2e}"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def render(result: LabResult, console=None) -> None:
+    """Print the lab's tables and verdict with rich."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table as RichTable
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    for t in result.tables:
+        rt = RichTable(title=t.title, title_justify="left", header_style="bold")
+        for c in t.columns:
+            rt.add_column(c, overflow="fold")
+        for row in t.rows:
+            rt.add_row(*[fmt(v) for v in row])
+        console.print(rt)
+    console.print(Panel(result.verdict, title=f"verdict: {result.lab}", border_style="green"))
+    console.print(f"[dim]{result.model} · {result.elapsed_s:.1f} s[/dim]")
+
+
+def dump_json(result: LabResult, out=None) -> None:
+    out = out or sys.stdout
+    json.dump(result.to_dict(), out, indent=2)
+    out.write("\n")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Progress:
+    """Progress lines on stderr: a rich bar on a terminal, plain lines (at most every 2 s) otherwise."""
+
+    def __init__(self, lab: str, enabled: bool = True, stream=None):
+        self.lab = lab
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self._last = 0.0
+        self._bar = None
+        self._task = None
+        self._tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def phase(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, max(1, total), 0
+        if not self.enabled:
+            return
+        if self._tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            if self._bar is None:
+                self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                         TimeElapsedColumn(), console=Console(file=self.stream), transient=True)
+                self._bar.start()
+            if self._task is not None:
+                self._bar.remove_task(self._task)
+            self._task = self._bar.add_task(f"lab {self.lab}: {label}", total=self.total)
+        else:
+            print(f"lab {self.lab}: {label} (0/{self.total})", file=self.stream, flush=True)
+            self._last = time.monotonic()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+        elif time.monotonic() - self._last > 2.0 or self.done >= self.total:
+            print(f"lab {self.lab}: {self.label} ({self.done}/{self.total})", file=self.stream, flush=True)
+            self._last = time.monotonic()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class LabContext:
+    """Progress + optional session recording for one lab run."""
+
+    def __init__(self, progress: Progress | None = None, recorder=None):
+        self.progress = progress or Progress("", enabled=False)
+        self.recorder = recorder
+        self.record_errors = 0
+
+    def phase(self, label: str, total: int) -> None:
+        self.progress.phase(label, total)
+
+    def advance(self, n: int = 1) -> None:
+        self.progress.advance(n)
+
+    def record(self, user: str, messages: list[dict], sampling, result) -> None:
+        if self.recorder is None or result is None:
+            return
+        text = messages[-1].get("content", "") if messages else ""
+        try:
+            self.recorder.record_turn(user, text, messages, sampling, result)
+        except Exception:  # recording is a side channel: never fail the measurement
+            self.record_errors += 1
+
+
+def open_recorder(db_path: str | None, config, model_name: str, lab: str, engine):
+    """A session recorder attached to `engine`, or None when kvplay.sessions has no Recorder."""
+    try:
+        from kvplay.sessions.recorder import Recorder
+    except ImportError:
+        return None
+    rec = Recorder.open(db_path, config, model_name, source=f"lab:{lab}", system_prompt="")
+    rec.attach(engine)
+    return rec
+
+
+def token_messages(tokenizer, prompt_ids: list[int]) -> list[dict]:
+    """Messages to record for a raw-token request (what the client sent, decoded)."""
+    return [{"role": "user", "content": tokenizer.decode(prompt_ids)}]
+
+
+def roc_auc(positive: list[float], negative: list[float]) -> float:
+    """P(score of a random positive > a random negative), ties count one half (Mann-Whitney U)."""
+    if not positive or not negative:
+        return float("nan")
+    wins = 0.0
+    for p in positive:
+        for n in negative:
+            wins += 1.0 if p > n else 0.5 if p == n else 0.0
+    return wins / (len(positive) * len(negative))

@@ -1,0 +1,234 @@
+"""Lab: can another user tell, from its own time to first token, what is in the shared cache?
+
+A victim user sends a secret prompt (raw tokens, like a completion API). An attacker user sees
+only what a client sees: it submits candidate prompts through a ``Server`` layer and measures
+the wall time from submit to its first streamed token, in its own code (the ``Attacker`` class
+holds the server, never the engine). A **hit** candidate starts with the victim's first k
+blocks, a **miss** candidate with random tokens; both have the same length. The attacker
+calibrates a threshold on its own prompts (a fresh one, then the same one again) and guesses
+hit when a probe is faster. We report ROC AUC and accuracy against k, a one-sided KS test of
+hit vs miss TTFT, under each isolation mode, and under two server-side mitigations: a random
+delay before the first token, and padding TTFT up to a constant.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from kvplay.engine.sampling import SamplingParams
+
+from .common import LabContext, LabResult, Table, pyplot, roc_auc, token_messages
+
+PROBE = SamplingParams(max_tokens=1, temperature=0.0, stop_on_eos=False)
+
+
+@dataclass
+class LeakParams:
+    blocks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # prefix blocks shared with the secret
+    samples: int = 20  # hit probes and miss probes per setting
+    tail: int = 4  # tokens after the guessed prefix in every probe
+    calibration: int = 5  # attacker's own (miss, hit) pairs per setting
+    isolations: list[str] = field(default_factory=lambda: ["shared", "user"])
+    mitigations: list[str] = field(default_factory=lambda: ["delay", "pad"])
+    delay_ms: float | None = None  # uniform(0, delay_ms); None = 3x the measured gap
+    pad_ms: float | None = None  # pad TTFT to this; None = 2x the unmitigated median miss
+    seed: int = 0
+
+
+class Server:
+    """The serving layer between clients and the engine; can hide the cache's timing."""
+
+    def __init__(self, engine, ctx: LabContext, mitigation: str = "none", delay_ms: float = 0.0,
+                 pad_ms: float = 0.0, seed: int = 0):
+        self._engine = engine
+        self._ctx = ctx
+        self.mitigation = mitigation
+        self.delay_ms = delay_ms
+        self.pad_ms = pad_ms
+        self._rng = random.Random(seed)
+
+    def complete(self, user: str, prompt_ids: list[int]):
+        """Stream the completion's text pieces for `prompt_ids`."""
+        t0 = time.perf_counter()
+        h = self._engine.submit(user, prompt_ids=prompt_ids, sampling=PROBE)
+        first = True
+        for delta in h:
+            if first:
+                self._hold(t0)
+                first = False
+            yield delta.text
+        res = h.result(600)
+        self._ctx.record(user, token_messages(self._engine.tokenizer, prompt_ids), PROBE, res)
+
+    def _hold(self, t0: float) -> None:
+        if self.mitigation == "delay":
+            time.sleep(self._rng.uniform(0.0, self.delay_ms) / 1000)
+        elif self.mitigation == "pad":
+            left = self.pad_ms / 1000 - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+
+
+class Attacker:
+    """Client-side only: its own clock and its own prompts."""
+
+    def __init__(self, server: Server, user: str = "mallory"):
+        self.server = server
+        self.user = user
+
+    def ttft_ms(self, prompt_ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        stream = self.server.complete(self.user, prompt_ids)
+        next(stream, None)
+        ms = (time.perf_counter() - t0) * 1000
+        for _ in stream:
+            pass
+        return ms
+
+    def calibrate(self, make_prompt, n: int) -> float:
+        """Threshold between its own cold and repeated prompts (midpoint of the medians)."""
+        cold, warm = [], []
+        for _ in range(n):
+            p = make_prompt()
+            cold.append(self.ttft_ms(p))
+            warm.append(self.ttft_ms(p))
+        return (statistics.median(cold) + statistics.median(warm)) / 2
+
+
+def _token_pool(tokenizer) -> list[int]:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def _ks(hit: list[float], miss: list[float]) -> tuple[float, float]:
+    from scipy.stats import ks_2samp
+
+    r = ks_2samp(hit, miss, alternative="greater")  # H1: hit TTFTs are stochastically smaller
+    return float(r.statistic), float(r.pvalue)
+
+
+def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random, vocab: list[int]) -> dict:
+    bs = eng.config.block_size
+    length = k * bs + p.tail
+    rand = lambda n: [rng.choice(vocab) for _ in range(n)]  # noqa: E731
+    eng.clear_cache()  # the harness, not the attacker, resets the world between settings
+    victim = Server(eng, ctx)
+    attacker = Attacker(server)
+    threshold = attacker.calibrate(lambda: rand(length), p.calibration)
+    labels = ["hit"] * p.samples + ["miss"] * p.samples
+    rng.shuffle(labels)
+    hit, miss, correct = [], [], 0
+    for i, label in enumerate(labels):
+        # A fresh secret before every probe: a hit probe can only hit the victim's blocks,
+        # never blocks the attacker wrote itself with an earlier probe.
+        secret = rand(length)
+        for _ in victim.complete("victim", secret):
+            pass
+        if label == "hit":
+            probe = secret[:k * bs] + rand(p.tail)
+        else:
+            probe = rand(length)
+            while probe[0] == secret[0]:
+                probe[0] = rng.choice(vocab)
+        ms = attacker.ttft_ms(probe)
+        (hit if label == "hit" else miss).append(ms)
+        correct += (ms < threshold) == (label == "hit")
+        ctx.advance()
+    d, pval = _ks(hit, miss)
+    return {"blocks": k, "tokens": k * bs, "hit_ms": hit, "miss_ms": miss, "threshold_ms": threshold,
+            "auc": roc_auc(miss, hit), "accuracy": correct / len(labels), "ks_d": d, "ks_p": pval,
+            "median_hit_ms": statistics.median(hit), "median_miss_ms": statistics.median(miss),
+            "mean_ms": statistics.fmean(hit + miss)}
+
+
+def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) -> LabResult:
+    p = params or LeakParams()
+    ctx = ctx or LabContext()
+    t_start = time.perf_counter()
+    rng = random.Random(p.seed)
+    vocab = _token_pool(eng.tokenizer)
+    old_isolation = eng.config.isolation
+    results = []
+    kmax = max(p.blocks)
+    for _ in Server(eng, LabContext()).complete("warmup", [rng.choice(vocab) for _ in range(8)]):
+        pass  # warm up the model before timing anything
+    for iso in p.isolations:
+        eng.reconfigure(isolation=iso)
+        ctx.phase(f"isolation={iso}", 2 * p.samples * len(p.blocks))
+        for k in p.blocks:
+            r = _measure(eng, ctx, Server(eng, ctx, seed=p.seed), k, p, rng, vocab)
+            results.append({"isolation": iso, "mitigation": "none", **r})
+    mitigated = []
+    base = next((r for r in results if r["isolation"] == "shared" and r["blocks"] == kmax), None)
+    if p.mitigations and base is not None:
+        eng.reconfigure(isolation="shared")
+        gap = max(base["median_miss_ms"] - base["median_hit_ms"], 1.0)
+        delay = p.delay_ms if p.delay_ms is not None else 3 * gap
+        pad = p.pad_ms if p.pad_ms is not None else 2 * base["median_miss_ms"]
+        for m in p.mitigations:
+            ctx.phase(f"mitigation={m}", 2 * p.samples)
+            server = Server(eng, ctx, mitigation=m, delay_ms=delay, pad_ms=pad, seed=p.seed + 1)
+            r = _measure(eng, ctx, server, kmax, p, rng, vocab)
+            r.update(mitigation=m, isolation="shared", delay_ms=delay if m == "delay" else None,
+                     pad_ms=pad if m == "pad" else None, extra_ms=r["mean_ms"] - base["mean_ms"])
+            mitigated.append(r)
+    eng.reconfigure(isolation=old_isolation)
+    ctx.progress.close()
+    rows = [[r["isolation"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"],
+             r["accuracy"], r["ks_d"], r["ks_p"]] for r in results]
+    tables = [Table(f"Attacker's client-side TTFT, {p.samples} hit + {p.samples} miss probes per row",
+                    ["isolation", "shared blocks", "tokens", "median hit ms", "median miss ms", "ROC AUC",
+                     "accuracy", "KS D", "KS p (hit<miss)"], rows)]
+    if mitigated:
+        tables.append(Table(f"Mitigations (shared isolation, {kmax} blocks)",
+                            ["mitigation", "setting", "ROC AUC", "accuracy", "KS p", "mean TTFT ms", "cost: extra mean ms"],
+                            [["none", "", base["auc"], base["accuracy"], base["ks_p"], base["mean_ms"], 0.0]] +
+                            [[m["mitigation"], f"uniform 0–{m['delay_ms']:.0f} ms" if m["delay_ms"] is not None
+                              else f"pad to {m['pad_ms']:.0f} ms", m["auc"], m["accuracy"], m["ks_p"], m["mean_ms"],
+                              m["extra_ms"]] for m in mitigated]))
+    data = {"params": p.__dict__, "results": results, "mitigations": mitigated}
+    return LabResult("leak", _verdict(results, mitigated, kmax), tables, data, eng.model_name,
+                     eng.config.to_dict(), time.perf_counter() - t_start)
+
+
+def _verdict(results: list[dict], mitigated: list[dict], kmax: int) -> str:
+    parts = []
+    for iso in dict.fromkeys(r["isolation"] for r in results):
+        rs = [r for r in results if r["isolation"] == iso]
+        aucs = ", ".join(f"{r['auc']:.2f}@{r['blocks']}" for r in rs)
+        top = rs[-1]
+        parts.append(f"{iso} isolation: attacker AUC {aucs} (AUC@blocks), accuracy {top['accuracy']:.0%} and "
+                     f"KS p={top['ks_p']:.1g} at {top['blocks']} blocks "
+                     f"(median hit {top['median_hit_ms']:.0f} vs miss {top['median_miss_ms']:.0f} ms).")
+    for m in mitigated:
+        what = (f"random delay 0–{m['delay_ms']:.0f} ms" if m["mitigation"] == "delay"
+                else f"padding TTFT to {m['pad_ms']:.0f} ms")
+        parts.append(f"{what}: AUC {m['auc']:.2f}, KS p={m['ks_p']:.1g}, costing {m['extra_ms']:+.0f} ms mean TTFT.")
+    return " ".join(parts)
+
+
+def plot(result: LabResult, path: str) -> None:
+    plt = pyplot()
+    res = result.data["results"]
+    mit = result.data["mitigations"]
+    n = 2 + len(mit)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4))
+    for iso in dict.fromkeys(r["isolation"] for r in res):
+        rs = [r for r in res if r["isolation"] == iso]
+        axes[0].plot([r["blocks"] for r in rs], [r["auc"] for r in rs], marker="o", label=iso)
+    axes[0].axhline(0.5, color="grey", ls=":")
+    axes[0].set(xscale="log", xlabel="blocks shared with the secret", ylabel="ROC AUC", ylim=(0, 1.05),
+                title="attacker AUC vs shared blocks")
+    axes[0].legend()
+    rows = [r for r in res if r["isolation"] == "shared"][-1:] + mit
+    for ax, r in zip(axes[1:], rows):
+        title = r.get("mitigation", "none")
+        ax.hist(r["hit_ms"], bins=20, alpha=0.6, label="hit")
+        ax.hist(r["miss_ms"], bins=20, alpha=0.6, label="miss")
+        ax.set(xlabel="client TTFT ms", title=f"shared, {r['blocks']} blocks, {title}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
