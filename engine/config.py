@@ -30,6 +30,7 @@ class EngineConfig:
     prefill_budget: int = 256  # max prompt tokens computed per scheduler step (chunked prefill)
     max_running: int = 16  # max requests decoding at once
     hash_seed: str = "kvplay"  # root of every hash chain (like vLLM's PYTHONHASHSEED NONE_HASH)
+    threads: int | None = None  # torch CPU threads; None = one less than the cores (min 1)
 
     def validate(self) -> "EngineConfig":
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -47,6 +48,8 @@ class EngineConfig:
         parse_hash_name(self.hash)  # raises EngineError on a bad name
         if self.prefill_budget < self.block_size:
             raise EngineError(f"--prefill-budget ({self.prefill_budget}) must be at least the block size ({self.block_size})")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise EngineError(f"--threads must be a positive integer (got {self.threads!r})")
         if self.max_running < 1:
             raise EngineError("--max-running must be at least 1")
         return self

@@ -24,6 +24,7 @@ ENGINE_FLAGS = [
     ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 256)"),
     ("--max-running", "max_running", int, "requests decoding at once (default 16)"),
     ("--hash-seed", "hash_seed", str, "root of every hash chain (default 'kvplay')"),
+    ("--threads", "threads", int, "torch CPU threads (default: cores - 1)"),
 ]
 
 
