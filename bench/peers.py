@@ -1,0 +1,340 @@
+"""The peers: what a user would otherwise run on the same prompts, and kvplay itself.
+
+Each ``run_*`` function plays a Workload round by round and returns a PeerResult. Every user of
+a round "asks" at the round's start (``arrival``); sequential peers serve them one after the
+other, so their later users wait, as they would behind a one-request-at-a-time server.
+
+The Hugging Face peers need their own copy of the model: kvplay's ModelRunner switches the
+model it runs to its paged attention (``_attn_implementation = "kvplay_paged"``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import Engine
+from kvplay.engine.sampling import SamplingParams
+
+from .metrics import PeerResult, RequestRecord
+from .workloads import Turn, Workload, shared_prefix_len
+
+Progress = Callable[[str], None]
+
+LABELS = {
+    "hf-generate": "HF generate, no reuse",
+    "hf-cache-per-user": "HF generate, DynamicCache per user",
+    "hf-cb": "transformers continuous batching (block sharing)",
+    "kvplay": "kvplay (default)",
+    "kvplay-det": "kvplay --deterministic",
+}
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+# --- Hugging Face generate ----------------------------------------------------------------------
+
+class _FirstTokenClock:
+    """A generate() streamer that notes when the first new token arrives (the first put() is the
+    prompt itself)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a transformers DynamicCache's K/V tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _hf_generate_one(model, prompt_ids: list[int], new_tokens: int, cache=None):
+    """Greedy generate exactly `new_tokens`; returns (output ids, first-token time, end time)."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    clock = _FirstTokenClock()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                         past_key_values=cache, streamer=clock, pad_token_id=_pad_id(model))
+    end = time.perf_counter()
+    return out[0].tolist(), clock.first or end, end
+
+
+def _pad_id(model) -> int:
+    gc = model.generation_config
+    pad = getattr(gc, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(gc, "eos_token_id", None)
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return 0 if pad is None else int(pad)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+def run_hf_generate(model, workload: Workload, per_user_cache: bool = False,
+                    progress: Progress = _quiet) -> PeerResult:
+    """Peer 1 (no reuse: every prompt recomputed) or peer 2 (one DynamicCache per user, kept
+    across that user's turns and cropped to the common prefix with the new prompt)."""
+    key = "hf-cache-per-user" if per_user_cache else "hf-generate"
+    res = PeerResult(key, LABELS[key])
+    caches: dict[str, tuple[object, list[int]]] = {}
+    peak = 0
+    n = len(workload.turns)
+    done = 0
+    t_start = time.perf_counter()
+    with torch.inference_mode():
+        for rnd in workload.rounds:
+            arrival = time.perf_counter()
+            for turn in rnd:
+                done += 1
+                progress(f"{key}: request {done}/{n}")
+                reused = 0
+                if per_user_cache:
+                    cache, have = caches.get(turn.user, (None, []))
+                    if cache is None:
+                        cache = _new_cache(model)
+                    keep = min(shared_prefix_len([have, turn.prompt_ids]), len(turn.prompt_ids) - 1)
+                    cur = cache.get_seq_length() if have else 0
+                    if cur > keep:
+                        cache.crop(-(cur - keep))
+                    reused = keep if have else 0
+                else:
+                    cache = _new_cache(model)
+                out, first, end = _hf_generate_one(model, turn.prompt_ids, workload.new_tokens, cache)
+                output = len(out) - len(turn.prompt_ids)
+                if per_user_cache:
+                    caches[turn.user] = (cache, out[:-1])  # the last token was never fed back
+                    peak = max(peak, sum(cache_bytes(c) for c, _ in caches.values()))
+                else:
+                    peak = max(peak, cache_bytes(cache))
+                res.records.append(RequestRecord(turn.user, turn.round, turn.cold, len(turn.prompt_ids), reused,
+                                                 output, arrival, first, end))
+    res.wall_s = time.perf_counter() - t_start
+    res.peak_kv_bytes = peak
+    return res
+
+
+# --- transformers continuous batching -----------------------------------------------------------
+
+def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_batch_tokens: int,
+              progress: Progress = _quiet, round_timeout: float = 300.0) -> PeerResult:
+    """Peer 3: transformers' continuous batching manager with block sharing on, kept alive across
+    rounds (so later rounds can reuse earlier blocks), same page size and pool size as kvplay."""
+    key = "hf-cb"
+    res = PeerResult(key, LABELS[key])
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError as exc:
+        res.unavailable = f"unavailable: this transformers has no continuous batching ({exc})"
+        return res
+    original_attn = model.config._attn_implementation
+    gen = GenerationConfig(max_new_tokens=workload.new_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=_pad_id(model))
+    try:
+        cb = ContinuousBatchingConfig(allow_block_sharing=True, page_size=block_size, num_blocks=num_blocks,
+                                      max_batch_tokens=max_batch_tokens)
+        hints = WorkloadHints(max_prompt_length=max(len(t.prompt_ids) for t in workload.turns),
+                              max_generated_length=workload.new_tokens, num_requests=len(workload.turns))
+        manager = model.init_continuous_batching(gen, cb, workload_hints=hints)
+    except Exception as exc:  # CPU or version limits show up here
+        res.unavailable = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return res
+    n, done = len(workload.turns), 0
+    t_start = time.perf_counter()
+    try:
+        manager.start()
+        for rnd in workload.rounds:
+            arrival = time.perf_counter()
+            ids = {}
+            for turn in rnd:
+                rid = manager.add_request(turn.prompt_ids, max_new_tokens=workload.new_tokens,
+                                          record_timestamps=True, eos_token_id=-1)
+                ids[rid] = turn
+            got = {}
+            deadline = time.monotonic() + round_timeout
+            while len(got) < len(ids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a round took more than {round_timeout:.0f} s")
+                out = manager.get_result(timeout=1)
+                if out is None:
+                    if not manager.is_running():
+                        raise RuntimeError("the continuous batching thread stopped")
+                    continue
+                if out.request_id in ids and out.is_finished():
+                    if out.error:
+                        raise RuntimeError(str(out.error).splitlines()[0][:160])
+                    got[out.request_id] = out
+                    done += 1
+                    progress(f"{key}: request {done}/{n}")
+            for rid, turn in ids.items():
+                out = got[rid]
+                stamps = out.timestamps or [time.perf_counter()]
+                res.records.append(RequestRecord(turn.user, turn.round, turn.cold, len(turn.prompt_ids), None,
+                                                 len(out.generated_tokens), arrival, stamps[0], stamps[-1]))
+        res.wall_s = time.perf_counter() - t_start
+    except Exception as exc:
+        res.unavailable = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        res.records = []
+    finally:
+        try:
+            manager.stop(block=True, timeout=30)
+        except Exception:
+            pass
+        try:
+            model.destroy_cached_continuous_batching_manager()
+        except Exception:
+            pass
+        if model.config._attn_implementation != original_attn:
+            model.set_attn_implementation(original_attn)
+    res.extra["kv_pool_bytes"] = None
+    return res
+
+
+# --- kvplay ---------------------------------------------------------------------------------------
+
+class _PeakBlocks:
+    """Engine listener: the most non-free blocks seen (runs on the engine thread; O(1))."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.peak = 0
+
+    def __call__(self, event) -> None:
+        pool = self.engine.pool
+        self.peak = max(self.peak, pool.num_blocks - pool.num_free())
+
+
+def submit_together(engine: Engine, turns: list[Turn], sampling: SamplingParams):
+    """Submit a round's turns in one engine call, so they arrive in the same scheduler step (a
+    plain loop of submit() lets the engine run a step between two submissions)."""
+    def submit_all():
+        return [engine.submit(t.user, prompt_ids=t.prompt_ids, system_tokens=t.system_tokens, sampling=sampling)
+                for t in turns]
+
+    return engine.call(submit_all)
+
+
+def kvplay_config(base: EngineConfig, workload: Workload, deterministic: bool) -> EngineConfig:
+    changes = {"deterministic": deterministic}
+    if workload.num_blocks is not None:
+        changes["num_blocks"] = workload.num_blocks
+    return base.replace(**changes).validate()
+
+
+def warm_up_engine(engine: Engine, prompt_ids: list[int]) -> None:
+    """One short throwaway request (first-call costs), then an empty cache."""
+    engine.submit("warmup", prompt_ids=prompt_ids[:24], sampling=SamplingParams(max_tokens=2,
+                                                                                  stop_on_eos=False)).result(600)
+    engine.clear_cache()
+
+
+def run_kvplay(loaded, workload: Workload, base: EngineConfig, deterministic: bool = False,
+               progress: Progress = _quiet) -> PeerResult:
+    key = "kvplay-det" if deterministic else "kvplay"
+    res = PeerResult(key, LABELS[key])
+    cfg = kvplay_config(base, workload, deterministic)
+    sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
+    engine = Engine(cfg, loaded).start()
+    try:
+        warm_up_engine(engine, workload.turns[0].prompt_ids)
+        peak = _PeakBlocks(engine)
+        unsubscribe = engine.subscribe(peak)
+        n, done = len(workload.turns), 0
+        t_start = time.perf_counter()
+        for rnd in workload.rounds:
+            arrival = time.perf_counter()
+            handles = submit_together(engine, rnd, sampling)
+            for turn, h in zip(rnd, handles):
+                r = h.result(600)
+                if r.error:
+                    raise RuntimeError(f"kvplay request failed: {r.error}")
+                req = h.request
+                st = r.stats
+                end = req.arrival + (st.total_ms or 0) / 1000
+                done += 1
+                progress(f"{key}: request {done}/{n}")
+                res.records.append(RequestRecord(turn.user, turn.round, turn.cold, st.prompt_tokens,
+                                                 st.cached_tokens, st.output_tokens, arrival,
+                                                 req.first_token_time or end, end, st.preemptions))
+        res.wall_s = time.perf_counter() - t_start
+        unsubscribe()
+        stats = engine.stats()
+        res.peak_kv_bytes = peak.peak * stats["block_bytes"]
+        res.extra.update(evictions=stats["evictions"], pool_blocks=stats["blocks_total"],
+                         pool_bytes=stats["pool_bytes"], forwards=stats["forwards"])
+    finally:
+        engine.shutdown()
+    return res
+
+
+# --- decode probe -----------------------------------------------------------------------------------
+
+def decode_probe(loaded_kv, hf_model, workload: Workload, base: EngineConfig, users: int,
+                 progress: Progress = _quiet) -> dict:
+    """Decode tok/s of kvplay at one user and at `users` concurrent users (system prompt already
+    cached, so the rounds are nearly all decode), and of HF generate + DynamicCache at one user."""
+    from .metrics import union_seconds
+
+    first_round = workload.rounds[0]
+    turns = [first_round[i % len(first_round)] for i in range(users)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
+    cfg = base.replace(deterministic=False).validate()
+
+    def agg(records: list[tuple[float, float, int]]) -> float | None:
+        span = union_seconds([(a, b) for a, b, _ in records])
+        toks = sum(max(0, n - 1) for _, _, n in records)
+        return toks / span if span > 0 else None
+
+    engine = Engine(cfg, loaded_kv).start()
+    try:
+        warm_up_engine(engine, turns[0].prompt_ids)
+        progress("decode probe: kvplay, 1 user")
+        submit_together(engine, turns[:1], SamplingParams(max_tokens=1, stop_on_eos=False))[0].result(600)
+
+        def play(ts):
+            handles = submit_together(engine, ts, sampling)
+            out = []
+            for h in handles:
+                r = h.result(600)
+                req = h.request
+                out.append((req.first_token_time, req.arrival + r.stats.total_ms / 1000, r.stats.output_tokens))
+            return agg(out)
+
+        one = play(turns[:1])
+        progress(f"decode probe: kvplay, {users} users at once")
+        many = play(turns)
+    finally:
+        engine.shutdown()
+    progress("decode probe: HF generate + DynamicCache, 1 user")
+    with torch.inference_mode():
+        cache = _new_cache(hf_model)
+        _hf_generate_one(hf_model, turns[0].prompt_ids, 1, cache)  # prefill, like the engine's cached prefix
+        cache.crop(-(cache.get_seq_length() - (len(turns[0].prompt_ids) - 1)))
+        out, first, end = _hf_generate_one(hf_model, turns[0].prompt_ids, workload.new_tokens, cache)
+    hf_one = agg([(first, end, len(out) - len(turns[0].prompt_ids))])
+    return {"users": users, "kvplay_1_user_tok_s": one, "kvplay_n_users_tok_s": many, "hf_1_user_tok_s": hf_one}

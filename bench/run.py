@@ -1,0 +1,142 @@
+"""Run the bench: load the model twice (kvplay's copy and the HF peers' copy), play each
+workload through every peer in one process, then the decode probe, and build the report."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.errors import EngineError
+from kvplay.engine.model import load_model
+
+from . import peers as P
+from .metrics import Target, ratio, ratios, speedup, summarize
+from .workloads import WORKLOADS, build_workload
+
+PEER_ORDER = ("kvplay", "hf-generate", "hf-cache-per-user", "hf-cb", "kvplay-det")
+BASELINES = ("hf-generate", "hf-cache-per-user", "hf-cb")
+
+
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _pool_blocks(loaded, cfg: EngineConfig) -> int:
+    if cfg.num_blocks:
+        return cfg.num_blocks
+    from kvplay.engine.pool import KVStore
+    from kvplay.engine.runner import kv_geometry
+
+    layers, kv_heads, head_dim = kv_geometry(loaded.model)
+    per_block = KVStore.bytes_per_block(cfg.block_size, layers, kv_heads, head_dim, loaded.dtype)
+    return int(cfg.cache_mb * 1024 * 1024 // per_block)
+
+
+def run_bench(config: EngineConfig, workloads: list[str], users: int | None = None, turns: int | None = None,
+              quick: bool = False, peers: tuple[str, ...] = PEER_ORDER, probe: bool = True,
+              progress: Callable[[str], None] = P._quiet, system_prompt: str | None = None) -> dict:
+    """Play `workloads` through `peers`; return the report dict (see docs/bench.md)."""
+    t0 = time.perf_counter()
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise EngineError(f"unknown workload {w!r} ({', '.join(WORKLOADS)}, all)")
+    unknown = set(peers) - set(PEER_ORDER)
+    if unknown:
+        raise EngineError(f"unknown peer(s) {', '.join(sorted(unknown))} ({', '.join(PEER_ORDER)})")
+    load_avg_start = _load_avg()
+    progress(f"loading {config.model} twice (kvplay's copy, and the Hugging Face peers' copy)")
+    loaded_kv = load_model(config.model, config.device, config.dtype, progress=progress)
+    loaded_hf = load_model(config.model, config.device, config.dtype, progress=progress)
+    hf_model = loaded_hf.model
+    if hf_model.config._attn_implementation not in ("sdpa", "eager"):
+        hf_model.set_attn_implementation("sdpa")
+    extra = {} if system_prompt is None else {"system_prompt": system_prompt}
+    report = {
+        "model": loaded_kv.name, "device": str(loaded_kv.device), "dtype": str(loaded_kv.dtype).replace("torch.", ""),
+        "quick": quick, "config": config.to_dict(), "torch_threads": _torch_threads(),
+        "cpu_count": os.cpu_count(), "load_avg_start": load_avg_start, "workloads": [],
+    }
+    # warm both copies once so first-call costs land on nobody's figures
+    progress("warming up the Hugging Face copy")
+    first = build_workload(workloads[0], loaded_kv.tokenizer, users, turns, config.block_size, **extra)
+    P._hf_generate_one(hf_model, first.turns[0].prompt_ids[:24], 2)
+    for name in workloads:
+        wl = build_workload(name, loaded_kv.tokenizer, users, turns, config.block_size, **extra)
+        progress(f"workload {name}: {wl.description} ({len(wl.turns)} requests, "
+                 f"{wl.prompt_tokens()} prompt tokens)")
+        cfg_kv = P.kvplay_config(config, wl, False)
+        results = {}
+        for peer in peers:
+            progress(f"{name}: {P.LABELS[peer]} …")
+            if peer == "kvplay":
+                results[peer] = P.run_kvplay(loaded_kv, wl, config, False, progress)
+            elif peer == "kvplay-det":
+                results[peer] = P.run_kvplay(loaded_kv, wl, config, True, progress)
+            elif peer == "hf-generate":
+                results[peer] = P.run_hf_generate(hf_model, wl, False, progress)
+            elif peer == "hf-cache-per-user":
+                results[peer] = P.run_hf_generate(hf_model, wl, True, progress)
+            elif peer == "hf-cb":
+                results[peer] = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, _pool_blocks(loaded_kv, cfg_kv),
+                                            cfg_kv.prefill_budget + cfg_kv.max_running, progress)
+            r = results[peer]
+            progress(f"{name}: {peer} " + (r.unavailable if r.unavailable else f"done in {r.wall_s:.1f} s"))
+        report["workloads"].append(workload_report(wl, results))
+    if probe and "kvplay" in peers:
+        wl = build_workload("shared-system", loaded_kv.tokenizer, users, 1, config.block_size, **extra)
+        report["decode_probe"] = P.decode_probe(loaded_kv, hf_model, wl, config, users or 4, progress)
+    report["targets"] = [t.to_dict() for t in targets(report)]
+    report["load_avg_end"] = _load_avg()
+    report["elapsed_s"] = time.perf_counter() - t0
+    return report
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def workload_report(wl, results: dict) -> dict:
+    summaries = {k: summarize(r) for k, r in results.items()}
+    ours = summaries.get("kvplay")
+    out = {"workload": wl.summary(), "peers": summaries,
+           "raw": {k: r.to_dict() for k, r in results.items()}, "ratios": {}, "speedups": {}}
+    if ours:
+        for k, s in summaries.items():
+            if k != "kvplay":
+                out["ratios"][k] = ratios(ours, s)
+                out["speedups"][k] = speedup(ours, s)
+        if not ours.get("unavailable"):
+            out["kvplay_warm_cold_ttft"] = ratio(ours.get("ttft_warm_p50_ms"), ours.get("ttft_cold_p50_ms"))
+    return out
+
+
+def targets(report: dict) -> list[Target]:
+    """The issue's targets, from the shared-system workload and the decode probe."""
+    out: list[Target] = []
+    ws = {w["workload"]["name"]: w for w in report["workloads"]}
+    ss = ws.get("shared-system")
+    if ss:
+        peers = ss["peers"]
+        out.append(Target("shared-system warm/cold TTFT p50 (kvplay)", ss.get("kvplay_warm_cold_ttft"), 0.15, True))
+        out.append(Target("shared-system wall: x faster than HF generate", ss["speedups"].get("hf-generate"), 2.0,
+                          False))
+        cb = peers.get("hf-cb", {})
+        out.append(Target("shared-system wall: x faster than HF continuous batching", ss["speedups"].get("hf-cb"),
+                          1.25, False, cb.get("unavailable", "")))
+        det, ours = peers.get("kvplay-det"), peers.get("kvplay")
+        if det and ours:
+            out.append(Target("deterministic wall / default wall", ratio(det.get("wall_s"), ours.get("wall_s")),
+                              1.5, True))
+    probe = report.get("decode_probe")
+    if probe:
+        out.append(Target("decode 1 user: kvplay / HF DynamicCache", ratio(probe["kvplay_1_user_tok_s"],
+                                                                           probe["hf_1_user_tok_s"]), 0.95, False))
+        out.append(Target(f"decode {probe['users']} users / 1 user (kvplay aggregate)",
+                          ratio(probe["kvplay_n_users_tok_s"], probe["kvplay_1_user_tok_s"]), 3.0, False))
+    return out
