@@ -1,0 +1,162 @@
+"""`kvplay lab NAME`: run one lab on a real engine and print its table and verdict."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvplay.options import add_engine_args, config_from_args
+
+LABS = {
+    "determinism": "kvplay.labs.determinism",
+    "leak": "kvplay.labs.leak",
+    "collide": "kvplay.labs.collide",
+    "response-cache": "kvplay.labs.response_cache",
+}
+
+
+def _error(msg: str):
+    from kvplay.cli import KvplayError
+
+    return KvplayError(msg)
+
+
+def _ints(text: str, flag: str, low: int = 1) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _error(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not out or any(v < low for v in out):
+        raise _error(f"{flag}: every value must be an integer >= {low} (got {text!r})")
+    return out
+
+
+def _words(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in allowed]
+    if bad:
+        raise _error(f"{flag}: unknown value {bad[0]!r} ({', '.join(allowed)})")
+    return out
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("lab", metavar="NAME", help="determinism | leak | collide | response-cache")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    parser.add_argument("--plot", metavar="FILE.png", help="save a plot of the measurements")
+    parser.add_argument("--db", help="session database to record the run in (default: the user DB)")
+    parser.add_argument("--no-record", action="store_true", help="do not record the run as a session")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    parser.add_argument("--max-tokens", type=int, help="tokens to generate per answer")
+    g = parser.add_argument_group("determinism")
+    g.add_argument("--prompt", action="append", help="a prompt to test (repeatable; replaces the built-in set)")
+    g.add_argument("--batch-sizes", default="4", help="concurrent batch sizes to try (default 4)")
+    g.add_argument("--modes", default="default,deterministic", help="engine modes (default both)")
+    g = parser.add_argument_group("leak")
+    g.add_argument("--blocks", default="1,2,4,8", help="prefix blocks shared with the secret (default 1,2,4,8)")
+    g.add_argument("--samples", type=int, default=20, help="hit and miss probes per setting (default 20)")
+    g.add_argument("--isolations", help="isolation modes to attack (default shared,user)")
+    g.add_argument("--mitigations", default="delay,pad", help="delay,pad or none (default delay,pad)")
+    g.add_argument("--delay-ms", type=float, help="random delay 0..X ms (default 3x the measured gap)")
+    g.add_argument("--pad-ms", type=float, help="pad TTFT to X ms (default 2x the median miss)")
+    g = parser.add_argument_group("collide")
+    g.add_argument("--bits", type=int, help="hash width N for trunc:N (default 16, or N from --hash trunc:N)")
+    g.add_argument("--feed", type=int, default=400, help="random prompts sent through the engine (default 400)")
+    g.add_argument("--offline", type=int, default=20000, help="random blocks hashed offline (default 20000)")
+    g.add_argument("--max-tries", type=int, default=2_000_000, help="budget of the crafted-pair search")
+    g = parser.add_argument_group("response-cache")
+    g.add_argument("--question", default="Am I pretty?", help="what every user asks")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    g.add_argument("--seeds", default="1,2,3", help="one seed per user (default 1,2,3)")
+    add_engine_args(parser)
+
+
+def build_params(args: argparse.Namespace):
+    """(module, params, engine config overrides) for args.lab; raises KvplayError on bad input."""
+    name = args.lab
+    if name not in LABS:
+        raise _error(f"unknown lab {name!r} ({', '.join(LABS)})")
+    mod = importlib.import_module(LABS[name])
+    base: dict = {}
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise _error("--max-tokens must be at least 1")
+    mt = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    if name == "determinism":
+        params = mod.DeterminismParams(batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
+                                       modes=_words(args.modes, "--modes", ("default", "deterministic")), **mt)
+        if args.prompt:
+            if any(not p.strip() for p in args.prompt):
+                raise _error("--prompt: empty prompt")
+            params.prompts = list(args.prompt)
+    elif name == "leak":
+        if args.samples < 1:
+            raise _error(f"--samples must be at least 1 probe (got {args.samples})")
+        isolations = (_words(args.isolations, "--isolations", ("shared", "user", "group", "system"))
+                      if args.isolations else [args.isolation] if args.isolation else ["shared", "user"])
+        mitigations = [m for m in _words(args.mitigations, "--mitigations", ("none", "delay", "pad")) if m != "none"]
+        params = mod.LeakParams(blocks=_ints(args.blocks, "--blocks"), samples=args.samples, isolations=isolations,
+                                mitigations=mitigations, delay_ms=args.delay_ms, pad_ms=args.pad_ms, seed=args.seed)
+    elif name == "collide":
+        bits = args.bits
+        if bits is None and args.hash and args.hash.startswith("trunc:"):
+            try:
+                bits = int(args.hash.split(":", 1)[1])
+            except ValueError:
+                raise _error(f"--hash {args.hash!r}: N must be an integer from 1 to 256") from None
+        bits = 16 if bits is None else bits
+        if not 1 <= bits <= 256:
+            raise _error(f"N bits must be from 1 to 256 (got {bits})")
+        if args.feed < 1:
+            raise _error(f"--feed must be at least 1 probe (got {args.feed})")
+        if args.offline < 2 or args.max_tries < 1:
+            raise _error("--offline must be at least 2 and --max-tries at least 1")
+        params = mod.CollideParams(bits=bits, feed=args.feed, offline=args.offline, max_tries=args.max_tries,
+                                   seed=args.seed, **mt)
+        base["hash"] = f"trunc:{bits}"
+        if args.num_blocks is None and args.cache_mb is None:
+            base["num_blocks"] = args.feed + 64  # keep every fed block resident (no eviction hides a collision)
+    else:
+        seeds = _ints(args.seeds, "--seeds", low=0)
+        if not args.question.strip():
+            raise _error("--question: empty question")
+        if args.temperature <= 0:
+            raise _error("--temperature must be > 0 (answers must come from the seeds)")
+        users = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+        if len(seeds) > len(users):
+            raise _error(f"--seeds: at most {len(users)} users")
+        params = mod.ResponseCacheParams(question=args.question, users=users[:len(seeds)], seeds=seeds,
+                                         temperature=args.temperature, **mt)
+    return mod, params, base
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.engine.engine import Engine
+
+    from .common import LabContext, Progress, dump_json, open_recorder, render
+
+    mod, params, base = build_params(args)
+    if args.lab == "collide":
+        args.hash = None  # the lab sets trunc:N itself
+    cfg = config_from_args(args, base)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise _error(f"--plot {args.plot!r}: give a .png file name")
+    eng = Engine(cfg, progress=lambda m: print(f"kvplay: {m}", file=sys.stderr)).start()
+    rec = None
+    try:
+        if not args.no_record:
+            rec = open_recorder(args.db, cfg, eng.model_name, args.lab, eng)
+        ctx = LabContext(Progress(args.lab), rec)
+        result = mod.run(eng, params, ctx)
+    finally:
+        if rec is not None:
+            rec.close()
+        eng.shutdown()
+    if args.json:
+        dump_json(result)
+    else:
+        render(result)
+    if args.plot:
+        mod.plot(result, args.plot)
+        print(f"kvplay: plot saved to {args.plot}", file=sys.stderr)
+    if rec is not None:
+        print(f"kvplay: recorded as session {rec.session_id} in {rec.path}", file=sys.stderr)
+    return 0
