@@ -475,7 +475,9 @@ class KvplayApp(App):
         """Put the map's cursor on a block and show its details."""
         bm = self.query_one(BlockMap)
         bm.focus()
+        bm.cursor_visible = True
         bm.cursor = max(0, min(block_id, max(0, bm.cell_count - 1)))
+        bm._rebuild()
         self._detail_block = bm.cursor
         self._show_detail(bm.cursor)
 

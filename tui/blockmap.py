@@ -52,6 +52,7 @@ class BlockMap(ScrollView, can_focus=True):
         self._row_keys: list[tuple] = []
         self._strips: LRUCache[tuple, Strip] = LRUCache(1024)
         self.rows_refreshed = 0  # how many row refreshes the last update asked for (tests)
+        self.cursor_visible = False  # while focused (or pinned by App.select_block)
 
     # --- geometry -----------------------------------------------------------------------------
     @property
@@ -80,7 +81,7 @@ class BlockMap(ScrollView, can_focus=True):
         look = self.looks.get(b.creator) if b.creator else None
         glyph = look.glyph if look else ("?" if b.creator else "·")
         colour = look.colour if look else UNKNOWN_COLOUR
-        return (b.state, glyph, colour, i in self.hit, i in self.flash, i == self.cursor and self.has_focus)
+        return (b.state, glyph, colour, i in self.hit, i in self.flash, i == self.cursor and self.cursor_visible)
 
     def _rebuild(self) -> None:
         cols = self.cols
@@ -129,7 +130,7 @@ class BlockMap(ScrollView, can_focus=True):
             segs: list[Segment] = []
             for cell in key[1:-1]:
                 segs += self._cell_segments(cell)
-            strip = Strip(segs).extend_cell_length(width, self.rich_style).crop(0, width)
+            strip = Strip(segs).apply_style(self.rich_style).extend_cell_length(width, self.rich_style).crop(0, width)
             self._strips[key] = strip
         return strip
 
@@ -157,9 +158,11 @@ class BlockMap(ScrollView, can_focus=True):
             self.cursor = i
 
     def on_focus(self) -> None:
+        self.cursor_visible = True
         self._rebuild()
         if self.views:
             self.post_message(self.CellSelected(self.cursor))
 
     def on_blur(self) -> None:
+        self.cursor_visible = False
         self._rebuild()

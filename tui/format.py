@@ -96,13 +96,14 @@ def mode_line(s: dict, model: str, device: str = "") -> Text:
     t.append(model, style="bold")
     if device:
         t.append(f" on {device}", style=DIM)
-    t.append(f" · {s['blocks_total']} blocks × {s['block_size']} tokens\n", style=DIM)
-    t.append("isolation ", style=DIM)
+    t.append(f"\n{s['blocks_total']} blocks × {s['block_size']} tokens · isolation ", style=DIM)
     t.append(s["isolation"], style="bold")
-    t.append(" · eviction ", style=DIM)
+    t.append("\neviction ", style=DIM)
     t.append(s["eviction"], style="bold")
     t.append(" · deterministic ", style=DIM)
     t.append("on" if s["deterministic"] else "off", style="bold")
+    t.append(" · hash ", style=DIM)
+    t.append(s["hash"], style="bold")
     return t
 
 

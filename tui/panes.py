@@ -50,7 +50,6 @@ class ChatPane(Vertical):
         self.styles.border = ("round", self.look.colour)
         self.styles.border_title_color = self.look.colour
         self.border_title = f"[reverse] {self.look.glyph} [/reverse] {self.user}"
-        self.query_one(".log", VerticalScroll).anchor()
         self.refresh_subtitle()
 
     @property
@@ -100,6 +99,13 @@ class ChatPane(Vertical):
         """A one-line note in this pane only (empty input, errors)."""
         self._drop_hint()
         self.log_view.mount(Static(Text(text), classes="error" if error else "note"))
+        self._follow()
+
+    def _follow(self) -> None:
+        """Keep the newest text in view unless the user scrolled up to read."""
+        log = self.log_view
+        if log.max_scroll_y - log.scroll_y <= 3:
+            self.call_after_refresh(log.scroll_end, animate=False)
 
     def add_user_message(self, text: str) -> None:
         self._drop_hint()
@@ -107,6 +113,7 @@ class ChatPane(Vertical):
         t.append(f"{self.look.glyph} {self.user} › ", style=self.look.style)
         t.append(text)
         self.log_view.mount(Static(t, classes="user-msg"))
+        self._follow()
 
     def start_reply(self, turn_id: int) -> None:
         body = Static("…", classes="reply")
@@ -114,11 +121,13 @@ class ChatPane(Vertical):
         self._replies[turn_id] = (body, meta)
         self._texts[turn_id] = ""
         self.log_view.mount(body, meta)
+        self._follow()
 
     def update_reply(self, turn_id: int, text: str) -> None:
         if turn_id in self._replies:
             self._texts[turn_id] = text
             self._replies[turn_id][0].update(Text(text or "…"))
+            self._follow()
 
     def finish_reply(self, turn_id: int, result, looks: dict, timings: bool = True) -> None:
         if turn_id not in self._replies:
@@ -128,6 +137,7 @@ class ChatPane(Vertical):
         meta.update(badge(result.stats, looks, timings))
         if result.error:
             meta.update(Text(f"error: {result.error}", style="bold red"))
+        self._follow()
 
     def fail_reply(self, turn_id: int, error: str) -> None:
         if turn_id in self._replies:

@@ -1,0 +1,64 @@
+"""SVG snapshots of the main views (pytest-textual-snapshot), with deterministic content: tiny
+model, greedy sampling, fixed seeds, timings hidden, no blinking cursor.
+
+Update after reviewing the diff report:  pytest tests/test_tui_snapshots.py --snapshot-update
+"""
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Input
+
+from kvplay.engine.config import EngineConfig
+from kvplay.sessions.script import parse_script
+from kvplay.tui.app import KvplayApp
+from kvplay.tui.demo import DEMO_TOML
+
+SIZE = (160, 48)
+
+
+@pytest.fixture(autouse=True)
+def no_cursor_blink(monkeypatch):
+    monkeypatch.setattr(Input, "cursor_blink", False)
+
+
+def demo_app(loaded, **cfg):
+    script = parse_script(DEMO_TOML)
+    for u in script.users:
+        u.max_tokens = 12
+    cfg = {"model": "tiny:llama", "num_blocks": 96, **cfg}
+    return KvplayApp(EngineConfig(**cfg), script.users, script.system, turns=script.turns, speed=0,
+                     loaded=loaded, record=False, timings=False)
+
+
+async def played(pilot):
+    app = pilot.app
+    await app.autoplay_done.wait()
+    app.set_focus(None)
+    await pilot.pause(0.2)
+
+
+def test_three_users_share_blocks(snap_compare, tiny_llama):
+    assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=played)
+
+
+def test_isolation_per_user(snap_compare, tiny_llama):
+    assert snap_compare(demo_app(tiny_llama, isolation="user"), terminal_size=SIZE, run_before=played)
+
+
+def test_block_details_and_event_log(snap_compare, tiny_llama):
+    async def run_before(pilot):
+        await played(pilot)
+        pilot.app.action_toggle_events()
+        pilot.app.select_block(2)
+        await pilot.pause(0.2)
+
+    assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=run_before)
+
+
+def test_help_screen(snap_compare, tiny_llama):
+    async def run_before(pilot):
+        await played(pilot)
+        await pilot.press("f1")
+        await pilot.pause(0.2)
+
+    assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=run_before)
