@@ -15,6 +15,7 @@ from kvplay.options import add_engine_args, config_from_args
 
 from .player import Done, Job, play
 from .report import attribution, excerpt, fmt_num, human_bytes, print_json, turn_object
+from .report import console as make_console
 from .script import Script, load_script
 
 
@@ -97,10 +98,9 @@ def print_summary(console, summ: dict) -> None:
 def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None, speed: float = 1.0,
              title: str | None = None, extra_row=None) -> tuple[list[Done], float]:
     """Play jobs, print each finished turn (JSON line or live table row), record each one."""
-    from rich.console import Console
     from rich.live import Live
 
-    console = Console()
+    console = make_console()
     table = make_table(title)
     t0 = time.perf_counter()
 
@@ -138,7 +138,6 @@ def start_engine(config):
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from .recorder import Recorder
     from .store import open_db, resolve_path
@@ -166,5 +165,5 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summ)
     else:
-        print_summary(Console(), summ)
+        print_summary(make_console(), summ)
     return 1 if summ["failed"] else 0

@@ -1,0 +1,131 @@
+"""`kvplay replay ID [--db PATH] [--headless] [--speed X] [--json] [engine flags]`.
+
+Headless: re-drive the recorded turns through a fresh Engine and print, per turn, equal or
+differs (first differing token and its position) and cached tokens then vs now; the replay is
+recorded as a new session (replay_of = ID) unless --no-record. Exit code 1 when a session
+recorded in deterministic mode no longer reproduces (or a turn fails), else 0.
+Without --headless the turns play in the app, if the app is available.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvplay.options import add_engine_args, config_from_args
+
+from .query import resolve_session, session_script, session_turns, session_users
+from .report import console, excerpt, fmt_num, print_json
+from .store import open_db
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="session id (or a unique prefix)")
+    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    parser.add_argument("--headless", action="store_true", help="replay without the app and compare outputs")
+    parser.add_argument("--speed", type=float, default=None,
+                        help="submit turns at their recorded pace times X (default: recorded order, as fast as possible)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn, then a summary (headless)")
+    parser.add_argument("--no-record", action="store_true", help="do not record the replay as a new session")
+    add_engine_args(parser)
+
+
+def _row(c) -> list[str]:
+    if c.error:
+        verdict = f"[red]error: {c.error}[/red]"
+    elif c.equal:
+        verdict = "[green]equal[/green]"
+    else:
+        verdict = f"[yellow]differs[/yellow] at token {c.first_diff}: {c.then_token!r} → {c.now_token!r}"
+    return [str(c.seq), c.user, excerpt(c.text, 28), verdict, f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}",
+            f"{fmt_num(c.ttft_then)} → {fmt_num(c.ttft_now)}", excerpt(c.now_reply or "", 36)]
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import KvplayError
+
+    if args.speed is not None and args.speed <= 0:
+        raise KvplayError(f"--speed must be positive (got {args.speed})")
+    db = open_db(args.db, create=False)
+    try:
+        session = resolve_session(db, args.id)
+        turns = session_turns(db, session["id"])
+        users = session_users(db, session["id"])
+        script = session_script(db, session)
+    finally:
+        db.close()
+    if not turns:
+        raise KvplayError(f"session {session['id']} has no recorded turns to replay")
+    config = config_from_args(args, session["engine_config"], where=f"session {session['id']}: engine config")
+    if not args.headless:
+        try:
+            from kvplay.tui.app import run_app
+        except ImportError:
+            print("kvplay: the app is not available in this build; replaying headless", file=sys.stderr)
+        else:
+            return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
+                               db=args.db, record=not args.no_record,
+                               title=f"replay of {session['id']}") or 0)
+    return headless(args, session, turns, users, config)
+
+
+def headless(args, session: dict, turns: list[dict], users: list[dict], config) -> int:
+    from rich.live import Live
+    from rich.table import Table
+
+    from .recorder import Recorder
+    from .replay import replay
+    from .run_cmd import start_engine
+
+    recorded_det = bool(session["engine_config"].get("deterministic"))
+    engine = start_engine(config)
+    rec = None
+    comps = []
+    t0 = time.perf_counter()
+    try:
+        if not args.no_record:
+            rec = Recorder.open(args.db, config, engine.model_name, "replay", session.get("system_prompt") or "",
+                                script_path=session.get("script_path"), replay_of=session["id"])
+            rec.attach(engine)
+            for u in users:
+                rec.add_user(u["name"], group=u["group"], colour=u["colour"], seed=u["seed"],
+                             temperature=u["temperature"], max_tokens=u["max_tokens"], top_p=u["top_p"], top_k=u["top_k"])
+        groups = {u["name"]: u["group"] for u in users}
+        it = replay(engine, turns, session.get("system_prompt") or "", groups, args.speed, rec)
+        if args.json:
+            for c in it:
+                comps.append(c)
+                print_json(c.to_dict())
+        else:
+            con = console()
+            table = Table(title=f"replay of {session['id']} ({session['model']})", header_style="bold")
+            for name in ("#", "user", "text", "output", "cached then → now", "TTFT ms then → now", "reply now"):
+                table.add_column(name, no_wrap=name.startswith("cached"))
+            with Live(table, console=con, auto_refresh=False) as live:
+                for c in it:
+                    comps.append(c)
+                    table.add_row(*_row(c))
+                    live.refresh()
+            con.print()
+    finally:
+        if rec is not None:
+            rec.close()
+        engine.shutdown()
+    equal = sum(c.equal for c in comps)
+    errors = sum(1 for c in comps if c.error)
+    differs = len(comps) - equal
+    strict = recorded_det and config.deterministic
+    failed = errors > 0 or (strict and differs > 0)
+    summ = {"summary": True, "replay_of": session["id"], "turns": len(comps), "equal": equal, "differs": differs,
+            "errors": errors, "deterministic": recorded_det, "reproduces": differs == 0,
+            "wall_s": round(time.perf_counter() - t0, 3),
+            "session": rec.session_id if rec else None, "db": rec.path if rec else None}
+    if args.json:
+        print_json(summ)
+    else:
+        con = console()
+        verdict = "reproduces" if differs == 0 else ("NO LONGER REPRODUCES" if strict else "differs (not deterministic mode)")
+        con.print(f"{equal}/{len(comps)} turns equal, {differs} differ, {errors} failed: {verdict}", highlight=False)
+        if rec:
+            con.print(f"recorded as session {rec.session_id} (replay of {session['id']})", highlight=False)
+    return 1 if failed else 0

@@ -1,0 +1,75 @@
+"""`kvplay show ID [--db PATH] [--json]`: one recorded session (id or unique prefix)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .cli_list import when
+from .query import resolve_session, session_turns, session_users
+from .report import attribution, console, excerpt, fmt_num, print_json
+from .store import open_db
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="session id (or a unique prefix)")
+    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    parser.add_argument("--json", action="store_true", help="the session, its users and turns as one JSON object")
+    parser.add_argument("--events", action="store_true", help="also list the recorded cache events")
+
+
+def load(db, ident: str, events: bool = False) -> dict:
+    s = resolve_session(db, ident)
+    out = dict(s)
+    out["users"] = session_users(db, s["id"])
+    out["turns"] = session_turns(db, s["id"])
+    for u in out["users"]:
+        u.pop("session_id", None)
+    for t in out["turns"]:
+        t.pop("session_id", None)
+    if events:
+        out["events"] = [json.loads(r["payload"]) for r in
+                         db.query("select payload from cache_events where session_id = ? order by seq, id", [s["id"]])]
+    else:
+        out["event_count"] = db.execute("select count(*) from cache_events where session_id = ?", [s["id"]]).fetchone()[0]
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    db = open_db(args.db, create=False)
+    try:
+        s = load(db, args.id, args.events)
+    finally:
+        db.close()
+    if args.json:
+        print_json(s)
+        return 0
+    con = console()
+    cfg = s["engine_config"]
+    con.print(f"[bold]session {s['id']}[/bold]  {s['source']}  {s['model']}  {when(s['created'])} → "
+              f"{when(s['ended']) if s['ended'] else 'unfinished'}", highlight=False)
+    con.print("engine: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), highlight=False)
+    if s.get("replay_of"):
+        con.print(f"replay of {s['replay_of']}", highlight=False)
+    if s.get("script_path"):
+        con.print(f"script: {s['script_path']}", highlight=False)
+    con.print(f"system prompt: {excerpt(s['system_prompt'] or '', 100)}", highlight=False)
+    con.print("users: " + ", ".join(f"{u['name']} (seed {u['seed']}"
+                                    + (f", group {u['group']}" if u.get("group") else "") + ")" for u in s["users"]),
+              highlight=False)
+    table = Table(header_style="bold")
+    for name in ("#", "user", "text", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"):
+        table.add_column(name, no_wrap=name == "cached")
+    for t in s["turns"]:
+        cached = f"{t['cached_tokens']}" + (f" ({attribution(t['cached_from'], t['user'])})" if t["cached_tokens"] else "")
+        reply = f"[red]error: {t['error']}[/red]" if t.get("error") else excerpt(t["reply"], 48)
+        table.add_row(str(t["seq"]), t["user"], excerpt(t["text"], 30), fmt_num(t["prompt_tokens"]), cached,
+                      fmt_num(t["computed_tokens"]), fmt_num(t["ttft_ms"]), fmt_num(t["decode_tok_s"]), reply)
+    con.print(table)
+    if "events" in s:
+        for e in s["events"]:
+            con.print(json.dumps(e), highlight=False)
+    else:
+        con.print(f"{s['event_count']} engine events recorded (--events to list them)", highlight=False)
+    return 0

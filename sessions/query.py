@@ -1,0 +1,75 @@
+"""Read recorded sessions: resolve an id (or unique prefix), load users and turns, and turn a
+session back into a Script (for export and replay in the app)."""
+from __future__ import annotations
+
+import json
+
+from .script import Script, TurnSpec, UserSpec
+from .store import StoreError
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+
+
+def resolve_session(db, ident: str) -> dict:
+    ident = (ident or "").strip().upper()
+    if not ident:
+        raise StoreError("no session id given")
+    rows = list(db.query("select * from sessions where id = ?", [ident]))
+    if not rows:
+        rows = list(db.query("select * from sessions where id like ? order by id", [ident + "%"]))
+    if not rows:
+        raise StoreError(f"unknown session id {ident!r} (see `kvplay sessions`)")
+    if len(rows) > 1:
+        raise StoreError(f"session id prefix {ident!r} is ambiguous ({len(rows)} sessions match)")
+    row = rows[0]
+    for k in ("engine_config", "versions"):
+        row[k] = json.loads(row[k]) if row.get(k) else {}
+    return row
+
+
+def session_users(db, sid: str) -> list[dict]:
+    return list(db.query("select * from users where session_id = ? order by rowid", [sid]))
+
+
+def session_turns(db, sid: str) -> list[dict]:
+    rows = list(db.query("select * from turns where session_id = ? order by seq", [sid]))
+    for r in rows:
+        for k in ("messages", "sampling", "cached_from", "token_ids"):
+            r[k] = json.loads(r[k]) if r.get(k) else ({} if k in ("sampling", "cached_from") else [])
+    return rows
+
+
+def list_sessions(db, limit: int | None = None) -> list[dict]:
+    sql = """
+      select s.id, s.created, s.ended, s.source, s.model, s.replay_of, s.script_path,
+        (select count(*) from users u where u.session_id = s.id) as users,
+        (select count(*) from turns t where t.session_id = s.id) as turns,
+        (select sum(cached_tokens) from turns t where t.session_id = s.id) as cached,
+        (select sum(prompt_tokens) from turns t where t.session_id = s.id) as prompt
+      from sessions s order by s.id desc"""
+    if limit:
+        sql += f" limit {int(limit)}"
+    return list(db.query(sql))
+
+
+def session_script(db, session: dict) -> Script:
+    """A `kvplay run` script reproducing the session: engine table, system prompt, users with
+    seeds, and every turn with its exact sampling (and `at` where the original had one)."""
+    cfg = dict(session.get("engine_config") or {})
+    users = []
+    for u in session_users(db, session["id"]):
+        kw = {k: u[k] for k in ("group", "seed", "colour") if u.get(k) is not None}
+        for k in ("temperature", "max_tokens", "top_p", "top_k"):
+            if u.get(k) is not None:
+                kw[k] = u[k]
+        users.append(UserSpec(u["name"], **kw))
+    turns = []
+    names = {u.name for u in users}
+    for t in session_turns(db, session["id"]):
+        s = t["sampling"]
+        turns.append(TurnSpec(t["user"], t["text"], at=t.get("at"),
+                              **{k: s.get(k) for k in SAMPLING_KEYS if s.get(k) is not None}))
+        if t["user"] not in names:  # a user the app never registered
+            users.append(UserSpec(t["user"]))
+            names.add(t["user"])
+    return Script(engine=cfg, system=session.get("system_prompt") or "", users=users, turns=turns)

@@ -1,0 +1,131 @@
+"""Replay recorded turns through a fresh Engine's normal submit path and compare the outputs.
+
+Each recorded turn is re-submitted with its recorded messages (so every turn is compared on
+the same prompt even when an earlier reply changed), user, group and sampling (seed included),
+in recorded order: turns that had an `at` keep it; with `speed`, every turn is submitted at
+its recorded offset divided by `speed`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from kvplay.engine.sampling import SamplingParams
+
+from .player import Done, Job, play
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@dataclass
+class Comparison:
+    seq: int
+    user: str
+    text: str
+    equal: bool
+    first_diff: int | None  # first differing output token index (None when equal)
+    then_token: str | None  # decoded tokens at that index (None past the end)
+    now_token: str | None
+    then_ids: list[int]
+    now_ids: list[int]
+    then_reply: str
+    now_reply: str | None
+    cached_then: int | None
+    cached_now: int | None
+    cached_from_then: dict
+    cached_from_now: dict
+    ttft_then: float | None
+    ttft_now: float | None
+    error: str | None
+    done: Done
+
+    def to_dict(self) -> dict:
+        d = {"turn": self.seq}
+        d.update((k, v) for k, v in dataclasses.asdict(self).items() if k not in ("seq", "done", "then_ids", "now_ids"))
+        for k in ("ttft_then", "ttft_now"):
+            d[k] = None if d[k] is None else round(d[k], 2)
+        return d
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def recorded_jobs(turns: list[dict], groups: dict[str, str | None] | None = None,
+                  speed: float | None = None) -> list[Job]:
+    groups = groups or {}
+    t0 = min((t["started"] for t in turns if t.get("started") is not None), default=0.0)
+    jobs = []
+    for t in turns:
+        s = SamplingParams(**{k: v for k, v in (t["sampling"] or {}).items() if k in _SAMPLING_FIELDS})
+        at = t.get("at")
+        if speed is not None and t.get("started") is not None:
+            at = max(0.0, t["started"] - t0)
+        jobs.append(Job(t["seq"], t["user"], t["text"], s, group=groups.get(t["user"]), at=at,
+                        messages=t["messages"]))
+    return jobs
+
+
+def compare(turn: dict, done: Done, tokenizer) -> Comparison:
+    res = done.result
+    now_ids = list(res.token_ids) if res is not None else []
+    then_ids = list(turn.get("token_ids") or [])
+    err = done.error
+    diff = first_difference(then_ids, now_ids)
+    equal = diff is None and err is None and not turn.get("error")
+
+    def tok(ids, i):
+        if i is None or i >= len(ids):
+            return None
+        try:
+            return tokenizer.decode([ids[i]])
+        except Exception:
+            return str(ids[i])
+
+    st = res.stats if res is not None else None
+    return Comparison(
+        seq=turn["seq"], user=turn["user"], text=turn["text"], equal=equal, first_diff=diff,
+        then_token=tok(then_ids, diff), now_token=tok(now_ids, diff), then_ids=then_ids, now_ids=now_ids,
+        then_reply=turn.get("reply") or "", now_reply=res.text if res else None,
+        cached_then=turn.get("cached_tokens"), cached_now=st.cached_tokens if st else None,
+        cached_from_then=turn.get("cached_from") or {}, cached_from_now=dict(st.cached_from) if st else {},
+        ttft_then=turn.get("ttft_ms"), ttft_now=st.ttft_ms if st else None, error=err, done=done)
+
+
+def replay(engine, turns: list[dict], system: str = "", groups: dict | None = None, speed: float | None = None,
+           recorder=None) -> Iterator[Comparison]:
+    """Re-drive `turns` (rows from query.session_turns) through `engine`; yield a Comparison per
+    finished turn, in finish order. With `recorder`, each new turn is recorded as it finishes."""
+    jobs = recorded_jobs(turns, groups, speed)
+    by_seq = {t["seq"]: t for t in turns}
+    out: "queue.Queue" = queue.Queue()
+    failure: list[BaseException] = []
+
+    def finished(done: Done) -> None:
+        if recorder is not None and done.result is not None:
+            recorder.record_turn(done.job.user, done.job.text, done.messages, done.job.sampling, done.result,
+                                 at=done.job.at, started=done.started)
+        out.put(compare(by_seq[done.job.turn], done, engine.tokenizer))
+
+    def drive() -> None:
+        try:
+            play(engine, jobs, system, finished, speed or 1.0)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            out.put(None)
+
+    threading.Thread(target=drive, name="kvplay-replay", daemon=True).start()
+    while True:
+        item = out.get()
+        if item is None:
+            break
+        yield item
+    if failure:
+        raise failure[0]
