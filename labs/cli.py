@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, base)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise _error(f"--plot {args.plot!r}: give a .png file name")
-    eng = Engine(cfg, progress=lambda m: print(f"kvplay: {m}", file=sys.stderr)).start()
+    eng = Engine(cfg).start()  # the model loader reports its own progress on stderr
     rec = None
     try:
         if not args.no_record:
