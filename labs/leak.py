@@ -26,8 +26,8 @@ PROBE = SamplingParams(max_tokens=1, temperature=0.0, stop_on_eos=False)
 
 @dataclass
 class LeakParams:
-    blocks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # prefix blocks shared with the secret
-    samples: int = 20  # hit probes and miss probes per setting
+    blocks: list[int] = field(default_factory=lambda: [1, 4, 8])  # prefix blocks shared with the secret
+    samples: int = 15  # hit probes and miss probes per setting
     tail: int = 4  # tokens after the guessed prefix in every probe
     calibration: int = 5  # attacker's own (miss, hit) pairs per setting
     isolations: list[str] = field(default_factory=lambda: ["shared", "user"])
