@@ -46,7 +46,7 @@ def make_table(title: str | None = None):
     table = Table(title=title, show_lines=False, header_style="bold")
     for name, kw in [("turn", {"justify": "right"}), ("user", {}), ("prompt", {"justify": "right"}),
                      ("cached", {"no_wrap": True}), ("computed", {"justify": "right"}), ("TTFT ms", {"justify": "right"}),
-                     ("tok/s", {"justify": "right"}), ("reply", {"overflow": "fold", "max_width": 48})]:
+                     ("tok/s", {"justify": "right"}), ("reply", {"no_wrap": True, "overflow": "ellipsis", "max_width": 48})]:
         table.add_column(name, **kw)
     return table
 
