@@ -237,8 +237,9 @@ class KvplayApp(App):
             self._recorder_call(self._open_recorder)
         self.ready.set()
         if not self.turns:
-            self.notify("Type as alice, then as bob, and watch the block map. F1 explains everything.",
-                        title="Ready", timeout=6) if self.timings else None
+            first, second = (self.users + self.users)[:2]
+            self.notify(f"Type as {first.name}, then as {second.name}, and watch the block map. "
+                        "F1 explains every colour and number.", title="Model ready", timeout=8)
 
     # --- recorder (one thread of its own; never the engine thread) -----------------------------
     def _recorder_call(self, fn, *args) -> None:

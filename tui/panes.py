@@ -133,7 +133,8 @@ class ChatPane(Vertical):
         if turn_id not in self._replies:
             return
         body, meta = self._replies.pop(turn_id)
-        body.update(Text(result.text if result.text else "(no text)"))
+        more = " …" if result.finish_reason == "length" else ""
+        body.update(Text((result.text or "(no text)") + more))
         meta.update(badge(result.stats, looks, timings))
         if result.error:
             meta.update(Text(f"error: {result.error}", style="bold red"))

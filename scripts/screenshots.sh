@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Regenerate the committed screenshots in screenshots/ with the embedded model (real text).
+#   scripts/screenshots.sh            # all of them
+# Each one plays a script headless in the real app (`kvplay screenshot`) and saves an SVG.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVPLAY=${KVPLAY:-kvplay}
+SIZE=${SIZE:-160x48}
+"$KVPLAY" screenshot screenshots/three_users.svg --script screenshots/three_users.toml \
+    --model default --size "$SIZE" --select-block 3 --title "three users, one shared system prompt"
+"$KVPLAY" screenshot screenshots/isolation.svg --script screenshots/isolation.toml \
+    --model default --size "$SIZE" --title "isolation = user: no sharing across users"
+"$KVPLAY" screenshot screenshots/eviction.svg --script screenshots/eviction.toml \
+    --model default --size "$SIZE" --show-events --title "eviction pressure: 24 blocks, four users"
+echo "screenshots/*.svg regenerated"
