@@ -20,7 +20,6 @@ from kvplay.engine.errors import EngineError
 from .migrations import is_newer, migrate
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-LOCK_TIMEOUT_S = float(os.environ.get("KVPLAY_DB_TIMEOUT", "5"))
 
 
 class StoreError(EngineError):
@@ -70,7 +69,7 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
             raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
         if not os.access(p.parent, os.W_OK):
             raise StoreError(f"cannot create a database at {p}: directory is not writable")
-    t = LOCK_TIMEOUT_S if timeout is None else timeout
+    t = float(os.environ.get("KVPLAY_DB_TIMEOUT", "5")) if timeout is None else timeout
     try:
         conn = sqlite3.connect(str(p), timeout=t, check_same_thread=False)
     except sqlite3.Error as exc:

@@ -1,0 +1,167 @@
+"""Sessions DB: migrations against the expected columns, ids, safe opening, bad DB files."""
+import sqlite3
+import threading
+
+import pytest
+import sqlite_utils
+
+from kvplay.cli import main as cli
+from kvplay.sessions.ids import new_ulid, ulid_time
+from kvplay.sessions.migrations import MIGRATIONS, MIGRATIONS_TABLE, migrate, schema_version
+from kvplay.sessions.store import StoreError, open_db
+
+EXPECTED = {
+    "sessions": {"id", "created", "ended", "source", "model", "engine_config", "versions", "system_prompt",
+                 "script_path", "replay_of", "title"},
+    "users": {"session_id", "name", "group", "colour", "seed", "temperature", "max_tokens", "top_p", "top_k"},
+    "turns": {"id", "session_id", "seq", "user", "text", "reply", "messages", "sampling", "seed", "at", "started",
+              "ended", "request_id", "ttft_ms", "decode_tok_s", "prompt_tokens", "cached_tokens", "computed_tokens",
+              "output_tokens", "cached_from", "preemptions", "finish_reason", "error", "token_ids"},
+    "cache_events": {"id", "session_id", "seq", "ts", "kind", "block_ids", "block_hashes", "user", "request_id",
+                     "payload"},
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_default_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
+    monkeypatch.setenv("KVPLAY_DB_TIMEOUT", "0.2")
+
+
+def test_migrations_in_memory():
+    db = sqlite_utils.Database(memory=True)
+    assert migrate(db) == len(MIGRATIONS)
+    for table, cols in EXPECTED.items():
+        assert set(db[table].columns_dict) == cols, table
+    assert db["users"].pks == ["session_id", "name"]
+    assert {r["name"] for r in db[MIGRATIONS_TABLE].rows} == {fn.__name__ for fn in MIGRATIONS}
+    assert schema_version(db) == len(MIGRATIONS)
+    assert migrate(db) == 0  # idempotent
+
+
+def test_ulids_sort_by_time():
+    ids = [new_ulid() for _ in range(200)]
+    assert ids == sorted(ids) and len(set(ids)) == 200
+    assert all(len(i) == 26 for i in ids)
+
+
+def test_ulid_time_decodes():
+    import time
+
+    assert abs(ulid_time(new_ulid()) - time.time()) < 5
+
+
+def test_open_creates_wal_db(tmp_path):
+    db = open_db(tmp_path / "sub" / "s.db")
+    assert db.journal_mode == "wal"
+    assert set(EXPECTED) <= set(db.table_names())
+    db.close()
+
+
+def test_recorder_from_another_thread(tmp_path, make_engine):
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.sessions.recorder import Recorder
+
+    eng = make_engine()
+    rec = Recorder.open(str(tmp_path / "r.db"), eng.config, eng.model_name, "app", "sys")
+    rec.attach(eng)
+    rec.add_user("alice", seed=3)
+    sp = SamplingParams(max_tokens=3, seed=3)
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    res = eng.submit("alice", msgs, sp).result(60)
+    out = []
+    t = threading.Thread(target=lambda: out.append(rec.record_turn("alice", "hi", msgs, sp, res)))
+    t.start()
+    t.join()
+    rec.close()
+    db = open_db(tmp_path / "r.db")
+    turns = list(db["turns"].rows)
+    assert [t["id"] for t in turns] == out
+    assert turns[0]["token_ids"] == str(list(res.token_ids)).replace(" ", "")
+    kinds = {r["kind"] for r in db["cache_events"].rows}
+    assert {"RequestQueued", "RequestStarted", "RequestFinished", "BlockStored"} <= kinds
+    stored = next(db.query("select * from cache_events where kind = 'BlockStored'"))
+    assert stored["user"] == "alice" and stored["block_ids"].startswith("[") and stored["request_id"] == res.request_id
+    assert db["sessions"].get(rec.session_id)["ended"] is not None
+
+
+# --- bad DB files: one line, exit 2, file unchanged ------------------------------------------
+def _cli_err(capsys, argv):
+    rc = cli(argv)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def test_not_sqlite_unchanged(tmp_path, capsys):
+    p = tmp_path / "notes.db"
+    p.write_bytes(b"just some text\n" * 100)
+    before = p.read_bytes()
+    for argv in (["sessions", "--db", str(p)], ["show", "X", "--db", str(p)],
+                 ["export", "X", "--db", str(p)], ["replay", "X", "--db", str(p), "--headless"]):
+        rc, err = _cli_err(capsys, argv)
+        assert rc == 2, argv
+        assert "not a SQLite database" in err and err.count("\n") == 0
+    assert p.read_bytes() == before
+    with pytest.raises(StoreError):
+        open_db(p)
+    assert p.read_bytes() == before
+
+
+def test_newer_schema_refused(tmp_path, capsys):
+    p = tmp_path / "s.db"
+    open_db(p).close()
+    conn = sqlite3.connect(p)
+    conn.execute(f"insert into {MIGRATIONS_TABLE} values ('m999_future', 0)")
+    conn.execute("PRAGMA user_version = 999")
+    conn.commit()
+    conn.close()
+    before = p.read_bytes()
+    rc, err = _cli_err(capsys, ["sessions", "--db", str(p)])
+    assert rc == 2 and "newer kvplay" in err and err.count("\n") == 0
+    assert p.read_bytes() == before
+
+
+def test_locked_db(tmp_path, capsys):
+    p = tmp_path / "locked.db"
+    conn = sqlite3.connect(p, isolation_level=None)
+    conn.execute("create table t (x)")
+    conn.execute("BEGIN EXCLUSIVE")
+    conn.execute("insert into t values (1)")
+    try:
+        rc, err = _cli_err(capsys, ["sessions", "--db", str(p)])
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+    assert rc == 2 and "locked" in err and err.count("\n") == 0
+
+
+def test_unwritable_path(tmp_path, capsys):
+    f = tmp_path / "plainfile"
+    f.write_text("x")
+    script = tmp_path / "s.toml"
+    script.write_text('[engine]\nmodel = "tiny:llama"\nnum_blocks = 16\n[[turns]]\nuser = "a"\ntext = "hi"\nmax_tokens = 2\n')
+    rc, err = _cli_err(capsys, ["run", str(script), "--db", str(f / "x.db")])
+    assert rc == 2 and "cannot create a database" in err and err.count("\n") == 0
+    assert f.read_text() == "x"
+
+
+def test_directory_as_db(tmp_path, capsys):
+    rc, err = _cli_err(capsys, ["sessions", "--db", str(tmp_path)])
+    assert rc == 2 and "is a directory" in err
+
+
+def test_unknown_session_id(tmp_path, capsys):
+    p = tmp_path / "s.db"
+    open_db(p).close()
+    for argv in (["show", "01NOPE", "--db", str(p)], ["export", "01NOPE", "--db", str(p), "--format", "md"],
+                 ["replay", "01NOPE", "--db", str(p), "--headless"]):
+        rc, err = _cli_err(capsys, argv)
+        assert rc == 2 and "unknown session id" in err and err.count("\n") == 0, argv
+
+
+def test_missing_db_for_show(tmp_path, capsys):
+    rc, err = _cli_err(capsys, ["show", "X", "--db", str(tmp_path / "none.db")])
+    assert rc == 2 and "no sessions database" in err
+    assert not (tmp_path / "none.db").exists()
+    assert cli(["sessions", "--db", str(tmp_path / "none.db")]) == 0
+    assert not (tmp_path / "none.db").exists()
