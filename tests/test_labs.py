@@ -103,7 +103,7 @@ def test_cli_json_plot_and_recording(tmp_path, capsys):
     from kvplay.cli import main
 
     png, db = tmp_path / "rc.png", tmp_path / "s.db"
-    rc = main(["lab", "response-cache", "--model", "tiny:llama", "--max-tokens", "6", "--json",
+    rc = main(["lab", "response-cache", "--model", "tiny:llama", "--num-blocks", "64", "--max-tokens", "6", "--json",
                "--plot", str(png), "--db", str(db)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
