@@ -39,6 +39,11 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
+def submit_order(turns: list[dict]) -> list[dict]:
+    """Turns in the order they were submitted (seq is the order they finished)."""
+    return sorted(turns, key=lambda t: (t.get("started") or 0.0, t["seq"]))
+
+
 def list_sessions(db, limit: int | None = None) -> list[dict]:
     sql = """
       select s.id, s.created, s.ended, s.source, s.model, s.replay_of, s.script_path,
@@ -65,7 +70,7 @@ def session_script(db, session: dict) -> Script:
         users.append(UserSpec(u["name"], **kw))
     turns = []
     names = {u.name for u in users}
-    for t in session_turns(db, session["id"]):
+    for t in submit_order(session_turns(db, session["id"])):
         s = t["sampling"]
         turns.append(TurnSpec(t["user"], t["text"], at=t.get("at"),
                               **{k: s.get(k) for k in SAMPLING_KEYS if s.get(k) is not None}))

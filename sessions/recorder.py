@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import json
+import sqlite3
 import threading
 import time
 
@@ -23,7 +24,7 @@ from kvplay.engine.request import RequestResult
 from kvplay.engine.sampling import SamplingParams
 
 from .ids import new_ulid
-from .store import open_db, resolve_path
+from .store import StoreError, open_db, resolve_path
 
 SOURCES = ("run", "app", "replay")
 
@@ -136,10 +137,13 @@ class Recorder:
                 "token_ids": _dumps(list(result.token_ids)),
             }
             events = self._drain()
-            with self.db.atomic():
-                self.db["turns"].insert(row)
-                if events:
-                    self.db["cache_events"].insert_all(events)
+            try:
+                with self.db.atomic():
+                    self.db["turns"].insert(row)
+                    if events:
+                        self.db["cache_events"].insert_all(events)
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot record turn {self._seq} in {self.path}: {exc}") from None
         return tid
 
     def flush(self) -> None:

@@ -16,6 +16,7 @@ from typing import Iterator
 from kvplay.engine.sampling import SamplingParams
 
 from .player import Done, Job, play
+from .query import submit_order
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -62,7 +63,7 @@ def recorded_jobs(turns: list[dict], groups: dict[str, str | None] | None = None
     groups = groups or {}
     t0 = min((t["started"] for t in turns if t.get("started") is not None), default=0.0)
     jobs = []
-    for t in turns:
+    for t in submit_order(turns):
         s = SamplingParams(**{k: v for k, v in (t["sampling"] or {}).items() if k in _SAMPLING_FIELDS})
         at = t.get("at")
         if speed is not None and t.get("started") is not None:
