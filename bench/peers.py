@@ -69,11 +69,23 @@ def _hf_generate_one(model, prompt_ids: list[int], new_tokens: int, cache=None):
     """Greedy generate exactly `new_tokens`; returns (output ids, first-token time, end time)."""
     ids = torch.tensor([prompt_ids], device=model.device)
     clock = _FirstTokenClock()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                         past_key_values=cache, streamer=clock, pad_token_id=_pad_id(model))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                  streamer=clock, pad_token_id=_pad_id(model))
+    if cache is not None:
+        kwargs[_cache_kw(model)] = cache
+    out = model.generate(**kwargs)
     end = time.perf_counter()
     return out[0].tolist(), clock.first or end, end
+
+
+def _cache_kw(model) -> str:
+    """transformers >= 5.24 calls the cache argument `cache` (`past_key_values` is deprecated)."""
+    import inspect
+
+    inner = getattr(model, "model", None)
+    params = inspect.signature(inner.forward).parameters if inner is not None else {}
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _pad_id(model) -> int:
@@ -152,6 +164,9 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
     except ImportError as exc:
         res.unavailable = f"unavailable: this transformers has no continuous batching ({exc})"
         return res
+    import logging
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "eos_token_id not set": on purpose
     original_attn = model.config._attn_implementation
     gen = GenerationConfig(max_new_tokens=workload.new_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=_pad_id(model))

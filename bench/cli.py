@@ -1,0 +1,66 @@
+"""`kvplay bench`: kvplay vs what a user would otherwise run, as ratios measured in one run."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from kvplay.options import add_engine_args, config_from_args
+
+from .workloads import WORKLOADS
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="shared-system only, 2 turns (under two minutes on a 2-core CPU)")
+    parser.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    parser.add_argument("--plot", metavar="FILE.png", help="also save a bar chart (matplotlib)")
+    parser.add_argument("--workload", choices=WORKLOADS + ("all",), default=None,
+                        help="which workload (default: all; shared-system with --quick)")
+    parser.add_argument("--users", type=int, default=None, help="users per round (default 4; pressure 8)")
+    parser.add_argument("--turns", type=int, default=None,
+                        help="turns per user (default 3, 2 with --quick; conversation 6)")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated subset of kvplay,hf-generate,hf-cache-per-user,hf-cb,kvplay-det")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="skip the decode probe (1 user vs N users)")
+    add_engine_args(parser)
+
+
+def _progress(start: float):
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import KvplayError
+
+    from .report import plot_report, print_report
+    from .run import PEER_ORDER, run_bench
+
+    config = config_from_args(args)
+    workload = args.workload or ("shared-system" if args.quick else "all")
+    names = list(WORKLOADS) if workload == "all" else [workload]
+    turns = args.turns or (2 if args.quick and names == ["shared-system"] else None)
+    for flag, v in (("--users", args.users), ("--turns", args.turns)):
+        if v is not None and v < 1:
+            raise KvplayError(f"{flag} must be at least 1")
+    peers = PEER_ORDER
+    if args.peers:
+        peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+        bad = [p for p in peers if p not in PEER_ORDER]
+        if bad:
+            raise KvplayError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEER_ORDER)})")
+    report = run_bench(config, names, users=args.users, turns=turns, quick=args.quick, peers=peers,
+                       probe=args.probe, progress=_progress(time.perf_counter()))
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"kvplay: plot saved to {args.plot}", file=sys.stderr)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print_report(report)
+    return 0

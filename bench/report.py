@@ -1,0 +1,137 @@
+"""Showing a bench report: rich tables, and a matplotlib (Agg) figure."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .metrics import COMPARED
+
+
+def _f(v, fmt: str = "{:.1f}") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return fmt.format(v)
+
+
+def _mib(v) -> str:
+    return "–" if v is None else f"{v / 1024 / 1024:.1f}"
+
+
+def _ratio(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def workload_table(w: dict) -> Table:
+    s = w["workload"]
+    t = Table(title=f"{s['name']}: {s['description']} ({s['requests']} requests, {s['prompt_tokens']} prompt tokens, "
+                    f"system prompt {s['system_tokens']} tokens)", title_justify="left")
+    for col in ("peer", "wall s", "TTFT cold p50/p95 ms", "TTFT warm p50/p95 ms", "decode tok/s",
+                "prompt computed / reused", "hit rate", "peak KV MiB", "wall x faster"):
+        t.add_column(col, justify="left" if col == "peer" else "right")
+    for key, p in w["peers"].items():
+        if p.get("unavailable"):
+            t.add_row(key, p["unavailable"], *[""] * 7)
+            continue
+        reused = p.get("reused_tokens")
+        t.add_row(
+            key, _f(p["wall_s"], "{:.2f}"),
+            f"{_f(p['ttft_cold_p50_ms'], '{:.0f}')} / {_f(p['ttft_cold_p95_ms'], '{:.0f}')}",
+            f"{_f(p['ttft_warm_p50_ms'], '{:.0f}')} / {_f(p['ttft_warm_p95_ms'], '{:.0f}')}",
+            _f(p["decode_tok_s"]),
+            f"{_f(p.get('computed_tokens'), '{:d}')} / {_f(reused, '{:d}')}",
+            _f(p.get("hit_rate"), "{:.0%}"), _mib(p.get("peak_kv_bytes")),
+            "(kvplay)" if key == "kvplay" else _ratio(w["speedups"].get(key)),
+        )
+    return t
+
+
+def ratio_table(w: dict) -> Table:
+    t = Table(title=f"{w['workload']['name']}: kvplay / peer (times: < 1 is better for kvplay; tok/s: > 1)",
+              title_justify="left")
+    t.add_column("peer")
+    for key in COMPARED:
+        t.add_column(key, justify="right")
+    for peer, r in w["ratios"].items():
+        if w["peers"][peer].get("unavailable"):
+            t.add_row(peer, *["–"] * len(COMPARED))
+            continue
+        t.add_row(peer, *[_ratio(r.get(k)) for k in COMPARED])
+    return t
+
+
+def targets_table(report: dict) -> Table:
+    t = Table(title="targets", title_justify="left")
+    for col in ("target", "measured", "goal", "met"):
+        t.add_column(col, justify="left" if col == "target" else "right")
+    for tg in report["targets"]:
+        goal = ("≤ " if tg["smaller_is_better"] else "≥ ") + f"{tg['threshold']:g}"
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[tg["met"]]
+        t.add_row(tg["name"] + (f" ({tg['detail']})" if tg["detail"] else ""), _ratio(tg["value"]), goal, met)
+    return t
+
+
+def legend(report: dict) -> Table:
+    t = Table(title="peers", title_justify="left", show_header=False)
+    seen = {}
+    for w in report["workloads"]:
+        for key, p in w["peers"].items():
+            seen.setdefault(key, p["label"])
+    for key, label in seen.items():
+        t.add_row(key, label)
+    return t
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    console.print(f"[bold]kvplay bench[/] · {report['model']} on {report['device']} ({report['dtype']}) · "
+                  f"{report['cpu_count']} CPUs, torch threads {report['torch_threads']} · load avg "
+                  f"{report['load_avg_start']} → {report.get('load_avg_end')} · {report['elapsed_s']:.0f} s"
+                  + (" · --quick" if report["quick"] else ""))
+    console.print(legend(report))
+    for w in report["workloads"]:
+        console.print(workload_table(w))
+        if w.get("ratios"):
+            console.print(ratio_table(w))
+        if w.get("kvplay_warm_cold_ttft") is not None:
+            console.print(f"kvplay warm/cold TTFT p50: {w['kvplay_warm_cold_ttft']:.2f}")
+        for note in w["workload"].get("notes", []):
+            console.print(f"note: {note}")
+    probe = report.get("decode_probe")
+    if probe:
+        console.print(f"decode probe: kvplay 1 user {_f(probe['kvplay_1_user_tok_s'])} tok/s, "
+                      f"{probe['users']} users {_f(probe['kvplay_n_users_tok_s'])} tok/s aggregate; "
+                      f"HF generate + DynamicCache 1 user {_f(probe['hf_1_user_tok_s'])} tok/s")
+    if report.get("targets"):
+        console.print(targets_table(report))
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Bars of wall time and warm TTFT p50 per peer, one row per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ws = report["workloads"]
+    fig, axes = plt.subplots(len(ws), 3, figsize=(15, 3.6 * len(ws)), squeeze=False)
+    for row, w in zip(axes, ws):
+        peers = {k: p for k, p in w["peers"].items() if not p.get("unavailable")}
+        names = list(peers)
+        colors = ["tab:green" if n.startswith("kvplay") else "tab:gray" for n in names]
+        for ax, key, title in zip(row, ("wall_s", "ttft_warm_p50_ms", "decode_tok_s"),
+                                  ("wall time (s)", "warm TTFT p50 (ms)", "decode tok/s (aggregate)")):
+            vals = [peers[n].get(key) or 0 for n in names]
+            ax.barh(names, vals, color=colors)
+            ax.set_title(f"{w['workload']['name']}: {title}", fontsize=10)
+            ax.invert_yaxis()
+            for i, v in enumerate(vals):
+                ax.text(v, i, f" {v:.1f}", va="center", fontsize=8)
+    fig.suptitle(f"kvplay bench · {report['model']} on {report['device']}", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
