@@ -328,8 +328,12 @@ def decode_probe(loaded_kv, hf_model, workload: Workload, base: EngineConfig, us
     engine = Engine(cfg, loaded_kv).start()
     try:
         warm_up_engine(engine, turns[0].prompt_ids)
+        progress("latency probe: kvplay, one request alone, cold then warm")
+        one_token = SamplingParams(max_tokens=1, stop_on_eos=False)
+        cold = submit_together(engine, turns[:1], one_token)[0].result(600).stats.ttft_ms
+        other = first_round[1] if len(first_round) > 1 else first_round[0]
+        warm = submit_together(engine, [other], one_token)[0].result(600).stats.ttft_ms
         progress("decode probe: kvplay, 1 user")
-        submit_together(engine, turns[:1], SamplingParams(max_tokens=1, stop_on_eos=False))[0].result(600)
 
         def play(ts):
             handles = submit_together(engine, ts, sampling)
@@ -352,4 +356,5 @@ def decode_probe(loaded_kv, hf_model, workload: Workload, base: EngineConfig, us
         cache.crop(-(cache.get_seq_length() - (len(turns[0].prompt_ids) - 1)))
         out, first, end = _hf_generate_one(hf_model, turns[0].prompt_ids, workload.new_tokens, cache)
     hf_one = agg([(first, end, len(out) - len(turns[0].prompt_ids))])
-    return {"users": users, "kvplay_1_user_tok_s": one, "kvplay_n_users_tok_s": many, "hf_1_user_tok_s": hf_one}
+    return {"users": users, "kvplay_alone_cold_ttft_ms": cold, "kvplay_alone_warm_ttft_ms": warm,
+            "kvplay_1_user_tok_s": one, "kvplay_n_users_tok_s": many, "hf_1_user_tok_s": hf_one}

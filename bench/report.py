@@ -103,6 +103,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
             console.print(f"note: {note}")
     probe = report.get("decode_probe")
     if probe:
+        console.print(f"latency probe: kvplay one request alone, TTFT cold {_f(probe['kvplay_alone_cold_ttft_ms'], '{:.0f}')}"
+                      f" ms, warm {_f(probe['kvplay_alone_warm_ttft_ms'], '{:.0f}')} ms")
         console.print(f"decode probe: kvplay 1 user {_f(probe['kvplay_1_user_tok_s'])} tok/s, "
                       f"{probe['users']} users {_f(probe['kvplay_n_users_tok_s'])} tok/s aggregate; "
                       f"HF generate + DynamicCache 1 user {_f(probe['hf_1_user_tok_s'])} tok/s")

@@ -135,6 +135,9 @@ def targets(report: dict) -> list[Target]:
                               1.5, True))
     probe = report.get("decode_probe")
     if probe:
+        out.append(Target("warm/cold TTFT p50 of one request alone (kvplay)", ratio(
+            probe["kvplay_alone_warm_ttft_ms"], probe["kvplay_alone_cold_ttft_ms"]), 0.15, True,
+            "latency probe: no other request in flight"))
         out.append(Target("decode 1 user: kvplay / HF DynamicCache", ratio(probe["kvplay_1_user_tok_s"],
                                                                            probe["hf_1_user_tok_s"]), 0.95, False))
         out.append(Target(f"decode {probe['users']} users / 1 user (kvplay aggregate)",

@@ -200,6 +200,7 @@ def test_report_cache_figures(tiny_report):
     assert any("warm/cold" in n for n in names) and any("decode" in n for n in names)
     probe = tiny_report["decode_probe"]
     assert probe["kvplay_1_user_tok_s"] > 0 and probe["hf_1_user_tok_s"] > 0
+    assert probe["kvplay_alone_cold_ttft_ms"] > 0 and probe["kvplay_alone_warm_ttft_ms"] > 0
 
 
 def test_print_and_plot(tiny_report, tmp_path):
