@@ -184,3 +184,20 @@ async def test_deterministic_toggle_asks_first(tiny_llama):
         assert "fresh cache" in app.screen.question
         await pilot.press("y")
         await wait_until(pilot, lambda: app.engine.config.deterministic)
+
+
+async def test_turns_are_recorded_when_recording(tiny_llama, tmp_path):
+    import sqlite3
+
+    db = tmp_path / "sessions.db"
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
+                    loaded=tiny_llama, record=True, db=str(db), timings=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello")
+        await wait_until(pilot, lambda: app.recorder is not None)
+    assert app.recorder_error is None
+    con = sqlite3.connect(db)
+    rows = con.execute("select user, text, prompt_tokens from turns").fetchall()
+    assert rows and rows[0][:2] == ("alice", "Hello")
+    assert con.execute("select count(*) from users").fetchone()[0] == 1

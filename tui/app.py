@@ -80,8 +80,8 @@ class KvplayApp(App):
     ENABLE_COMMAND_PALETTE = True
     BINDINGS = [
         Binding("f1", "help", "Help", id="help", tooltip="What the colours, glyphs and numbers mean"),
-        Binding("ctrl+right", "focus_pane(1)", "Next pane", show=False, id="pane.next"),
-        Binding("ctrl+left", "focus_pane(-1)", "Prev pane", show=False, id="pane.previous"),
+        Binding("alt+right,ctrl+down", "focus_pane(1)", "Next pane", show=False, id="pane.next"),
+        Binding("alt+left,ctrl+up", "focus_pane(-1)", "Prev pane", show=False, id="pane.previous"),
         Binding("f2", "cycle_isolation", "Isolation", id="mode.isolation",
                 tooltip="Who may share blocks: shared → user → group → system"),
         Binding("f3", "cycle_eviction", "Eviction", id="mode.eviction", tooltip="lru → lfu → fifo"),
@@ -115,6 +115,7 @@ class KvplayApp(App):
         self._loaded = loaded
         self.timings = timings
         self.flash_s = flash_s if timings else 0.0
+        self._title = title
         if title:
             self.sub_title = title
         self.looks = assign_looks([u.name for u in self.users], {u.name: u.colour for u in self.users})
@@ -131,7 +132,8 @@ class KvplayApp(App):
         self._flash_until = 0.0
         self._requests: deque = deque(maxlen=200)
         self._ttft: dict[str, list[float]] = {}
-        self._inflight: dict[int, ChatPane] = {}
+        self._inflight: dict[int, tuple[ChatPane, str]] = {}
+        self._pending: list = []  # messages typed while the model was loading
         self._views: tuple = ()
         self._stats: dict | None = None
         self._detail_block: int | None = None
@@ -236,6 +238,13 @@ class KvplayApp(App):
         if self.record:
             self._recorder_call(self._open_recorder)
         self.ready.set()
+        pending, self._pending = self._pending, []
+        for pane, text, turn in pending:
+            pane.set_busy(False)
+            if pane.is_attached:
+                self.send(pane, text, turn)
+        if self.focused is None:
+            self.current_pane().input.focus()
         if not self.turns:
             first, second = (self.users + self.users)[:2]
             self.notify(f"Type as {first.name}, then as {second.name}, and watch the block map. "
@@ -256,16 +265,21 @@ class KvplayApp(App):
         if Recorder is None or self.engine is None:
             return
         rec = Recorder.open(self.db, self.engine.config, self.engine.model_name, source="app",
-                            system_prompt=self.system_prompt)
+                            system_prompt=self.system_prompt, title=self._title)
         rec.attach(self.engine)
-        for u in self.users:
-            rec.add_user(u.name, group=u.group, colour=self.looks[u.name].colour, seed=u.seed,
-                         temperature=u.temperature)
         self.recorder = rec
+        for u in self.users:
+            self._record_user(u)
 
-    def _record_turn(self, user, text, messages, sampling, result) -> None:
+    def _record_user(self, u: UserSpec) -> None:
         if self.recorder is not None:
-            self.recorder.record_turn(user, text, messages, sampling, result)
+            self.recorder.add_user(u.name, group=u.group, colour=self.looks[u.name].colour, seed=u.seed,
+                                   temperature=u.temperature, max_tokens=u.max_tokens, top_p=u.top_p,
+                                   top_k=u.top_k)
+
+    def _record_turn(self, user, text, messages, sampling, result, started) -> None:
+        if self.recorder is not None:
+            self.recorder.record_turn(user, text, messages, sampling, result, started=started)
 
     # --- sending ------------------------------------------------------------------------------
     @on(ChatPane.Submitted)
@@ -274,7 +288,9 @@ class KvplayApp(App):
 
     def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
         if self.engine is None:
-            pane.notice("The model is still loading; your message was not sent.")
+            self._pending.append((pane, text, turn))
+            pane.set_busy(True)
+            pane.notice("The model is still loading; this message is sent as soon as it is ready.")
             return None
         spec = pane.spec
         sampling = SamplingParams(
@@ -300,6 +316,7 @@ class KvplayApp(App):
 
     @work(thread=True, exit_on_error=False, group="replies", description="Streaming a reply")
     def _stream(self, turn_id: int, user: str, group, text: str, messages: list[dict], sampling) -> None:
+        started = time.time()
         try:
             handle = self.engine.submit(user, messages, sampling, group=group)
         except EngineError as exc:
@@ -315,7 +332,7 @@ class KvplayApp(App):
         result = handle.result()
         self.post_message(ReplyDone(turn_id, user, result))
         if self.record:
-            self._recorder_call(self._record_turn, user, text, messages, sampling, result)
+            self._recorder_call(self._record_turn, user, text, messages, sampling, result, started)
 
     def on_reply_delta(self, msg: ReplyDelta) -> None:
         entry = self._inflight.get(msg.turn_id)
@@ -685,9 +702,7 @@ class KvplayApp(App):
         if self.engine is not None:
             pane.call_after_refresh(pane.set_ready, True)
         if self.record:
-            self._recorder_call(lambda: self.recorder and self.recorder.add_user(
-                spec.name, group=spec.group, colour=self.looks[spec.name].colour, seed=spec.seed,
-                temperature=spec.temperature))
+            self._recorder_call(self._record_user, spec)
         return pane
 
     def action_remove_user(self) -> None:

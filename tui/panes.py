@@ -44,7 +44,7 @@ class ChatPane(Vertical):
     def compose(self):
         with VerticalScroll(classes="log"):
             yield Static(self.hint, classes="hint")
-        yield Input(placeholder="loading the model…", disabled=True, id=f"input-{safe_id(self.user)}")
+        yield Input(placeholder="type now: sent as soon as the model is loaded", id=f"input-{safe_id(self.user)}")
 
     def on_mount(self) -> None:
         self.styles.border = ("round", self.look.colour)
@@ -71,7 +71,6 @@ class ChatPane(Vertical):
 
     def set_ready(self, ready: bool, placeholder: str | None = None) -> None:
         self.ready = ready
-        self.input.disabled = not ready
         self.input.placeholder = placeholder or (f"message as {self.user} — Enter sends" if ready else "loading…")
 
     def set_busy(self, busy: bool) -> None:
