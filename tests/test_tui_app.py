@@ -201,3 +201,41 @@ async def test_turns_are_recorded_when_recording(tiny_llama, tmp_path):
     rows = con.execute("select user, text, prompt_tokens from turns").fetchall()
     assert rows and rows[0][:2] == ("alice", "Hello")
     assert con.execute("select count(*) from users").fetchone()[0] == 1
+
+
+async def test_hovering_a_cell_shows_its_details(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello there")
+        await pilot.hover("#map", offset=(2, 0))  # second cell of the first row
+        await pilot.pause(0.1)
+        assert "block #1 " in str(app.query_one("#detail").render())
+
+
+async def test_replay_pause_and_step(tiny_llama):
+    from kvplay.sessions.script import TurnSpec
+
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4),
+                    UserSpec("bob", max_tokens=4)], SYSTEM, turns=[TurnSpec("alice", "one"), TurnSpec("bob", "two")],
+                    speed=0, loaded=tiny_llama, record=False, timings=False)
+    app.paused = True
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.pause(0.3)
+        assert not app._requests and not app.busy  # paused: nothing was sent
+        await pilot.press("f12")  # step: exactly one turn
+        await wait_until(pilot, lambda: len(app._requests) == 1 and not app.busy)
+        await pilot.pause(0.3)
+        assert len(app._requests) == 1 and app._requests[0].user == "alice"
+        await pilot.press("f11")  # resume
+        await wait_until(pilot, app.autoplay_done.is_set)
+        assert [r.user for r in app._requests] == ["alice", "bob"]
+
+
+def test_cli_rejects_bad_users_before_opening_the_app(capsys):
+    from kvplay.cli import main
+
+    assert main(["--users", "alice,alice", "--model", "tiny:llama"]) == 2
+    assert "duplicate" in capsys.readouterr().err
+    assert main(["app", "--users", " , ", "--model", "tiny:llama"]) == 2

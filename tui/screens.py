@@ -50,6 +50,24 @@ shows the block's hash, its tokens as text, creator, ref count, hits, age and us
 * **eviction** – which cached block goes first when the pool is full: `lru`, `lfu`, `fifo`
 * **deterministic** – bitwise-identical results whether cached or not (needs an empty cache)
 
+## Keys
+| key | what it does |
+|---|---|
+| Enter | send the message in this pane |
+| Tab, alt+→ / alt+← | next / previous pane (ctrl+↓ / ctrl+↑ too) |
+| ctrl+b | move into the block map (arrows move, details below it) |
+| F2 / F3 | next isolation mode / eviction policy |
+| F4 | clear the cache |
+| F5 | deterministic mode on/off (asks first: it empties the cache) |
+| F6 | edit the shared system prompt |
+| F7 | seed, temperature, max tokens and group of this pane's user |
+| F8 / F9 | add a user / remove this pane's user |
+| F10 | show or hide the event log |
+| F11 / F12 | pause or resume / play one turn (scripts and replays) |
+| ctrl+s | save an SVG screenshot in the current directory |
+| ctrl+p | command palette: every action as "category: action" |
+| ctrl+q | quit |
+
 Press **Esc** to close.
 """
 
