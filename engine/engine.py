@@ -20,7 +20,7 @@ from typing import Callable
 from .chat import encode_chat
 from .config import EngineConfig
 from .errors import EngineError
-from .events import Event
+from .events import Event, RequestQueued
 from .eviction import make_policy
 from .model import LoadedModel, load_model
 from .pool import BlockPool, KVStore
@@ -82,6 +82,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._snapshot: tuple[BlockView, ...] = ()
+        self._stats: dict = {}
         self.failure: str | None = None
         self._build()
 
@@ -181,7 +182,10 @@ class Engine:
         try:
             with self._lock:
                 if op == "submit":
-                    self.scheduler.add(args[0])
+                    req = args[0]
+                    self.scheduler.add(req)
+                    self._emit(RequestQueued(request_id=req.request_id, user=req.user,
+                                             prompt_tokens=len(req.prompt_ids)))
                     out = None
                 elif op == "cancel":
                     out = self.scheduler.cancel(args[0])
@@ -239,16 +243,10 @@ class Engine:
         if trace_logits:
             req.logits_trace = []
         handle.request = req  # read-only access for labs (logits trace, stats)
-        from .events import RequestQueued
-
         if self._thread is None:
             raise EngineError("engine is not started (use Engine(...).start() or `with Engine(...)`)")
-        self._cmds.put(("submit", req))
-        self._emit_threadsafe(RequestQueued(request_id=rid, user=user, prompt_tokens=n))
+        self._cmds.put(("submit", req))  # never blocks: the engine thread picks it up between steps
         return handle
-
-    def _emit_threadsafe(self, event: Event) -> None:
-        self.call(lambda: self._emit(event)) if self._thread is not None else self._emit(event)
 
     def generate(self, user: str, messages: list[dict], sampling: SamplingParams | None = None,
                  group: str | None = None, timeout: float | None = None):
@@ -295,6 +293,7 @@ class Engine:
 
     # --- observation --------------------------------------------------------------------------
     def _publish_snapshot(self) -> None:
+        self._stats = self._compute_stats()
         self._snapshot = tuple(
             BlockView(b.block_id, b.state, b.ref_count, None if b.hash is None else self.hasher.fn.hex(b.hash),
                       b.creator, b.creator_request, b.token_ids, b.hits, b.created_at, b.last_used,
@@ -305,38 +304,46 @@ class Engine:
         """The state of every block as of the last step (never blocks on the engine)."""
         return self._snapshot
 
-    def stats(self) -> dict:
-        """Global counters (a consistent copy taken between steps)."""
-        with self._lock:
-            pool, sch = self.pool, self.scheduler
-            block_bytes = self.runner.store.block_bytes
-            resident = [b for b in pool.blocks if b.state != "free"]
-            dedicated = sum(max(1, len(b.users_seen)) for b in resident)
-            return {
-                "model": self.model_name,
-                "blocks_total": pool.num_blocks,
-                "blocks_free": pool.num_free(),
-                "blocks_cached": pool.num_cached(),
-                "blocks_in_use": pool.num_in_use(),
-                "block_size": pool.block_size,
-                "block_bytes": block_bytes,
-                "pool_bytes": block_bytes * pool.num_blocks,
-                "used_bytes": block_bytes * len(resident),
-                "dedicated_bytes": block_bytes * dedicated,
-                "bytes_saved": block_bytes * (dedicated - len(resident)),
-                "query_tokens": sch.query_tokens,
-                "hit_tokens": sch.hit_tokens,
-                "hit_rate": sch.hit_tokens / sch.query_tokens if sch.query_tokens else 0.0,
-                "evictions": pool.evictions,
-                "preemptions": sch.preemptions,
-                "collisions_caught": sch.collisions_caught,
-                "requests_finished": sch.finished,
-                "running": len(sch.running),
-                "waiting": len(sch.waiting),
-                "forwards": self.runner.forwards,
-                "isolation": self.config.isolation,
-                "eviction": self.config.eviction,
-                "deterministic": self.config.deterministic,
-                "hash": self.config.hash,
-                "verify_on_hit": self.config.verify_on_hit,
-            }
+    def stats(self, timeout: float = 1.0) -> dict:
+        """Global counters, consistent (taken between steps). If the engine is busy in a step for
+        longer than `timeout` seconds, returns the copy published after the last step instead."""
+        if not self._lock.acquire(timeout=timeout):
+            return dict(self._stats)
+        try:
+            return self._compute_stats()
+        finally:
+            self._lock.release()
+
+    def _compute_stats(self) -> dict:
+        pool, sch = self.pool, self.scheduler
+        block_bytes = self.runner.store.block_bytes
+        resident = [b for b in pool.blocks if b.state != "free"]
+        dedicated = sum(max(1, len(b.users_seen)) for b in resident)
+        return {
+            "model": self.model_name,
+            "blocks_total": pool.num_blocks,
+            "blocks_free": pool.num_free(),
+            "blocks_cached": pool.num_cached(),
+            "blocks_in_use": pool.num_in_use(),
+            "block_size": pool.block_size,
+            "block_bytes": block_bytes,
+            "pool_bytes": block_bytes * pool.num_blocks,
+            "used_bytes": block_bytes * len(resident),
+            "dedicated_bytes": block_bytes * dedicated,
+            "bytes_saved": block_bytes * (dedicated - len(resident)),
+            "query_tokens": sch.query_tokens,
+            "hit_tokens": sch.hit_tokens,
+            "hit_rate": sch.hit_tokens / sch.query_tokens if sch.query_tokens else 0.0,
+            "evictions": pool.evictions,
+            "preemptions": sch.preemptions,
+            "collisions_caught": sch.collisions_caught,
+            "requests_finished": sch.finished,
+            "running": len(sch.running),
+            "waiting": len(sch.waiting),
+            "forwards": self.runner.forwards,
+            "isolation": self.config.isolation,
+            "eviction": self.config.eviction,
+            "deterministic": self.config.deterministic,
+            "hash": self.config.hash,
+            "verify_on_hit": self.config.verify_on_hit,
+        }
