@@ -46,9 +46,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"no sessions recorded yet in {path}")
         return 0
     table = Table(title=f"sessions in {path}", header_style="bold")
-    for name, kw in [("id", {"no_wrap": True}), ("when", {"no_wrap": True}), ("source", {}), ("model", {}),
+    for name, kw in [("id", {"no_wrap": True}), ("when", {"no_wrap": True}), ("source", {}), ("model", {"no_wrap": True}),
                      ("users", {"justify": "right"}), ("turns", {"justify": "right"}),
-                     ("hit rate", {"justify": "right"}), ("note", {})]:
+                     ("hit rate", {"justify": "right"}), ("note", {"no_wrap": True})]:
         table.add_column(name, **kw)
     for r in rows:
         hr = hit_rate(r)

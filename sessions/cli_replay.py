@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
         session = resolve_session(db, args.id)
         turns = session_turns(db, session["id"])
         users = session_users(db, session["id"])
-        script = session_script(db, session)
+        script = session_script(db, session, timed=True)
     finally:
         db.close()
     if not turns:

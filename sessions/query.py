@@ -57,9 +57,10 @@ def list_sessions(db, limit: int | None = None) -> list[dict]:
     return list(db.query(sql))
 
 
-def session_script(db, session: dict) -> Script:
+def session_script(db, session: dict, timed: bool = False) -> Script:
     """A `kvplay run` script reproducing the session: engine table, system prompt, users with
-    seeds, and every turn with its exact sampling (and `at` where the original had one)."""
+    seeds, and every turn with its exact sampling (and `at` where the original had one).
+    `timed`: give every turn `at` = its recorded submit offset (to play at the recorded pace)."""
     cfg = dict(session.get("engine_config") or {})
     users = []
     for u in session_users(db, session["id"]):
@@ -70,9 +71,14 @@ def session_script(db, session: dict) -> Script:
         users.append(UserSpec(u["name"], **kw))
     turns = []
     names = {u.name for u in users}
-    for t in submit_order(session_turns(db, session["id"])):
+    ordered = submit_order(session_turns(db, session["id"]))
+    t0 = min((t["started"] for t in ordered if t.get("started") is not None), default=0.0)
+    for t in ordered:
         s = t["sampling"]
-        turns.append(TurnSpec(t["user"], t["text"], at=t.get("at"),
+        at = t.get("at")
+        if timed and t.get("started") is not None:
+            at = round(t["started"] - t0, 3)
+        turns.append(TurnSpec(t["user"], t["text"], at=at,
                               **{k: s.get(k) for k in SAMPLING_KEYS if s.get(k) is not None}))
         if t["user"] not in names:  # a user the app never registered
             users.append(UserSpec(t["user"]))

@@ -141,3 +141,15 @@ def test_bad_input_exit_2(tmp_path, capsys, argv_extra, body, fragment):
     assert rc == 2
     assert fragment in err[-1] and err[-1].startswith("kvplay: error:")
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.slow
+def test_shared_system_example_on_embedded_model(capsys):
+    """The issue's bar: bob reuses >= 480 of alice's tokens; --isolation user reuses none."""
+    from pathlib import Path
+
+    ex = str(Path(__file__).parent.parent / "examples" / "shared-system.toml")
+    rc, (a, b), _ = run_json(capsys, ["run", ex, "--json", "--no-record", "--model", "default"])
+    assert rc == 0 and b["cached_from"].get("alice", 0) >= 480 and a["cached_tokens"] == 0
+    rc, (a, b), _ = run_json(capsys, ["run", ex, "--json", "--no-record", "--model", "default", "--isolation", "user"])
+    assert rc == 0 and b["cached_tokens"] == 0

@@ -116,7 +116,7 @@ def test_export_md_and_jsonl(tmp_path, capsys):
     assert any(x["type"] == "event" and x["kind"] == "BlockStored" for x in lines)
 
 
-def test_sigkill_mid_run_keeps_finished_turns(tmp_path):
+def test_sigkill_mid_run_keeps_finished_turns(tmp_path, capsys):
     db = tmp_path / "k.db"
     path = write_script(tmp_path, n_rounds=40, max_tokens=24, name="long.toml")
     env = dict(os.environ, KVPLAY_DB=str(db), PYTHONUNBUFFERED="1")
@@ -140,14 +140,28 @@ def test_sigkill_mid_run_keeps_finished_turns(tmp_path):
     conn = sqlite3.connect(db)
     assert conn.execute("pragma integrity_check").fetchone()[0] == "ok"
     conn.close()
-    out = subprocess.run([sys.executable, "-m", "kvplay", "sessions", "--db", str(db), "--json"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    [session] = json_lines(out.stdout)
+    capsys.readouterr()
+    assert cli(["sessions", "--db", str(db), "--json"]) == 0
+    [session] = json_lines(capsys.readouterr().out)
     assert session["ended"] is None and session["turns"] >= len(printed)
     assert session["turns"] < 80
-    out = subprocess.run([sys.executable, "-m", "kvplay", "replay", session["id"], "--db", str(db), "--headless",
-                          "--json", "--no-record"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    summ = json_lines(out.stdout)[-1]
+    assert cli(["replay", session["id"], "--db", str(db), "--headless", "--json", "--no-record"]) == 0
+    summ = json_lines(capsys.readouterr().out)[-1]
     assert summ["turns"] == session["turns"] and summ["reproduces"]
+
+
+def test_replay_in_app_gets_recorded_turns(tmp_path, capsys, monkeypatch):
+    """Without --headless the recorded users and turns (with their recorded pace) go to the app."""
+    app = pytest.importorskip("kvplay.tui.app")
+    db, turns, sid = recorded(tmp_path, capsys, n_rounds=2)
+    calls = []
+    monkeypatch.setattr(app, "run_app", lambda *a, **kw: calls.append((a, kw)) or 0)
+    assert cli(["replay", sid[:14], "--db", db, "--speed", "4"]) == 0
+    [(args, kw)] = calls
+    config, users, system, play = args[:4]
+    assert config.deterministic and config.model == "tiny:llama"
+    assert [u.name for u in users] == ["alice", "bob"] and [u.seed for u in users] == [1, 2]
+    assert system == SYSTEM and kw["speed"] == 4 and kw["title"] == f"replay of {sid}"
+    assert [(t.user, t.text) for t in play][:2] == [("alice", "Question 0 from alice?"), ("bob", "Question 0 from bob?")]
+    assert all(t.at is not None for t in play) and play[0].at == 0
+    assert all(t.seed is not None and t.temperature == 0.7 for t in play)
