@@ -6,7 +6,7 @@ import json
 
 from .cli_list import when
 from .query import resolve_session, session_turns, session_users
-from .report import attribution, console, excerpt, fmt_num, print_json
+from .report import attribution, console, excerpt, fmt_num, human_bytes, print_json
 from .store import open_db
 
 
@@ -50,6 +50,12 @@ def main(args: argparse.Namespace) -> int:
     con.print(f"[bold]session {s['id']}[/bold]  {s['source']}  {s['model']}  {when(s['created'])} → "
               f"{when(s['ended']) if s['ended'] else 'unfinished'}", highlight=False)
     con.print("engine: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), highlight=False)
+    st = s.get("stats") or {}
+    if st:
+        con.print(f"at the end: hit rate {st.get('hit_rate', 0):.1%}, {st.get('blocks_cached')} cached / "
+                  f"{st.get('blocks_total')} blocks, evictions {st.get('evictions')}, preemptions "
+                  f"{st.get('preemptions')}, saved {human_bytes(st.get('bytes_saved'))} vs a cache per user",
+                  highlight=False)
     if s.get("replay_of"):
         con.print(f"replay of {s['replay_of']}", highlight=False)
     if s.get("script_path"):

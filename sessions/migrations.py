@@ -42,6 +42,12 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     db["cache_events"].create_index(["session_id", "seq"])
 
 
+@migration
+def m002_session_stats(db: sqlite_utils.Database) -> None:
+    """Engine counters at the end of a session (hit rate, evictions, bytes saved, ...)."""
+    db["sessions"].add_column("stats", str)
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 

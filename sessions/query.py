@@ -22,7 +22,7 @@ def resolve_session(db, ident: str) -> dict:
     if len(rows) > 1:
         raise StoreError(f"session id prefix {ident!r} is ambiguous ({len(rows)} sessions match)")
     row = rows[0]
-    for k in ("engine_config", "versions"):
+    for k in ("engine_config", "versions", "stats"):
         row[k] = json.loads(row[k]) if row.get(k) else {}
     return row
 

@@ -65,6 +65,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._events: collections.deque = collections.deque()
         self._unsub = None
+        self._engine = None
         self._seq = 0
         self._closed = False
         self.path = None
@@ -89,6 +90,7 @@ class Recorder:
     # --- engine events (listener runs on the engine thread: only enqueue) ----------------------
     def attach(self, engine) -> None:
         if self._unsub is None:
+            self._engine = engine
             self._unsub = engine.subscribe(self._events.append)
 
     def detach(self) -> None:
@@ -156,11 +158,20 @@ class Recorder:
     def close(self) -> None:
         if self._closed:
             return
+        stats = None
+        if self._engine is not None:
+            try:
+                stats = self._engine.stats()
+            except Exception:  # the engine may be gone; the session still ends cleanly
+                stats = None
         self.detach()
         self.flush()
         with self._lock:
             with self.db.atomic():
-                self.db["sessions"].update(self.session_id, {"ended": time.time()})
+                update = {"ended": time.time()}
+                if stats is not None:
+                    update["stats"] = _dumps(stats)
+                self.db["sessions"].update(self.session_id, update)
             self.db.close()
             self._closed = True
 

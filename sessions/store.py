@@ -17,7 +17,7 @@ import sqlite_utils
 
 from kvplay.engine.errors import EngineError
 
-from .migrations import is_newer, migrate
+from .migrations import MIGRATIONS_TABLE, is_newer, migrate
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -76,6 +76,9 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
         raise StoreError(f"cannot open {p}: {exc}") from None
     try:
         db = sqlite_utils.Database(conn, execute_plugins=False)
+        tables = db.table_names()
+        if tables and MIGRATIONS_TABLE not in tables:
+            raise StoreError(f"{p} is a SQLite database but not a kvplay sessions database (left unchanged)")
         if is_newer(db):
             raise StoreError(f"{p} was written by a newer kvplay (schema {db.execute('PRAGMA user_version').fetchone()[0]}); "
                              "upgrade kvplay to open it (left unchanged)")

@@ -1,4 +1,5 @@
 """Sessions DB: migrations against the expected columns, ids, safe opening, bad DB files."""
+import json
 import sqlite3
 import threading
 
@@ -12,7 +13,7 @@ from kvplay.sessions.store import StoreError, open_db
 
 EXPECTED = {
     "sessions": {"id", "created", "ended", "source", "model", "engine_config", "versions", "system_prompt",
-                 "script_path", "replay_of", "title"},
+                 "script_path", "replay_of", "title", "stats"},
     "users": {"session_id", "name", "group", "colour", "seed", "temperature", "max_tokens", "top_p", "top_k"},
     "turns": {"id", "session_id", "seq", "user", "text", "reply", "messages", "sampling", "seed", "at", "started",
               "ended", "request_id", "ttft_ms", "decode_tok_s", "prompt_tokens", "cached_tokens", "computed_tokens",
@@ -37,6 +38,33 @@ def test_migrations_in_memory():
     assert {r["name"] for r in db[MIGRATIONS_TABLE].rows} == {fn.__name__ for fn in MIGRATIONS}
     assert schema_version(db) == len(MIGRATIONS)
     assert migrate(db) == 0  # idempotent
+
+
+def test_migrates_an_older_db(tmp_path):
+    p = tmp_path / "old.db"
+    db = sqlite_utils.Database(p)
+    db[MIGRATIONS_TABLE].create({"name": str, "applied_at": float}, pk="name")
+    MIGRATIONS[0](db)
+    db[MIGRATIONS_TABLE].insert({"name": MIGRATIONS[0].__name__, "applied_at": 0.0})
+    db.execute("PRAGMA user_version = 1")
+    db["sessions"].insert({"id": "01OLD", "created": 1.0, "source": "run"})
+    db.close()
+    db = open_db(p)
+    assert "stats" in db["sessions"].columns_dict and schema_version(db) == len(MIGRATIONS)
+    assert db["sessions"].get("01OLD")["source"] == "run"
+    db.close()
+
+
+def test_foreign_sqlite_db_unchanged(tmp_path, capsys):
+    p = tmp_path / "other.db"
+    conn = sqlite3.connect(p)
+    conn.execute("create table notes (x)")
+    conn.commit()
+    conn.close()
+    before = p.read_bytes()
+    rc, err = _cli_err(capsys, ["sessions", "--db", str(p)])
+    assert rc == 2 and "not a kvplay sessions database" in err
+    assert p.read_bytes() == before
 
 
 def test_ulids_sort_by_time():
@@ -82,7 +110,9 @@ def test_recorder_from_another_thread(tmp_path, make_engine):
     assert {"RequestQueued", "RequestStarted", "RequestFinished", "BlockStored"} <= kinds
     stored = next(db.query("select * from cache_events where kind = 'BlockStored'"))
     assert stored["user"] == "alice" and stored["block_ids"].startswith("[") and stored["request_id"] == res.request_id
-    assert db["sessions"].get(rec.session_id)["ended"] is not None
+    session = db["sessions"].get(rec.session_id)
+    assert session["ended"] is not None
+    assert json.loads(session["stats"])["requests_finished"] == 1
 
 
 # --- bad DB files: one line, exit 2, file unchanged ------------------------------------------
