@@ -142,6 +142,10 @@ def main(args: argparse.Namespace) -> int:
     from .recorder import Recorder
     from .store import open_db, resolve_path
 
+    if args.speed <= 0:
+        from kvplay.cli import KvplayError
+
+        raise KvplayError(f"--speed must be positive (got {args.speed})")
     script = load_script(args.script)
     config = config_from_args(args, script.engine, where=f"{args.script}: [engine]")
     jobs = script_jobs(script)

@@ -195,3 +195,31 @@ def test_missing_db_for_show(tmp_path, capsys):
     assert not (tmp_path / "none.db").exists()
     assert cli(["sessions", "--db", str(tmp_path / "none.db")]) == 0
     assert not (tmp_path / "none.db").exists()
+
+
+def test_two_writers_share_one_db(tmp_path, make_engine):
+    """The app and a headless run/replay can record into the same DB at the same time (WAL)."""
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.sessions.recorder import Recorder
+
+    eng = make_engine()
+    path = str(tmp_path / "shared.db")
+    sp = SamplingParams(max_tokens=2, seed=1)
+    msgs = [{"role": "user", "content": "hi"}]
+    res = eng.submit("a", msgs, sp).result(60)
+    recs = [Recorder.open(path, eng.config, eng.model_name, src, "") for src in ("app", "replay")]
+
+    def write(rec):
+        for _ in range(20):
+            rec.record_turn("a", "hi", msgs, sp, res)
+
+    threads = [threading.Thread(target=write, args=(r,)) for r in recs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in recs:
+        r.close()
+    db = open_db(path)
+    counts = {r["session_id"]: r["n"] for r in db.query("select session_id, count(*) n from turns group by session_id")}
+    assert counts == {recs[0].session_id: 20, recs[1].session_id: 20}
