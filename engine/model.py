@@ -169,22 +169,40 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
     progress(f"kvplay: loading {name} on {dev.type} ({str(dt).replace('torch.', '')}) …")
     t0 = time.perf_counter()
+    _quiet_hub_logs()
     try:
-        cfg = AutoConfig.from_pretrained(path)
+        # The local HF cache first (honours HF_HUB_OFFLINE and works without a network);
+        # only then the hub, unless HF_HUB_OFFLINE forbids it.
+        try:
+            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+            local = True
+        except Exception:
+            if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"):
+                raise
+            cfg = AutoConfig.from_pretrained(path)
+            local = False
     except Exception as exc:  # missing, offline hub, not a model dir
         raise EngineError(f"model not found or unreadable: {spec!r} ({_first_line(exc)})") from None
     archs = getattr(cfg, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise EngineError(f"{spec!r} is not a causal LM (architectures: {', '.join(archs)})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
-        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=local)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=local)
     except Exception as exc:
         raise EngineError(f"could not load {spec!r} as a causal LM: {_first_line(exc)}") from None
     model = model.to(dev).eval()
     torch.set_grad_enabled(False)
     progress(f"kvplay: loaded {name} in {time.perf_counter() - t0:.1f} s")
     return LoadedModel(model, tok, name, dev, dt)
+
+
+def _quiet_hub_logs() -> None:
+    """Failures become one EngineError line; the libraries' own warnings would add noise."""
+    import logging
+
+    for name in ("huggingface_hub", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _first_line(exc: BaseException) -> str:
