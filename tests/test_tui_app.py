@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import UserSpec

@@ -1,7 +1,6 @@
 """Smoke test of `kvplay screenshot` on the tiny model: it plays a script and writes an SVG."""
 from __future__ import annotations
 
-import pytest
 
 from kvplay.cli import main
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from rich.style import Style
 from rich.text import Text
 
-from .theme import UNKNOWN_COLOUR, UserLook
+import time
+
+from .theme import FREE_STYLE, UNKNOWN_COLOUR, UserLook
 
 SPARK = "▁▂▃▄▅▆▇█"
 DIM = Style(color="#8a8a8a")
@@ -126,3 +128,73 @@ def event_line(ev, looks: dict[str, UserLook]) -> str | None:
     if k == "RequestFinished":
         return f"{ev.seq:>5} done    {ev.user} ({ev.finish_reason})" + (f": {ev.error}" if ev.error else "")
     return None
+
+
+def legend_text(looks: dict[str, UserLook]) -> Text:
+    t = Text()
+    for i, look in enumerate(looks.values()):
+        if i:
+            t.append("  ")
+        t.append(f"{look.glyph} ", style=f"bold #000000 on {look.colour}")
+        t.append(look.name, style=look.style)
+    t.append("\n")
+    t.append("A", style="bold #000000 on #bbbbbb")
+    t.append(" in use · ")
+    t.append("a", style="#bbbbbb")
+    t.append(" cached · ")
+    t.append("·", style=FREE_STYLE)
+    t.append(" free · ")
+    t.append("+", style="bold")
+    t.append(" reused by last request")
+    return t
+
+
+def requests_text(requests: list, looks: dict[str, UserLook], width: int = 30) -> Text:
+    bars = Text()
+    for i, st in enumerate(requests):
+        if i:
+            bars.append("\n")
+        bars.append_text(request_bar(st, looks, width))
+    return bars
+
+
+def ttft_text(ttft: dict[str, list[float]], looks: dict[str, UserLook], width: int = 20) -> Text:
+    t = Text()
+    for name, vals in ttft.items():
+        look = looks.get(name)
+        if look is None or not vals:
+            continue
+        if t:
+            t.append("\n")
+        t.append(f"{look.glyph} TTFT ", style=look.style)
+        t.append(sparkline(vals, width), style=look.colour)
+        t.append(f" {vals[-1] / 1000:.2f} s", style=DIM)
+    return t
+
+
+def block_detail(b, looks: dict[str, UserLook], tokenizer=None, timings: bool = True) -> Text:
+    """What one block holds: state, ref count, hits, age, creator, users, hash, tokens as text."""
+    t = Text()
+    t.append(f"block #{b.block_id} ", style="bold")
+    t.append(b.state.replace("_", " "))
+    if b.state == "free":
+        t.append(" — empty, ready for new tokens")
+        return t
+    t.append(f" · ref {b.ref_count} · hits {b.hits}")
+    if timings and b.created_at:
+        t.append(f" · age {max(0.0, time.time() - b.created_at):.0f} s")
+    look = looks.get(b.creator)
+    t.append("\ncreator ")
+    t.append(str(b.creator), style=look.style if look else "")
+    if b.users:
+        t.append(" · users " + ", ".join(b.users))
+    t.append(f"\nhash {(b.hash or '-')[:16]}…")
+    text = ""
+    if tokenizer is not None and b.token_ids:
+        try:
+            text = tokenizer.decode(list(b.token_ids))
+        except Exception:
+            text = " ".join(map(str, b.token_ids))
+    t.append("\ntokens ")
+    t.append(repr(text)[:200], style="italic")
+    return t

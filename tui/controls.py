@@ -1,0 +1,228 @@
+"""What the keys and the command palette do: focus, modes, cache, users, prompt, screenshot.
+
+A mixin of KvplayApp, kept apart so app.py stays about threads, messages and layout. Engine
+calls that wait on the engine thread (reconfigure, clear) run in thread workers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import work
+from textual.app import SystemCommand
+from textual.widgets import Log
+
+from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
+from kvplay.engine.errors import EngineError
+from kvplay.sessions.script import UserSpec
+
+from .blockmap import BlockMap
+from .panes import ChatPane
+from .screens import ConfirmScreen, FormScreen, HelpScreen, TextScreen
+from .theme import assign_looks
+
+
+class ControlsMixin:
+    """Actions bound in KvplayApp.BINDINGS and listed in the command palette."""
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def current_pane(self) -> ChatPane:
+        node = self.focused
+        while node is not None:
+            if isinstance(node, ChatPane):
+                return node
+            node = node.parent
+        return getattr(self, "_last_pane", None) or self.panes[0]
+
+    def on_descendant_focus(self, event) -> None:
+        node = event.widget
+        while node is not None and not isinstance(node, ChatPane):
+            node = node.parent
+        if node is not None:
+            self._last_pane = node
+
+    def action_focus_pane(self, step: int) -> None:
+        panes = self.panes
+        i = panes.index(self.current_pane()) if self.current_pane() in panes else 0
+        panes[(i + step) % len(panes)].input.focus()
+
+    def action_focus_map(self) -> None:
+        self.query_one(BlockMap).focus()
+
+    def action_toggle_events(self) -> None:
+        self.query_one("#events", Log).toggle_class("shown")
+
+    def _reconfigure(self, **changes) -> None:
+        if self.engine is None:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        what = ", ".join(f"{k} {v}" for k, v in changes.items())
+
+        def apply(ok: bool | None = True) -> None:
+            if ok:
+                self._apply_reconfigure(changes, what)
+
+        if self.engine.needs_fresh_cache(**changes):
+            n = sum(1 for b in self.engine.snapshot() if b.state != "free")
+            self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} blocks in the "
+                                           "pool will be dropped. Continue?"), apply)
+        else:
+            apply(True)
+
+    @work(thread=True, exit_on_error=False, group="control", description="Reconfiguring")
+    def _apply_reconfigure(self, changes: dict, what: str) -> None:
+        try:
+            self.engine.reconfigure(**changes)
+        except EngineError as exc:
+            self.call_from_thread(self.notify, str(exc), severity="error")
+            return
+        self._dirty = True
+        self.call_from_thread(self.notify, f"Now {what}.", title="Mode")
+
+    def set_isolation(self, mode: str) -> None:
+        self._reconfigure(isolation=mode)
+
+    def set_eviction(self, policy: str) -> None:
+        self._reconfigure(eviction=policy)
+
+    def action_cycle_isolation(self) -> None:
+        cur = self.engine.config.isolation if self.engine else self.config.isolation
+        self.set_isolation(ISOLATION_MODES[(ISOLATION_MODES.index(cur) + 1) % len(ISOLATION_MODES)])
+
+    def action_cycle_eviction(self) -> None:
+        cur = self.engine.config.eviction if self.engine else self.config.eviction
+        self.set_eviction(EVICTION_POLICIES[(EVICTION_POLICIES.index(cur) + 1) % len(EVICTION_POLICIES)])
+
+    def action_toggle_deterministic(self) -> None:
+        cur = self.engine.config.deterministic if self.engine else self.config.deterministic
+        self._reconfigure(deterministic=not cur)
+
+    def action_clear_cache(self) -> None:
+        if self.engine is None:
+            return
+        self._clear_cache()
+
+    @work(thread=True, exit_on_error=False, group="control", description="Clearing the cache")
+    def _clear_cache(self) -> None:
+        n = self.engine.clear_cache()
+        self._dirty = True
+        self.call_from_thread(self.notify, f"Cache cleared ({n} blocks dropped)." if isinstance(n, int)
+                              else "Cache cleared.")
+
+    def action_edit_system(self) -> None:
+        def done(text: str | None) -> None:
+            if text is not None and text.strip() and text != self.system_prompt:
+                self.system_prompt = text
+                self.notify("New system prompt: the next turns start a new shared prefix.")
+
+        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
+                                    self.system_prompt), done)
+
+    def action_user_settings(self) -> None:
+        pane = self.current_pane()
+        s = pane.spec
+
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            try:
+                seed = int(values["seed"])
+                temp = float(values["temperature"])
+                max_tokens = int(values["max_tokens"])
+                if temp < 0 or max_tokens < 1:
+                    raise ValueError
+            except ValueError:
+                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
+                            severity="error")
+                return
+            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
+            s.group = values["group"].strip() or None
+            pane.refresh_subtitle()
+            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
+
+        self.push_screen(FormScreen(f"Settings for {s.name}", [
+            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
+            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
+            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
+            ("group", "group (for isolation = group)", s.group or ""),
+        ]), done)
+
+    def action_add_user(self) -> None:
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            name = values["name"].strip()
+            if not name or any(p.user == name for p in self.panes):
+                self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
+                            severity="error")
+                return
+            self.add_user(UserSpec(name, group=values["group"].strip() or None))
+
+        self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
+
+    def add_user(self, spec: UserSpec) -> ChatPane:
+        self.users.append(spec)
+        self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
+        pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
+        self.query_one("#panes").mount(pane)
+        self._layout_panes()
+        self._update_legend()
+        if self.engine is not None:
+            pane.call_after_refresh(pane.set_ready, True)
+        if self.record:
+            self._recorder_call(self._record_user, spec)
+        return pane
+
+    def action_remove_user(self) -> None:
+        if len(self.panes) <= 1:
+            self.notify("The last user stays.", severity="warning")
+            return
+        pane = self.current_pane()
+        if pane.busy:
+            self.notify(f"{pane.user} is generating; remove after the reply.", severity="warning")
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.users = [u for u in self.users if u.name != pane.user]
+                pane.remove()
+                self.call_after_refresh(self._layout_panes)
+                self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
+
+        self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
+
+    def action_screenshot(self) -> None:
+        path = self.save_screenshot(path=str(Path.cwd()))
+        self.notify(f"Saved {path}", title="Screenshot")
+
+    # --- command palette: "category: action" ---------------------------------------------------
+    def get_system_commands(self, screen):
+        cmds = [
+            ("pane: focus next", "Move to the next user's pane", lambda: self.action_focus_pane(1)),
+            ("pane: focus previous", "Move to the previous user's pane", lambda: self.action_focus_pane(-1)),
+            ("user: add", "Add a user with a new pane", self.action_add_user),
+            ("user: remove", "Remove the current user's pane", self.action_remove_user),
+            ("user: settings", "Seed, temperature, max tokens, group of the current user", self.action_user_settings),
+            ("cache: clear", "Drop every cached block", self.action_clear_cache),
+            ("mode: toggle deterministic", "Bitwise-identical results cached or not (empties the cache)",
+             self.action_toggle_deterministic),
+            ("prompt: edit system prompt", "Change the shared system prompt", self.action_edit_system),
+            ("view: toggle event log", "Show or hide the engine's event log", self.action_toggle_events),
+            ("view: block map", "Focus the block map (arrows move, details below it)", self.action_focus_map),
+            ("app: save screenshot", "Save an SVG of the screen in the current directory", self.action_screenshot),
+            ("app: help", "What the colours, glyphs and numbers mean", self.action_help),
+            ("app: quit", "Quit kvplay", self.action_quit),
+        ]
+        for mode in ISOLATION_MODES:
+            cmds.append((f"isolation: {mode}", f"Set block sharing to {mode}", lambda m=mode: self.set_isolation(m)))
+        for pol in EVICTION_POLICIES:
+            cmds.append((f"eviction: {pol}", f"Evict cached blocks {pol} first", lambda p=pol: self.set_eviction(p)))
+        if self.turns:
+            cmds += [("replay: pause or resume", "Pause or resume the script", self.action_replay_pause),
+                     ("replay: step", "Play the next turn", self.action_replay_step)]
+        for title, help_, cb in cmds:
+            yield SystemCommand(title, help_, cb)
+        for c in super().get_system_commands(screen):
+            if c.title.lower() not in ("quit", "screenshot"):
+                yield c
