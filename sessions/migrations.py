@@ -7,6 +7,8 @@ import time
 
 import sqlite_utils
 
+from .txn import write_txn
+
 MIGRATIONS_TABLE = "_kvplay_migrations"
 MIGRATIONS = []
 
@@ -66,12 +68,13 @@ def is_newer(db: sqlite_utils.Database) -> bool:
 
 def migrate(db: sqlite_utils.Database) -> int:
     """Apply pending migrations; returns how many ran."""
-    done = applied(db)
     ran = 0
     for n, fn in enumerate(MIGRATIONS, 1):
-        if fn.__name__ in done:
+        if fn.__name__ in applied(db):
             continue
-        with db.atomic():
+        with write_txn(db):
+            if fn.__name__ in applied(db):  # another process migrated while we waited
+                continue
             if MIGRATIONS_TABLE not in db.table_names():
                 db[MIGRATIONS_TABLE].create({"name": str, "applied_at": float}, pk="name")
             fn(db)

@@ -7,7 +7,8 @@
     rec.close()               # marks the session ended
 
 Usable from any thread: one sqlite connection (check_same_thread=False) guarded by a lock.
-A turn and the events buffered before it are written in one `db.atomic()` transaction, so a
+A turn and the events buffered before it are written in one transaction (write_txn: BEGIN IMMEDIATE
++ `db.atomic()`), so a
 `kill -9` loses at most the turn in flight.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvplay.engine.request import RequestResult
 from kvplay.engine.sampling import SamplingParams
 
 from .ids import new_ulid
-from .store import StoreError, open_db, resolve_path
+from .store import StoreError, open_db, resolve_path, write_txn
 
 SOURCES = ("run", "app", "replay")
 
@@ -76,7 +77,7 @@ class Recorder:
              title: str | None = None) -> "Recorder":
         db = open_db(db_path)
         sid = new_ulid()
-        with db.atomic():
+        with write_txn(db):
             db["sessions"].insert({
                 "id": sid, "created": time.time(), "ended": None, "source": source, "model": model_name,
                 "engine_config": _dumps(config.to_dict()), "versions": _dumps(versions()),
@@ -111,7 +112,7 @@ class Recorder:
     def add_user(self, name: str, group: str | None = None, colour: str | None = None, seed: int | None = None,
                  temperature: float | None = None, max_tokens: int | None = None,
                  top_p: float | None = None, top_k: int | None = None) -> None:
-        with self._lock, self.db.atomic():
+        with self._lock, write_txn(self.db):
             self.db["users"].upsert({
                 "session_id": self.session_id, "name": name, "group": group, "colour": colour, "seed": seed,
                 "temperature": temperature, "max_tokens": max_tokens, "top_p": top_p, "top_k": top_k,
@@ -140,7 +141,7 @@ class Recorder:
             }
             events = self._drain()
             try:
-                with self.db.atomic():
+                with write_txn(self.db):
                     self.db["turns"].insert(row)
                     if events:
                         self.db["cache_events"].insert_all(events)
@@ -152,7 +153,7 @@ class Recorder:
         with self._lock:
             events = self._drain()
             if events:
-                with self.db.atomic():
+                with write_txn(self.db):
                     self.db["cache_events"].insert_all(events)
 
     def close(self) -> None:
@@ -167,7 +168,7 @@ class Recorder:
         self.detach()
         self.flush()
         with self._lock:
-            with self.db.atomic():
+            with write_txn(self.db):
                 update = {"ended": time.time()}
                 if stats is not None:
                     update["stats"] = _dumps(stats)

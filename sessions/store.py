@@ -18,6 +18,7 @@ import sqlite_utils
 from kvplay.engine.errors import EngineError
 
 from .migrations import MIGRATIONS_TABLE, is_newer, migrate
+from .txn import write_txn  # noqa: F401  (re-exported)
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -100,3 +101,4 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
             raise StoreError(f"{p} is not a usable SQLite database: {msg}") from None
         raise StoreError(f"cannot use {p}: {msg}") from None
     return db
+
