@@ -7,9 +7,8 @@
     rec.close()               # marks the session ended
 
 Usable from any thread: one sqlite connection (check_same_thread=False) guarded by a lock.
-A turn and the events buffered before it are written in one transaction (write_txn: BEGIN IMMEDIATE
-+ `db.atomic()`), so a
-`kill -9` loses at most the turn in flight.
+A turn and the events buffered before it are written in one transaction (`write_txn`: BEGIN
+IMMEDIATE around `db.atomic()`), so a `kill -9` loses at most the turn in flight.
 """
 from __future__ import annotations
 
