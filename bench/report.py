@@ -51,8 +51,11 @@ def ratio_table(w: dict) -> Table:
     t = Table(title=f"{w['workload']['name']}: kvplay / peer (times: < 1 is better for kvplay; tok/s: > 1)",
               title_justify="left")
     t.add_column("peer")
+    short = {"wall_s": "wall", "ttft_cold_p50_ms": "TTFT cold p50", "ttft_warm_p50_ms": "TTFT warm p50",
+             "ttft_warm_p95_ms": "TTFT warm p95", "decode_tok_s": "decode tok/s", "throughput_tok_s": "tok/s overall",
+             "computed_tokens": "computed tokens", "peak_kv_bytes": "peak KV"}
     for key in COMPARED:
-        t.add_column(key, justify="right")
+        t.add_column(short.get(key, key), justify="right")
     for peer, r in w["ratios"].items():
         if w["peers"][peer].get("unavailable"):
             t.add_row(peer, *["–"] * len(COMPARED))
