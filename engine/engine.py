@@ -83,6 +83,7 @@ class Engine:
         self._stop = threading.Event()
         self._snapshot: tuple[BlockView, ...] = ()
         self._stats: dict = {}
+        self._stats_at = 0.0
         self.failure: str | None = None
         self._build()
 
@@ -240,6 +241,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else int(uuid.UUID(int=uuid.uuid4().int).int & 0xFFFFFFFF)
         handle = RequestHandle(rid, user, self)
         req = Request(rid, user, group, list(prompt_ids), sampling, system_tokens, handle, make_generator(seed))
+        req.stats.seed = seed
         if trace_logits:
             req.logits_trace = []
         handle.request = req  # read-only access for labs (logits trace, stats)
@@ -292,13 +294,28 @@ class Engine:
         return self.call(apply)
 
     # --- observation --------------------------------------------------------------------------
+    def _view(self, b) -> BlockView:
+        return BlockView(b.block_id, b.state, b.ref_count, None if b.hash is None else self.hasher.fn.hex(b.hash),
+                         b.creator, b.creator_request, b.token_ids, b.hits, b.created_at, b.last_used,
+                         tuple(sorted(b.users_seen)))
+
     def _publish_snapshot(self) -> None:
-        self._stats = self._compute_stats()
-        self._snapshot = tuple(
-            BlockView(b.block_id, b.state, b.ref_count, None if b.hash is None else self.hasher.fn.hex(b.hash),
-                      b.creator, b.creator_request, b.token_ids, b.hits, b.created_at, b.last_used,
-                      tuple(sorted(b.users_seen)))
-            for b in self.pool.blocks)
+        """Re-draw only the blocks that changed since the last step (a pool can hold 10^4+
+        blocks); refresh the published stats at most ~5 times a second while busy."""
+        dirty = self.pool.dirty
+        if dirty:
+            if len(self._snapshot) != self.pool.num_blocks:
+                views = [self._view(b) for b in self.pool.blocks]
+            else:
+                views = list(self._snapshot)
+                for bid in dirty:
+                    views[bid] = self._view(self.pool.blocks[bid])
+            dirty.clear()
+            self._snapshot = tuple(views)
+        now = time.monotonic()
+        if now - self._stats_at > 0.2 or not self.scheduler.has_work():
+            self._stats_at = now
+            self._stats = self._compute_stats()
 
     def snapshot(self) -> tuple[BlockView, ...]:
         """The state of every block as of the last step (never blocks on the engine)."""
@@ -317,7 +334,8 @@ class Engine:
     def _compute_stats(self) -> dict:
         pool, sch = self.pool, self.scheduler
         block_bytes = self.runner.store.block_bytes
-        resident = [b for b in pool.blocks if b.state != "free"]
+        free = set(pool.free)
+        resident = [b for b in pool.blocks if b.block_id not in free] if len(free) < pool.num_blocks else []
         dedicated = sum(max(1, len(b.users_seen)) for b in resident)
         return {
             "model": self.model_name,

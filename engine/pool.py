@@ -114,6 +114,7 @@ class BlockPool:
         self.hex = hex_fn
         self.evictions = 0
         self._seq = 0
+        self.dirty: set[int] = set(range(num_blocks))  # blocks changed since the last snapshot
 
     # --- queries ----------------------------------------------------------------------------
     @property
@@ -151,6 +152,7 @@ class BlockPool:
                 bid = self.policy.pick(self.blocks)
                 evicted.append(self._drop(self.blocks[bid]))
             blk = self.blocks[bid]
+            self.dirty.add(bid)
             blk.reset()
             blk.ref_count = 1
             blk.created_at = blk.last_used = now
@@ -166,6 +168,7 @@ class BlockPool:
     def _drop(self, blk: Block):
         """Forget a cached block's contents (its hash leaves the index)."""
         info = (self.hex(blk.hash), blk.block_id, blk.creator or "")
+        self.dirty.add(blk.block_id)
         if blk.indexed and self.index.get(blk.hash) == blk.block_id:
             del self.index[blk.hash]
         blk.reset()
@@ -174,6 +177,7 @@ class BlockPool:
     def touch(self, block_ids: list[int], now: float | None = None) -> None:
         """A request reuses these cached/in-use blocks: ref += 1, hit += 1."""
         now = time.time() if now is None else now
+        self.dirty.update(block_ids)
         for bid in block_ids:
             blk = self.blocks[bid]
             if blk.ref_count == 0:
@@ -191,6 +195,7 @@ class BlockPool:
         returns to the free queue when released, as in vLLM.
         """
         blk = self.blocks[bid]
+        self.dirty.add(bid)
         blk.hash, blk.parent_id = block_hash, parent_id
         blk.token_ids, blk.extra = tuple(tokens), tuple(extra)
         blk.creator, blk.creator_request = user, request_id
@@ -208,6 +213,7 @@ class BlockPool:
     def release(self, block_ids: list[int], now: float | None = None) -> None:
         """Drop one reference from each block, tail first (so LRU evicts a chain's tail first)."""
         now = time.time() if now is None else now
+        self.dirty.update(block_ids)
         for bid in reversed(block_ids):
             blk = self.blocks[bid]
             if blk.ref_count <= 0:
@@ -235,6 +241,7 @@ class BlockPool:
                 if self.index.get(blk.hash) == blk.block_id:
                     del self.index[blk.hash]
                 blk.indexed = False
+                self.dirty.add(blk.block_id)
         if dropped:
             self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
                                    creators=[c for _, _, c in dropped], reason=reason))

@@ -28,6 +28,7 @@ class RequestStats:
     preemptions: int = 0
     collisions_caught: int = 0
     finish_reason: str | None = None
+    seed: int | None = None  # the sampling seed actually used (replays need it)
 
     def to_dict(self) -> dict:
         return asdict(self)
