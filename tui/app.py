@@ -17,7 +17,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Log, Static
 
 from kvplay.engine.config import EngineConfig
@@ -149,7 +149,7 @@ class KvplayApp(ControlsMixin, App):
             with Vertical(id="panes"):
                 for i, u in enumerate(self.users):
                     yield ChatPane(u, self.looks[u.name], self._hint(i, u.name))
-            with Vertical(id="side"):
+            with VerticalScroll(id="side"):
                 yield Static(Text("loading the model…", style="bold"), id="status")
                 yield Static("Block pool", classes="section")
                 yield BlockMap(id="map")
@@ -190,12 +190,17 @@ class KvplayApp(ControlsMixin, App):
     def _layout_panes(self) -> None:
         n = len(self.panes)
         cols = n if n <= 3 else 2 if n == 4 else 3
+        room = self.size.width - self.query_one("#side").outer_size.width
+        if room > 0:  # narrow terminals: stack panes rather than squeeze them under ~30 columns
+            cols = max(1, min(cols, room // 30))
         grid = self.query_one("#panes")
         grid.styles.grid_size_columns = cols
         grid.styles.grid_size_rows = -(-n // cols)
 
     def on_resize(self, event) -> None:
         self._check_size()
+        self.call_after_refresh(self._layout_panes)
+        self.call_after_refresh(self._update_requests)
 
     def _check_size(self) -> None:
         w, h = self.size
@@ -421,7 +426,8 @@ class KvplayApp(ControlsMixin, App):
         self.query_one("#legend", Static).update(legend_text(self.looks))
 
     def _update_requests(self) -> None:
-        self.query_one("#bars", Static).update(requests_text(list(self._requests)[-6:], self.looks))
+        width = max(8, min(30, self.query_one("#bars", Static).size.width - 12))
+        self.query_one("#bars", Static).update(requests_text(list(self._requests)[-6:], self.looks, width))
         self.query_one("#sparks", Static).update(ttft_text(self._ttft, self.looks) if self.timings else Text())
 
     @on(BlockMap.CellSelected)
