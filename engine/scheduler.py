@@ -136,19 +136,48 @@ class Scheduler:
         self.emit(RequestStarted(request_id=req.request_id, user=req.user, cached_tokens=cached))
         return True
 
+    def _inflight_hashes(self) -> set[int]:
+        """Hashes of full blocks that running requests are computing right now."""
+        out: set[int] = set()
+        for r in self.running:
+            if r.pending > 1:
+                full = len(r.prompt_ids) // self.bs
+                out.update(r.hashes[r.registered:full])
+        return out
+
+    def _waits_for_inflight(self, req: Request, inflight: set[int]) -> bool:
+        """Would `req` recompute a block another running request is about to store?
+
+        Then it waits a step or more and reuses that block instead (requests that arrive
+        together with the same system prompt compute it once, not once each)."""
+        if not inflight or req.admitted_once:
+            return False
+        self._ensure_hashes(req)
+        limit = (req.num_tokens - 1) // self.bs
+        j = 0
+        while j < min(limit, len(req.hashes)) and self.pool.lookup(req.hashes[j]) is not None:
+            j += 1
+        return j < min(limit, len(req.hashes)) and req.hashes[j] in inflight
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_running:
-            req = self.waiting[0]
+        inflight = self._inflight_hashes()
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.config.max_running:
+            req = self.waiting[i]
+            if self._waits_for_inflight(req, inflight):
+                i += 1  # later arrivals may still be admitted; this one retries next step
+                continue
             if not self._try_admit(req):
                 if not self.running:  # nothing will free blocks: the request can never fit
-                    self.waiting.pop(0)
+                    self.waiting.pop(i)
                     self._finish(req, "error", error=(
                         f"message needs {-(-req.num_tokens // self.bs)} blocks of {self.bs} tokens; "
                         f"the pool has {self.pool.num_blocks} (raise --cache-mb or shorten it)"))
                     continue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.running.append(req)
+            inflight |= self._inflight_hashes()
 
     # --- preemption ---------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:

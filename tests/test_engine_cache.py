@@ -230,3 +230,14 @@ def test_reconfigure_isolation_and_clear(make_engine):
     assert eng.stats()["blocks_cached"] == 0
     with pytest.raises(EngineError):
         eng.reconfigure(block_size=8)
+
+
+def test_users_arriving_together_compute_a_shared_prefix_once(make_engine):
+    eng = make_engine(num_blocks=256)
+    hs = eng.call(lambda: [eng.submit(u, chat(f"question from {u}"), GREEDY) for u in ("alice", "bob", "carol", "dave")])
+    res = [h.result(60) for h in hs]
+    full = (eng.encode(chat("x"))[1]) // 16 * 16
+    assert res[0].stats.cached_tokens == 0
+    for r in res[1:]:
+        assert r.stats.cached_from.get("alice", 0) >= full, r.stats
+    assert eng.stats()["hit_tokens"] >= 3 * full
