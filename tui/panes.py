@@ -71,7 +71,7 @@ class ChatPane(Vertical):
 
     def set_ready(self, ready: bool, placeholder: str | None = None) -> None:
         self.ready = ready
-        self.input.placeholder = placeholder or (f"message as {self.user} — Enter sends" if ready else "loading…")
+        self.input.placeholder = placeholder or (f"type as {self.user}, Enter sends" if ready else "loading…")
 
     def set_busy(self, busy: bool) -> None:
         self.busy = busy
