@@ -238,3 +238,44 @@ def test_cli_rejects_bad_users_before_opening_the_app(capsys):
     assert main(["--users", "alice,alice", "--model", "tiny:llama"]) == 2
     assert "duplicate" in capsys.readouterr().err
     assert main(["app", "--users", " , ", "--model", "tiny:llama"]) == 2
+
+
+async def test_keymap_from_environment_remaps_a_binding(tiny_llama, monkeypatch):
+    monkeypatch.setenv("KVPLAY_KEYMAP", "view.events=ctrl+o")
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        log = app.query_one("#events")
+        await pilot.press("f10")
+        assert not log.has_class("shown")  # the old key no longer toggles it
+        await pilot.press("ctrl+o")
+        assert log.has_class("shown")
+
+
+async def test_user_settings_form_changes_seed_temperature_group(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.pane("bob").input.focus()
+        await pilot.press("f7")
+        await pilot.pause(0.2)
+        screen = app.screen
+        for name, value in (("seed", "7"), ("temperature", "0.5"), ("group", "team-b")):
+            screen.query_one(f"#field-{name}").value = value
+        screen.query_one("#field-group").focus()
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        spec = app.pane("bob").spec
+        assert (spec.seed, spec.temperature, spec.group) == (7, 0.5, "team-b")
+        assert "group team-b" in str(app.pane("bob").border_subtitle)
+
+
+async def test_system_prompt_edit_changes_the_next_prompt(tiny_llama):
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        app.screen.query_one("TextArea").text = "Be terse."
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.1)
+        assert app.system_prompt == "Be terse."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,17 @@ def fix_for(error: str, config: EngineConfig) -> str:
     if "cache-mb" in low or "block" in low:
         return "Give the pool more room: kvplay --cache-mb 256 (or a smaller --block-size)"
     return "Run `kvplay --help` for the options; kvplay --model tiny:llama checks the app without a real model."
+
+
+def parse_keymap(text: str) -> dict[str, str]:
+    """`KVPLAY_KEYMAP="mode.isolation=ctrl+i;cache.clear=f8"` -> {binding id: keys}."""
+    out = {}
+    for part in text.split(";"):
+        if "=" in part:
+            bid, keys = part.split("=", 1)
+            if bid.strip() and keys.strip():
+                out[bid.strip()] = keys.strip()
+    return out
 
 
 def _load_recorder():
@@ -178,6 +190,9 @@ class KvplayApp(ControlsMixin, App):
         raise KeyError(user)
 
     def on_mount(self) -> None:
+        keymap = parse_keymap(os.environ.get("KVPLAY_KEYMAP", ""))
+        if keymap:
+            self.set_keymap(keymap)
         self._layout_panes()
         self._update_legend()
         self._check_size()

@@ -68,6 +68,11 @@ shows the block's hash, its tokens as text, creator, ref count, hits, age and us
 | ctrl+p | command palette: every action as "category: action" |
 | ctrl+q | quit |
 
+Remap any key with binding ids, e.g. `KVPLAY_KEYMAP="mode.isolation=ctrl+o;cache.clear=ctrl+x" kvplay`
+(ids: help, pane.next, pane.previous, mode.isolation, mode.eviction, cache.clear, mode.deterministic,
+prompt.system, user.settings, user.add, user.remove, view.events, view.map, replay.pause, replay.step,
+app.screenshot, app.quit).
+
 Press **Esc** to close.
 """
 
