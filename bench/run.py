@@ -48,6 +48,10 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
     if unknown:
         raise EngineError(f"unknown peer(s) {', '.join(sorted(unknown))} ({', '.join(PEER_ORDER)})")
     load_avg_start = _load_avg()
+    # Every peer runs with the engine's thread count (set once, process-wide, before any timing).
+    from kvplay.engine.engine import set_cpu_threads
+
+    set_cpu_threads(config.threads)
     progress(f"loading {config.model} twice (kvplay's copy, and the Hugging Face peers' copy)")
     loaded_kv = load_model(config.model, config.device, config.dtype, progress=progress)
     loaded_hf = load_model(config.model, config.device, config.dtype, progress=progress)
