@@ -279,3 +279,15 @@ async def test_system_prompt_edit_changes_the_next_prompt(tiny_llama):
         await pilot.press("ctrl+s")
         await pilot.pause(0.1)
         assert app.system_prompt == "Be terse."
+
+
+async def test_a_broken_database_does_not_break_the_playground(tiny_llama, tmp_path):
+    bad = tmp_path / "not-a-db.sqlite"
+    bad.write_text("this is not sqlite")
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
+                    loaded=tiny_llama, record=True, db=str(bad), timings=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello")
+        await wait_until(pilot, lambda: app.recorder_error is not None)
+        assert "prompt" in badges(app, "alice")[-1]

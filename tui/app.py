@@ -153,6 +153,7 @@ class KvplayApp(ControlsMixin, App):
         self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
         self.recorder = None
         self.recorder_error: str | None = None
+        self._recorder_error_shown = False
 
     # --- layout -------------------------------------------------------------------------------
     def compose(self):
@@ -403,6 +404,10 @@ class KvplayApp(ControlsMixin, App):
             self.query_one("#events", Log).write_line(line)
 
     def _tick(self) -> None:
+        if self.recorder_error and not self._recorder_error_shown:
+            self._recorder_error_shown = True
+            self.notify(f"Recording stopped working: {self.recorder_error}. The playground carries on; "
+                        "use --no-record to silence this.", severity="warning", timeout=10)
         if self.engine is None:
             return
         if self._flash and time.monotonic() > self._flash_until:
