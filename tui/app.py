@@ -163,7 +163,7 @@ class KvplayApp(ControlsMixin, App):
                 for i, u in enumerate(self.users):
                     yield ChatPane(u, self.looks[u.name], self._hint(i, u.name))
             with VerticalScroll(id="side"):
-                yield Static(Text("loading the model…", style="bold"), id="status")
+                yield Static(Text(f"loading the model ({self.config.model}) …", style="bold"), id="status")
                 yield Static("Block pool", classes="section")
                 yield BlockMap(id="map")
                 yield Static(id="legend")

@@ -44,7 +44,7 @@ class ChatPane(Vertical):
     def compose(self):
         with VerticalScroll(classes="log"):
             yield Static(self.hint, classes="hint")
-        yield Input(placeholder="type now: sent as soon as the model is loaded", id=f"input-{safe_id(self.user)}")
+        yield Input(placeholder="type now; sent once loaded", id=f"input-{safe_id(self.user)}")
 
     def on_mount(self) -> None:
         self.styles.border = ("round", self.look.colour)
