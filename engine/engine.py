@@ -114,6 +114,10 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.pool, self.runner, self.hasher, self.tokenizer,
                                    self.model_name, self._emit, eos_ids)
         self._publish_snapshot()
+        try:  # compile the chat template now, not on a user's first message (~0.7 s, holds the GIL)
+            encode_chat(self.tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        except EngineError:
+            pass
 
     # --- events -------------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> Callable[[], None]:

@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "kvplay_paged"
-MIN_LINEAR_ROWS = 16  # measured: CPU GEMMs give row-wise identical results for M >= 16
 
 
 @dataclass
@@ -115,24 +113,3 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 AttentionInterface.register(ATTN_NAME, paged_attention)
 # Outside the engine the model still builds ordinary SDPA masks.
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
-class BatchInvariantLinear(TorchFunctionMode):
-    """Pads every F.linear input to at least MIN_LINEAR_ROWS rows.
-
-    CPU GEMM kernels pick a different reduction order for very small M (M=1 decode is a GEMV),
-    so the same row gives different bits alone and in a batch; from 16 rows on, each output
-    row depended only on its input row in every shape we measured (tests guard this).
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0]
-            flat = x.reshape(-1, x.shape[-1])
-            m = flat.shape[0]
-            if m < MIN_LINEAR_ROWS:
-                pad = flat.new_zeros((MIN_LINEAR_ROWS - m, flat.shape[1]))
-                y = func(torch.cat([flat, pad]), *args[1:], **kwargs)[:m]
-                return y.reshape(*x.shape[:-1], y.shape[-1])
-        return func(*args, **kwargs)

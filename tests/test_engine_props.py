@@ -10,7 +10,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.errors import EngineError
 from kvplay.engine.events import BlockHit
-from kvplay.engine.paged import MIN_LINEAR_ROWS, BatchInvariantLinear
+from kvplay.engine.invariance import BatchInvariantLinear, LinearPlan, calibrate
 from kvplay.engine.sampling import SamplingParams
 
 WORDS = ["cache", "block", "hash", "salt", "user", "prompt", "model", "token"]
@@ -88,14 +88,21 @@ def test_message_longer_than_context(tiny_llama):
             eng.submit("alice", prompt_ids=[5] * 5000)
 
 
-@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (104, 64)])
-def test_linear_rows_are_batch_invariant_from_min_rows(n, k):
-    """Deterministic mode rests on this: padded to MIN_LINEAR_ROWS, a row's output does not
-    depend on how many other rows share the GEMM."""
-    torch.manual_seed(0)
-    w = torch.randn(n, k)
-    x = torch.randn(300, k)
-    with BatchInvariantLinear():
-        full = F.linear(x, w)
-        for m in (1, 2, 5, MIN_LINEAR_ROWS - 1, MIN_LINEAR_ROWS, 37, 255):
-            assert torch.equal(F.linear(x[:m], w), full[:m]), m
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calibrated_linear_rows_are_batch_invariant(tiny_llama, threads):
+    """Deterministic mode rests on this: with the calibrated plan (or 16-row tiles), a row's
+    output does not depend on how many other rows share the GEMM."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(576, 1536, bias=False)
+        model = torch.nn.Sequential(lin)
+        for plan in (calibrate(model), LinearPlan(tile=16)):
+            x = torch.randn(300, 576)
+            with BatchInvariantLinear(plan):
+                full = F.linear(x, lin.weight)
+                for m in (1, 2, 3, 5, 7, 15, 16, 37, 255):
+                    assert torch.equal(F.linear(x[:m], lin.weight), full[:m]), (plan, m)
+    finally:
+        torch.set_num_threads(old)
