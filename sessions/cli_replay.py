@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
                                db=args.db, record=not args.no_record,
-                               title=f"replay of {session['id']}") or 0)
+                               title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
     return headless(args, session, turns, users, config)
 
 

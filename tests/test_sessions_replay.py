@@ -162,6 +162,7 @@ def test_replay_in_app_gets_recorded_turns(tmp_path, capsys, monkeypatch):
     assert config.deterministic and config.model == "tiny:llama"
     assert [u.name for u in users] == ["alice", "bob"] and [u.seed for u in users] == [1, 2]
     assert system == SYSTEM and kw["speed"] == 4 and kw["title"] == f"replay of {sid}"
+    assert kw["replay_of"] == sid
     assert [(t.user, t.text) for t in play][:2] == [("alice", "Question 0 from alice?"), ("bob", "Question 0 from bob?")]
     assert all(t.at is not None for t in play) and play[0].at == 0
     assert all(t.seed is not None and t.temperature == 0.7 for t in play)

@@ -114,8 +114,9 @@ class KvplayApp(ControlsMixin, App):
     def __init__(self, config: EngineConfig, users: list[UserSpec], system_prompt: str = DEFAULT_SYSTEM,
                  turns: list[TurnSpec] | None = None, speed: float = 1.0, db: str | None = None,
                  record: bool = True, title: str | None = None, loaded=None, timings: bool = True,
-                 flash_s: float = 0.8) -> None:
+                 flash_s: float = 0.8, replay_of: str | None = None) -> None:
         super().__init__()
+        self.replay_of = replay_of
         if not users:
             raise EngineError("the playground needs at least one user")
         self.config = config
@@ -285,8 +286,9 @@ class KvplayApp(ControlsMixin, App):
         Recorder = _load_recorder()
         if Recorder is None or self.engine is None:
             return
-        rec = Recorder.open(self.db, self.engine.config, self.engine.model_name, source="app",
-                            system_prompt=self.system_prompt, title=self._title)
+        rec = Recorder.open(self.db, self.engine.config, self.engine.model_name,
+                            source="replay" if self.replay_of else "app", system_prompt=self.system_prompt,
+                            title=self._title, replay_of=self.replay_of)
         rec.attach(self.engine)
         self.recorder = rec
         for u in self.users:
@@ -540,10 +542,10 @@ class KvplayApp(ControlsMixin, App):
 
 def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
             turns: list[TurnSpec] | None = None, speed: float = 1.0, db: str | None = None,
-            record: bool = True, title: str | None = None) -> int:
+            record: bool = True, title: str | None = None, replay_of: str | None = None) -> int:
     """Open the playground (blocking). With `turns`, they play through the panes at their
-    recorded pace × `speed` (F11 pauses, F12 steps)."""
-    app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title)
+    recorded pace × `speed` (F11 pauses, F12 steps). `replay_of` records the run as a replay."""
+    app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title, replay_of=replay_of)
     app.run()
     if app.recorder_error:
         import sys
