@@ -156,18 +156,15 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            busy = self.scheduler.has_work()
-            try:
-                cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5) if not busy \
-                    else self._cmds.get_nowait()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._run_cmd(cmd)
+            # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
+            idle = not self.scheduler.has_work()
+            while True:
                 try:
-                    cmd = self._cmds.get_nowait()
+                    cmd = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
                 except queue.Empty:
-                    cmd = None
+                    break
+                self._run_cmd(cmd)
+                idle = False
             if self.scheduler.has_work():
                 try:
                     with self._lock:
