@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from kvplay.options import add_engine_args, config_from_args
-from kvplay.sessions.script import DEFAULT_SYSTEM, UserSpec, load_script
+from kvplay.sessions.script import UserSpec, load_script
 
 
 def parse_users(text: str) -> list[UserSpec]:
@@ -31,10 +31,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+# The playground's default: long enough (~130 tokens, 8 blocks) that the second user's reuse of
+# the first user's blocks is plain to see in the map and the badge.
+APP_SYSTEM = (
+    "You are Tern, the assistant of a small seaside bookshop and café called The Tern's Nest. "
+    "The shop sells new and second-hand books, maps and nautical charts, and the café serves coffee, "
+    "tea and cakes baked every morning. Opening hours: Tuesday to Sunday, 9 am to 6 pm; closed on "
+    "Mondays. Answer customers in two or three friendly sentences. If you do not know something, "
+    "say so plainly and suggest asking at the counter. Never invent prices, stock levels or events."
+)
+
+
 def main(args: argparse.Namespace) -> int:
     from .app import run_app
 
-    base, turns, system = {}, None, DEFAULT_SYSTEM
+    base, turns, system = {}, None, APP_SYSTEM
     users = parse_users(args.users or "alice,bob,carol")
     if args.script:
         script = load_script(args.script)
