@@ -82,10 +82,6 @@ class PagedCache(Cache):
         super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
 
 
-def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if n == 1 else x.repeat_interleave(n, dim=1)
-
-
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over pool-gathered K/V. query [B, Hq, L, D]; key/value [B, Hkv, Kmax, D]."""
     plan: StepPlan | None = kwargs.get("kvplay_plan")
@@ -95,18 +91,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if not plan.deterministic:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=False)
-    groups = query.shape[1] // key.shape[1]
+    gqa = query.shape[1] != key.shape[1]  # grouped-query attention without copying K/V per group
     b, h, l, d = query.shape
     out = query.new_zeros((b, l, h, d))
+    # Half-precision SDPA calls on one query are several times slower on CPU than float32 ones;
+    # the per-query loop runs in float32 (exact, and a pure function of each query's inputs).
+    work = torch.float32 if query.device.type == "cpu" else query.dtype
+    query = query.to(work)
     for row in range(b):
         past = plan.past_lens[row]
-        k = _repeat_kv(key[row:row + 1], groups)
-        v = _repeat_kv(value[row:row + 1], groups)
+        k, v = key[row:row + 1].to(work), value[row:row + 1].to(work)
         for i in range(plan.q_lens[row]):
             n = past + i + 1  # exactly this token's keys: no padding, no mask
             o = F.scaled_dot_product_attention(query[row:row + 1, :, i:i + 1], k[:, :, :n], v[:, :, :n],
-                                               scale=scaling)
-            out[row, i] = o[0, :, 0]
+                                               scale=scaling, enable_gqa=gqa)
+            out[row, i] = o[0, :, 0].to(out.dtype)
     return out, None
 
 

@@ -241,3 +241,18 @@ def test_users_arriving_together_compute_a_shared_prefix_once(make_engine):
     for r in res[1:]:
         assert r.stats.cached_from.get("alice", 0) >= full, r.stats
     assert eng.stats()["hit_tokens"] >= 3 * full
+
+
+def test_deterministic_mode_in_bfloat16(make_engine):
+    from kvplay.engine.model import load_model
+
+    loaded = load_model("tiny:llama", device="cpu", dtype="bfloat16")
+    eng = make_engine(loaded=loaded, deterministic=True, num_blocks=128)
+    cold = eng.submit("alice", chat("half precision"), GREEDY, trace_logits=True)
+    cold.result(60)
+    others = [eng.submit(u, chat(f"noise {u}"), SamplingParams(max_tokens=8)) for u in "xy"]
+    warm = eng.submit("bob", chat("half precision"), GREEDY, trace_logits=True)
+    assert warm.result(60).stats.cached_tokens > 0
+    for h in others:
+        h.result(60)
+    assert all(torch.equal(x, y) for x, y in zip(cold.request.logits_trace, warm.request.logits_trace))
