@@ -115,6 +115,7 @@ class BlockPool:
         self.evictions = 0
         self._seq = 0
         self.dirty: set[int] = set(range(num_blocks))  # blocks changed since the last snapshot
+        self.children: dict[int, set[int]] = {}  # indexed parent -> its indexed children
 
     # --- queries ----------------------------------------------------------------------------
     @property
@@ -146,11 +147,9 @@ class BlockPool:
         now = time.time() if now is None else now
         out, evicted = [], []
         for _ in range(n):
-            if self.free:
-                bid = self.free.popleft()
-            else:
-                bid = self.policy.pick(self.blocks)
-                evicted.append(self._drop(self.blocks[bid]))
+            if not self.free:
+                self._unindex(self.policy.pick(self.blocks), evicted)  # -> the free queue
+            bid = self.free.popleft()
             blk = self.blocks[bid]
             self.dirty.add(bid)
             blk.reset()
@@ -161,18 +160,42 @@ class BlockPool:
             out.append(bid)
         if evicted:
             self.evictions += len(evicted)
-            self.emit(BlockRemoved(block_hashes=[h for h, _, _ in evicted], block_ids=[b for _, b, _ in evicted],
-                                   creators=[c for _, _, c in evicted], reason="evicted"))
+            self._emit_removed(evicted, "evicted")
         return out
 
-    def _drop(self, blk: Block):
-        """Forget a cached block's contents (its hash leaves the index)."""
-        info = (self.hex(blk.hash), blk.block_id, blk.creator or "")
-        self.dirty.add(blk.block_id)
-        if blk.indexed and self.index.get(blk.hash) == blk.block_id:
-            del self.index[blk.hash]
-        blk.reset()
-        return info
+    def _is_index_holder(self, bid: int) -> bool:
+        blk = self.blocks[bid]
+        return blk.indexed and self.index.get(blk.hash) == bid
+
+    def _unindex(self, bid: int, dropped: list) -> None:
+        """Take `bid` and every indexed descendant out of the prefix index.
+
+        A descendant is only reachable through its parent, so it goes too (FIFO evicts parents
+        first; a clear unindexes blocks in use). Unreferenced blocks return to the free queue;
+        blocks in use keep serving their request and are freed when released.
+        """
+        stack = [bid]
+        while stack:
+            b = stack.pop()
+            blk = self.blocks[b]
+            if not blk.indexed:
+                continue
+            dropped.append((self.hex(blk.hash), b, blk.creator or ""))
+            if self.index.get(blk.hash) == b:
+                del self.index[blk.hash]
+            blk.indexed = False
+            self.dirty.add(b)
+            if blk.parent_id is not None:
+                self.children.get(blk.parent_id, set()).discard(b)
+            stack.extend(self.children.pop(b, ()))
+            if blk.ref_count == 0:
+                self.policy.remove(b)
+                blk.reset()
+                self.free.append(b)
+
+    def _emit_removed(self, dropped: list, reason: str) -> None:
+        self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
+                               creators=[c for _, _, c in dropped], reason=reason))
 
     def touch(self, block_ids: list[int], now: float | None = None) -> None:
         """A request reuses these cached/in-use blocks: ref += 1, hit += 1."""
@@ -188,21 +211,25 @@ class BlockPool:
 
     def register(self, bid: int, block_hash: int, parent_id: int | None, tokens, extra,
                  user: str, request_id: str) -> bool:
-        """Mark a just-filled block as holding `tokens`; index it unless the hash is taken.
+        """Mark a just-filled block as holding `tokens`; index it if it can be reached.
 
-        Returns True when the block entered the index (a BlockStored event is emitted).
-        A duplicate (same hash computed concurrently by another request) stays unindexed and
-        returns to the free queue when released, as in vLLM.
+        Returns True when the block entered the index (a BlockStored event is emitted). It stays
+        unindexed, and returns to the free queue when released, when its hash is already
+        indexed (a duplicate computed concurrently, as in vLLM) or when its parent is not the
+        indexed holder of the parent's hash (after a clear, or a duplicate's child): then no
+        lookup could reach it with the parent verify-on-hit expects.
         """
         blk = self.blocks[bid]
         self.dirty.add(bid)
         blk.hash, blk.parent_id = block_hash, parent_id
         blk.token_ids, blk.extra = tuple(tokens), tuple(extra)
         blk.creator, blk.creator_request = user, request_id
-        if block_hash in self.index:
+        if block_hash in self.index or (parent_id is not None and not self._is_index_holder(parent_id)):
             return False
         self.index[block_hash] = bid
         blk.indexed = True
+        if parent_id is not None:
+            self.children.setdefault(parent_id, set()).add(bid)
         parent_hash = self.blocks[parent_id].hash if parent_id is not None else None
         self.emit(BlockStored(block_hashes=[self.hex(block_hash)],
                               parent_block_hash=None if parent_hash is None else self.hex(parent_hash),
@@ -228,25 +255,18 @@ class BlockPool:
                     self.free.append(bid)
 
     def clear(self, reason: str = "cleared") -> int:
-        """Drop every cached (unreferenced) block; blocks in use keep their contents."""
-        ids = self.policy.ids()
-        dropped = []
-        for bid in ids:
-            self.policy.remove(bid)
-            dropped.append(self._drop(self.blocks[bid]))
-            self.free.append(bid)
-        # In-use blocks leave the index too, so nothing already cached can be hit after a clear.
-        for blk in self.blocks:
+        """Empty the prefix index: cached blocks become free; blocks in use keep their contents
+        for their request but can no longer be hit. Returns how many cached blocks were dropped."""
+        dropped: list = []
+        for bid in [b for b, blk in enumerate(self.blocks) if blk.indexed and blk.parent_id is None]:
+            self._unindex(bid, dropped)
+        for blk in self.blocks:  # anything left (should be nothing): unindex it too
             if blk.indexed:
-                if self.index.get(blk.hash) == blk.block_id:
-                    del self.index[blk.hash]
-                blk.indexed = False
-                self.dirty.add(blk.block_id)
+                self._unindex(blk.block_id, dropped)
         if dropped:
-            self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
-                                   creators=[c for _, _, c in dropped], reason=reason))
+            self._emit_removed(dropped, reason)
         self.emit(AllBlocksCleared(reason=reason))
-        return len(dropped)
+        return sum(1 for _, b, _ in dropped if self.blocks[b].ref_count == 0)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         for bid in self.policy.ids():
@@ -270,3 +290,7 @@ class BlockPool:
                 assert self.index.get(blk.hash) == blk.block_id, blk
         for h, bid in self.index.items():
             assert self.blocks[bid].hash == h and self.blocks[bid].indexed
+            parent = self.blocks[bid].parent_id
+            # an indexed block is reachable: its parent holds the parent's hash in the index
+            assert parent is None or self._is_index_holder(parent), self.blocks[bid]
+            assert parent is None or bid in self.children.get(parent, ()), self.blocks[bid]

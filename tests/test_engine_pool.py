@@ -170,3 +170,28 @@ def test_system_isolation_salts_after_the_system_prompt():
     assert ex[2] == [("salt", "user:alice")]  # block 2 (tokens 32..47) reaches past the system prompt
     assert block_extras("shared", "a", None, "m", 2, 0, 16) == [[("model", "m")], []]
     assert block_extras("group", "a", "g", "m", 1, 0, 16)[0][1] == ("salt", "group:g")
+
+
+def test_blocks_registered_after_a_clear_are_not_indexed_under_an_unindexed_parent():
+    pool = BlockPool(6, 4)
+    a = pool.allocate(2)
+    assert pool.register(a[0], 10, None, [1] * 4, (), "alice", "r1")
+    pool.clear()  # a[0] is in use: it leaves the index but keeps serving its request
+    assert not pool.register(a[1], 11, a[0], [2] * 4, (), "alice", "r1")
+    pool.release(a)
+    assert pool.num_free() == 6
+    b = pool.allocate(2)  # the same prefix computed again is indexed normally
+    assert pool.register(b[0], 10, None, [1] * 4, (), "bob", "r2")
+    assert pool.register(b[1], 11, b[0], [2] * 4, (), "bob", "r2")
+    pool.check()
+
+
+def test_evicting_a_parent_drops_its_unreachable_descendants():
+    pool = BlockPool(3, 4, "fifo")
+    chain = fill(pool, 3, "c")
+    pool.release(chain)
+    got = pool.allocate(1)  # FIFO evicts the oldest: the chain's root
+    assert got == [chain[0]]
+    assert pool.lookup(hash(("c", 1))) is None and pool.lookup(hash(("c", 2))) is None
+    assert pool.num_free() == 2 and pool.num_cached() == 0
+    pool.check()

@@ -106,3 +106,28 @@ def test_calibrated_linear_rows_are_batch_invariant(tiny_llama, threads):
                     assert torch.equal(F.linear(x[:m], lin.weight), full[:m]), (plan, m)
     finally:
         torch.set_num_threads(old)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policy=st.sampled_from(["lru", "lfu", "fifo"]),
+       ops=st.lists(st.one_of(st.tuples(st.just("ask"), st.sampled_from(["alice", "bob", "carol"]),
+                                         st.integers(0, 3)),
+                              st.tuples(st.just("clear"), st.just(""), st.just(0))),
+                    min_size=3, max_size=10))
+def test_sha256_never_reports_a_collision_under_eviction_and_clears(tiny_llama, policy, ops):
+    """With sha256 every CollisionCaught would be false: stale parents after evictions or clears
+    must never make verify-on-hit reject a genuine hit."""
+    system = {"role": "system", "content": "a shared system prompt for the pool " * 2}
+    with Engine(EngineConfig(model="tiny:llama", num_blocks=28, eviction=policy, prefill_budget=16),
+                tiny_llama) as eng:
+        pending = []
+        for op, user, q in ops:
+            if op == "clear":
+                eng.clear_cache()
+                continue
+            pending.append(eng.submit(user, [system, {"role": "user", "content": f"question {q} " * 3}],
+                                      SamplingParams(max_tokens=4)))
+        for h in pending:
+            assert h.result(60).ok
+        assert eng.stats()["collisions_caught"] == 0
+        eng.call(eng.pool.check)
