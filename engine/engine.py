@@ -142,11 +142,25 @@ class Engine:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread. Requests still queued or running finish with an error
+        ("engine shut down"), so nobody waiting on a handle hangs."""
+        if self._thread is not None and self._thread.is_alive():
+            self._cmds.put(("call", lambda: self.scheduler.fail_all("engine shut down"), Future()))
         self._stop.set()
         self._cmds.put(("noop",))
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        while True:  # commands that arrived too late
+            try:
+                op, *args = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if op == "submit":
+                self.scheduler.add(args[0])
+            elif args and isinstance(args[-1], Future) and not args[-1].done():
+                args[-1].set_exception(EngineError("engine shut down"))
+        self.scheduler.fail_all("engine shut down")
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -257,7 +271,7 @@ class Engine:
         return self.submit(user, messages, sampling, group).result(timeout)
 
     def cancel(self, request_id: str) -> None:
-        self._cmds.put(("cancel", request_id, Future()))
+        self._cmds.put(("cancel", request_id))
 
     # --- control ------------------------------------------------------------------------------
     def clear_cache(self) -> int:
@@ -267,7 +281,7 @@ class Engine:
     def needs_fresh_cache(self, **changes) -> bool:
         """Would these config changes invalidate what is cached? (hash, seed, determinism)."""
         return any(k in changes and changes[k] != getattr(self.config, k)
-                   for k in ("hash", "hash_seed", "deterministic", "block_size", "model"))
+                   for k in ("hash", "hash_seed", "deterministic"))
 
     def reconfigure(self, **changes) -> EngineConfig:
         """Change isolation / eviction / determinism / hashing / verify-on-hit at run time.
@@ -275,21 +289,26 @@ class Engine:
         Hash, seed or determinism changes clear the cache first (old blocks would be unreachable
         or not bitwise-compatible). Block size and model need a new Engine.
         """
-        for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype"):
+        for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads"):
             if k in changes and changes[k] != getattr(self.config, k):
                 raise EngineError(f"changing {k} needs a new engine (restart with --{k.replace('_', '-')})")
-        new = self.config.replace(**changes).validate()
+        self.config.replace(**changes).validate()  # bad values fail here, on the caller's thread
 
-        def apply():
+        def apply():  # on the engine thread: applies only `changes` to the config as it is now
             clear = self.needs_fresh_cache(**changes)
-            self.config.__dict__.update(new.__dict__)
+            rehash = clear or changes.get("isolation", self.config.isolation) != self.config.isolation
+            for k, v in changes.items():
+                setattr(self.config, k, v)
             if "eviction" in changes:
-                self.pool.set_policy(make_policy(new.eviction))
+                self.pool.set_policy(make_policy(self.config.eviction))
             if clear:
-                self.hasher = BlockHasher(new.hash, new.block_size, new.hash_seed)
+                self.hasher = BlockHasher(self.config.hash, self.config.block_size, self.config.hash_seed)
                 self.scheduler.hasher = self.hasher
                 self.pool.hex = self.hasher.fn.hex
                 self.pool.clear("reconfigured")
+            if rehash:  # waiting requests look their prefix up again under the new salts/hash
+                for req in self.scheduler.waiting:
+                    req.hashes = []
             return self.config
 
         return self.call(apply)

@@ -83,7 +83,10 @@ class RequestHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._result is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._queue.get(timeout=left)
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s") from None
             if isinstance(item, RequestResult):
                 self._result = item
         return self._result
@@ -107,6 +110,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks so far
     num_computed: int = 0  # tokens whose K/V is in the pool
+    high_water: int = 0  # most tokens ever computed (recompute accounting after preemption)
     registered: int = 0  # full blocks already registered in the prefix index
     status: str = WAITING
     admitted_once: bool = False

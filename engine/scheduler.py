@@ -76,17 +76,23 @@ class Scheduler:
         req.hashes.extend(self.hasher.chain(toks, extras, start_parent=parent, start_block=len(req.hashes)))
 
     # --- admission ----------------------------------------------------------------------------
-    def _match_prefix(self, req: Request) -> list[int]:
+    def _reusable_blocks(self, req: Request) -> int:
+        """How many of the request's leading full blocks may come from the cache: all but the
+        one holding the last token (its logits start the answer, so it is always computed)."""
         self._ensure_hashes(req)
+        return min((req.num_tokens - 1) // self.bs, len(req.hashes))
+
+    def _match_prefix(self, req: Request, verify: bool = True) -> list[int]:
+        """Ids of the cached blocks that hold the request's longest prefix (verified on hit)."""
         toks = req.tokens
+        limit = self._reusable_blocks(req)
         extras = self._extras(req, len(req.hashes))
-        limit = (req.num_tokens - 1) // self.bs  # always compute at least the last token
         matched: list[int] = []
-        for j in range(min(limit, len(req.hashes))):
+        for j in range(limit):
             blk = self.pool.lookup(req.hashes[j])
             if blk is None:
                 break
-            if self.config.verify_on_hit:
+            if verify and self.config.verify_on_hit:
                 want = tuple(toks[j * self.bs:(j + 1) * self.bs])
                 parent_ok = blk.parent_id == (matched[-1] if matched else None)
                 if blk.token_ids != want or blk.extra != tuple(extras[j]) or not parent_ok:
@@ -131,7 +137,7 @@ class Scheduler:
                                    block_hashes=[self.hasher.hex(self.pool.blocks[b].hash) for b in matched],
                                    cached_tokens=cached, by_creator=dict(by)))
         else:
-            req.stats.recomputed_tokens += req.num_tokens - cached - 1
+            req.stats.recomputed_tokens += max(0, req.high_water - cached)
         req.status = RUNNING
         self.emit(RequestStarted(request_id=req.request_id, user=req.user, cached_tokens=cached))
         return True
@@ -152,12 +158,8 @@ class Scheduler:
         together with the same system prompt compute it once, not once each)."""
         if not inflight or req.admitted_once:
             return False
-        self._ensure_hashes(req)
-        limit = (req.num_tokens - 1) // self.bs
-        j = 0
-        while j < min(limit, len(req.hashes)) and self.pool.lookup(req.hashes[j]) is not None:
-            j += 1
-        return j < min(limit, len(req.hashes)) and req.hashes[j] in inflight
+        j = len(self._match_prefix(req, verify=False))
+        return j < self._reusable_blocks(req) and req.hashes[j] in inflight
 
     def _admit(self) -> None:
         inflight = self._inflight_hashes()
@@ -184,7 +186,6 @@ class Scheduler:
         freed = len(victim.block_table)
         self.pool.release(victim.block_table)
         victim.block_table = []
-        victim.hashes = victim.hashes[: victim.num_tokens // self.bs]
         victim.num_computed = 0
         victim.registered = 0
         victim.status = WAITING
@@ -216,7 +217,9 @@ class Scheduler:
         self._admit()
         worked = False
         decoders = [r for r in self.running if r.pending == 1]
-        decoders = [r for r in decoders if r.status == RUNNING and self._reserve_decode_slot(r)]
+        for r in decoders:  # reserving a slot may preempt others in this list (or r itself)
+            if r.status == RUNNING:
+                self._reserve_decode_slot(r)
         decoders = [r for r in decoders if r.status == RUNNING]
         if decoders:
             rows = [Row(r.block_table, r.num_computed, [r.tokens[-1]]) for r in decoders]
@@ -253,6 +256,7 @@ class Scheduler:
         return out
 
     def _after_compute(self, req: Request, logits) -> None:
+        req.high_water = max(req.high_water, req.num_computed)
         self._register_full_blocks(req)
         if logits is None:
             return

@@ -256,3 +256,50 @@ def test_deterministic_mode_in_bfloat16(make_engine):
     for h in others:
         h.result(60)
     assert all(torch.equal(x, y) for x, y in zip(cold.request.logits_trace, warm.request.logits_trace))
+
+
+def test_shutdown_finishes_inflight_requests_with_an_error(tiny_llama):
+    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=64), tiny_llama).start()
+    h = eng.submit("alice", chat("never ends"), SamplingParams(max_tokens=100000, stop_on_eos=False))
+    next(iter(h))
+    eng.shutdown()
+    res = h.result(5)
+    assert res.finish_reason == "error" and "shut down" in res.error
+
+
+def test_result_timeout_is_a_timeout_error(make_engine):
+    eng = make_engine()
+    h = eng.submit("alice", chat("slow"), SamplingParams(max_tokens=100000, stop_on_eos=False))
+    with pytest.raises(TimeoutError):
+        h.result(0.05)
+    h.cancel()
+    assert h.result(10).finish_reason == "cancelled"
+
+
+def test_concurrent_reconfigures_do_not_undo_each_other(make_engine):
+    import threading
+
+    eng = make_engine()
+    gate = threading.Event()
+    eng._cmds.put(("call", gate.wait, __import__("concurrent.futures").futures.Future()))  # hold the engine
+    t1 = threading.Thread(target=eng.reconfigure, kwargs={"isolation": "user"})
+    t2 = threading.Thread(target=eng.reconfigure, kwargs={"eviction": "lfu"})
+    t1.start()
+    t2.start()
+    __import__("time").sleep(0.3)  # both reconfigures are queued behind the held engine
+    gate.set()
+    t1.join(10)
+    t2.join(10)
+    assert (eng.config.isolation, eng.config.eviction) == ("user", "lfu")
+
+
+def test_recompute_after_preemption_counts_only_tokens_computed_before(tiny_llama):
+    sp = SamplingParams(max_tokens=40, stop_on_eos=False)
+    with Engine(EngineConfig(model="tiny:llama", num_blocks=30, deterministic=True), tiny_llama) as eng:
+        hs = [eng.submit(f"u{i}", chat(f"user {i} pressure " * 3), sp) for i in range(4)]
+        res = [h.result(120) for h in hs]
+    pre = [r.stats for r in res if r.stats.preemptions]
+    assert pre, "the pool should force a preemption"
+    for st in pre:
+        # never more than what the request had computed (prompt + generated) before
+        assert 0 <= st.recomputed_tokens <= st.prompt_tokens + st.output_tokens
