@@ -32,7 +32,27 @@ class EngineConfig:
     hash_seed: str = "kvplay"  # root of every hash chain (like vLLM's PYTHONHASHSEED NONE_HASH)
     threads: int | None = None  # torch CPU threads; None = one less than the cores (min 1)
 
+    def _check_types(self) -> None:
+        """Scripts and DB rows reach here too: `deterministic = "false"` must not mean True."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if v is None and "None" in kind:
+                continue
+            if kind.startswith("bool"):
+                ok = isinstance(v, bool)
+            elif kind.startswith("int"):
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            elif kind.startswith("float"):
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            else:
+                ok = isinstance(v, str)
+            if not ok:
+                raise EngineError(f"{f.name} ({flag}) must be {kind.split(' ')[0]}, got {v!r}")
+
     def validate(self) -> "EngineConfig":
+        self._check_types()
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise EngineError(f"--block-size must be a positive integer (got {self.block_size!r})")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):

@@ -96,6 +96,32 @@ def _check_keys(table: dict, allowed: set, where: str) -> None:
         raise ScriptError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
 
 
+FIELD_TYPES = {  # TOML value types each field accepts (ints are fine where floats are)
+    "name": (str,), "user": (str,), "text": (str,), "group": (str,), "colour": (str,),
+    "seed": (int,), "max_tokens": (int,), "top_k": (int,),
+    "temperature": (int, float), "top_p": (int, float), "at": (int, float),
+}
+
+
+def _check_types(table: dict, where: str) -> None:
+    for key, value in table.items():
+        want = FIELD_TYPES.get("colour" if key == "color" else key)
+        if want and (isinstance(value, bool) or not isinstance(value, want)):
+            kind = "a string" if want == (str,) else "an integer" if want == (int,) else "a number"
+            raise ScriptError(f"{where}: `{key}` must be {kind}, got {value!r}")
+    for key in ("max_tokens", "top_k", "temperature", "at"):
+        if key in table and not isinstance(table[key], bool) and isinstance(table[key], (int, float)) \
+                and table[key] < 0:
+            raise ScriptError(f"{where}: `{key}` must not be negative, got {table[key]!r}")
+
+
+def _tables(data: dict, key: str, where: str) -> list[dict]:
+    items = data.get(key, [])
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ScriptError(f"{where}: `{key}` must be an array of tables ([[{key}]])")
+    return items
+
+
 def parse_script(text: str, where: str = "script") -> Script:
     try:
         data = tomllib.loads(text)
@@ -111,11 +137,14 @@ def parse_script(text: str, where: str = "script") -> Script:
     elif isinstance(system, dict):
         _check_keys(system, {"prompt"}, f"{where}: [system]")
         prompt = system.get("prompt", DEFAULT_SYSTEM)
+        if not isinstance(prompt, str):
+            raise ScriptError(f"{where}: [system] prompt must be a string")
     else:
         raise ScriptError(f"{where}: [system] must be a table with `prompt`")
     users = []
-    for i, u in enumerate(data.get("users", [])):
+    for i, u in enumerate(_tables(data, "users", where)):
         _check_keys(u, USER_KEYS, f"{where}: users[{i}]")
+        _check_types(u, f"{where}: users[{i}]")
         if "name" not in u or not str(u["name"]).strip():
             raise ScriptError(f"{where}: users[{i}] needs a name")
         u = dict(u)
@@ -126,8 +155,9 @@ def parse_script(text: str, where: str = "script") -> Script:
     if len(set(names)) != len(names):
         raise ScriptError(f"{where}: duplicate user names")
     turns = []
-    for i, t in enumerate(data.get("turns", [])):
+    for i, t in enumerate(_tables(data, "turns", where)):
         _check_keys(t, TURN_KEYS, f"{where}: turns[{i}]")
+        _check_types(t, f"{where}: turns[{i}]")
         if "user" not in t or "text" not in t:
             raise ScriptError(f"{where}: turns[{i}] needs `user` and `text`")
         if t["user"] not in names:

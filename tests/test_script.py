@@ -87,3 +87,26 @@ def test_examples_parse():
     assert len(files) >= 5
     for f in files:
         assert load_script(f).turns
+
+
+@pytest.mark.parametrize("body,msg", [
+    ('[[users]]\nname = "a"\ntemperature = "hot"\n', "temperature"),
+    ('[[turns]]\nuser = "a"\ntext = "hi"\nseed = "x"\n', "seed"),
+    ('[[turns]]\nuser = "a"\ntext = "hi"\nat = "soon"\n', "at"),
+    ('[[turns]]\nuser = "a"\ntext = "hi"\nmax_tokens = -3\n', "negative"),
+    ('turns = [1]\n', "array of tables"),
+])
+def test_field_types_are_checked(body, msg):
+    text = body if "turns" in body.split("\n")[0] or "[[turns]]" in body else body + '[[turns]]\nuser = "a"\ntext = "hi"\n'
+    with pytest.raises(ScriptError, match=msg):
+        parse_script(text)
+
+
+@pytest.mark.parametrize("engine", ['prefill_budget = "big"', 'deterministic = "false"', "hash_seed = 5"])
+def test_engine_table_types_are_checked(engine):
+    from kvplay.engine.config import EngineConfig
+    from kvplay.engine.errors import EngineError
+
+    script = parse_script(f'[engine]\n{engine}\n[[turns]]\nuser = "a"\ntext = "hi"\n')
+    with pytest.raises(EngineError, match="must be"):
+        EngineConfig.from_dict(script.engine).validate()
