@@ -35,12 +35,13 @@ def _progress(start: float):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import KvplayError
+    from kvplay.cli import KvplayError, check_output_file, save_plot
 
     from .report import plot_report, print_report
     from .run import PEER_ORDER, run_bench
 
     config = config_from_args(args)
+    check_output_file(args.plot, "--plot", ".png")
     workload = args.workload or ("shared-system" if args.quick else "all")
     names = list(WORKLOADS) if workload == "all" else [workload]
     turns = args.turns or (2 if args.quick and names == ["shared-system"] else None)
@@ -56,8 +57,7 @@ def main(args: argparse.Namespace) -> int:
     report = run_bench(config, names, users=args.users, turns=turns, quick=args.quick, peers=peers,
                        probe=args.probe, progress=_progress(time.perf_counter()))
     if args.plot:
-        plot_report(report, args.plot)
-        print(f"kvplay: plot saved to {args.plot}", file=sys.stderr)
+        save_plot(lambda path: plot_report(report, path), args.plot)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()

@@ -129,6 +129,7 @@ def build_params(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import check_output_file, save_plot
     from kvplay.engine.engine import Engine
 
     from .common import LabContext, Progress, dump_json, open_recorder, render
@@ -137,8 +138,7 @@ def main(args: argparse.Namespace) -> int:
     if args.lab == "collide":
         args.hash = None  # the lab sets trunc:N itself
     cfg = config_from_args(args, base)
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise _error(f"--plot {args.plot!r}: give a .png file name")
+    check_output_file(args.plot, "--plot", ".png")
     eng = Engine(cfg).start()  # the model loader reports its own progress on stderr
     rec = None
     try:
@@ -147,16 +147,17 @@ def main(args: argparse.Namespace) -> int:
         ctx = LabContext(Progress(args.lab), rec)
         result = mod.run(eng, params, ctx)
     finally:
-        if rec is not None:
-            rec.close()
-        eng.shutdown()
+        try:
+            if rec is not None:
+                rec.close()
+        finally:
+            eng.shutdown()  # even when closing the recorder fails
     if args.json:
         dump_json(result)
     else:
         render(result)
     if args.plot:
-        mod.plot(result, args.plot)
-        print(f"kvplay: plot saved to {args.plot}", file=sys.stderr)
+        save_plot(lambda path: mod.plot(result, path), args.plot)
     if rec is not None:
         print(f"kvplay: recorded as session {rec.session_id} in {rec.path}", file=sys.stderr)
     return 0

@@ -108,9 +108,11 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], config) 
                     live.refresh()
             con.print()
     finally:
-        if rec is not None:
-            rec.close()
-        engine.shutdown()
+        try:
+            if rec is not None:
+                rec.close()
+        finally:
+            engine.shutdown()  # even when closing the recorder fails
     equal = sum(c.equal for c in comps)
     errors = sum(1 for c in comps if c.error)
     differs = len(comps) - equal

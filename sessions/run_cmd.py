@@ -163,9 +163,11 @@ def main(args: argparse.Namespace) -> int:
         dones, wall = run_jobs(engine, jobs, script.system, args.json, rec, args.speed)
         summ = summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
     finally:
-        if rec is not None:
-            rec.close()
-        engine.shutdown()
+        try:
+            if rec is not None:
+                rec.close()
+        finally:
+            engine.shutdown()  # even when closing the recorder fails
     if args.json:
         print_json(summ)
     else:

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 
 import sqlite_utils
+
+from kvplay.engine.errors import EngineError
+
+
+class DatabaseBusy(EngineError):
+    """The sessions DB stayed locked (or failed) past the busy timeout: one line, exit 2."""
 
 
 @contextlib.contextmanager
@@ -15,11 +22,20 @@ def write_txn(db: sqlite_utils.Database):
     committed in between (WAL snapshot conflict; the busy timeout does not apply). Taking the
     write lock first makes concurrent writers (the app and a replay) wait their turn instead.
     """
-    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        db.conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:
+        raise DatabaseBusy(f"cannot write to the sessions database: {exc}") from None
     try:
         with db.atomic():  # a savepoint inside our transaction
             yield db
+    except sqlite3.Error as exc:
+        db.rollback()
+        raise DatabaseBusy(f"cannot write to the sessions database: {exc}") from None
     except BaseException:
         db.rollback()
         raise
-    db.conn.execute("COMMIT")
+    try:
+        db.conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        raise DatabaseBusy(f"cannot commit to the sessions database: {exc}") from None

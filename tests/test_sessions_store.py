@@ -223,3 +223,28 @@ def test_two_writers_share_one_db(tmp_path, make_engine):
     db = open_db(path)
     counts = {r["session_id"]: r["n"] for r in db.query("select session_id, count(*) n from turns group by session_id")}
     assert counts == {recs[0].session_id: 20, recs[1].session_id: 20}
+
+
+def test_locked_db_is_one_line_not_a_traceback(tmp_path):
+    import os
+    import sqlite3
+    import subprocess
+    import sys
+
+    from kvplay.sessions.store import open_db
+
+    db = tmp_path / "lock.db"
+    open_db(str(db)).close()
+    script = tmp_path / "s.toml"
+    script.write_text('[[turns]]\nuser = "a"\ntext = "hi"\nmax_tokens = 2\n')
+    holder = sqlite3.connect(db)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvplay", "run", str(script), "--model", "tiny:llama",
+                            "--num-blocks", "32", "--db", str(db)], capture_output=True, text=True,
+                           env=dict(os.environ, KVPLAY_DB_TIMEOUT="0.5"), timeout=120)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "locked" in r.stderr.strip().splitlines()[-1]
