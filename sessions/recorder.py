@@ -125,12 +125,15 @@ class Recorder:
         if started is None:
             started = ended - (st.total_ms or 0.0) / 1000
         tid = new_ulid()
+        sampled = sampling.to_dict()
+        if sampled.get("seed") is None:  # the engine drew one: record it, so the turn replays
+            sampled["seed"] = st.seed
         with self._lock:
             self._seq += 1
             row = {
                 "id": tid, "session_id": self.session_id, "seq": self._seq, "user": user, "text": text,
-                "reply": result.text, "messages": _dumps(messages), "sampling": _dumps(sampling.to_dict()),
-                "seed": sampling.seed, "at": at, "started": started, "ended": ended,
+                "reply": result.text, "messages": _dumps(messages), "sampling": _dumps(sampled),
+                "seed": sampled["seed"], "at": at, "started": started, "ended": ended,
                 "request_id": result.request_id, "ttft_ms": st.ttft_ms, "decode_tok_s": st.decode_tok_s,
                 "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
                 "computed_tokens": st.computed_tokens, "output_tokens": st.output_tokens,

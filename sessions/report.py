@@ -35,7 +35,7 @@ def turn_object(done: Done) -> dict:
         "reply": res.text if res else None,
         "finish_reason": res.finish_reason if res else "error",
         "error": done.error,
-        "seed": done.job.sampling.seed,
+        "seed": st.seed if st and st.seed is not None else done.job.sampling.seed,
         "at": done.job.at,
     }
 

@@ -139,6 +139,7 @@ class ControlsMixin:
             s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
             s.group = values["group"].strip() or None
             pane.refresh_subtitle()
+            self._recorder_call(self._record_user, s)  # replays use the users' latest settings
             self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
 
         self.push_screen(FormScreen(f"Settings for {s.name}", [
