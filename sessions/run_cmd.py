@@ -10,13 +10,12 @@ import argparse
 import sys
 import time
 
-from kvplay.engine.sampling import SamplingParams
 from kvplay.options import add_engine_args, config_from_args
 
 from .player import Done, Job, play
 from .report import attribution, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
-from .script import Script, load_script
+from .script import Script, load_script, sampling_for
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +32,7 @@ def script_jobs(script: Script) -> list[Job]:
     jobs = []
     for i, t in enumerate(script.turns, 1):
         u = script.user(t.user)
-        pick = lambda name: getattr(t, name) if getattr(t, name) is not None else getattr(u, name)  # noqa: E731
-        sampling = SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
-                                  top_k=int(pick("top_k")), max_tokens=pick("max_tokens"), seed=pick("seed")).validate()
-        jobs.append(Job(i, t.user, t.text, sampling, group=u.group, at=t.at))
+        jobs.append(Job(i, t.user, t.text, sampling_for(u, t), group=u.group, at=t.at))
     return jobs
 
 
@@ -138,9 +134,8 @@ def start_engine(config):
 
 
 def main(args: argparse.Namespace) -> int:
-
     from .recorder import Recorder
-    from .store import open_db, resolve_path
+    from .store import open_db
 
     if args.speed <= 0:
         from kvplay.cli import KvplayError

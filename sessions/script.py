@@ -43,6 +43,19 @@ class ScriptError(EngineError):
     """A script that cannot be run: malformed TOML (with its line), unknown user, bad field."""
 
 
+def sampling_for(user: "UserSpec", turn: "TurnSpec | None" = None):
+    """A turn's sampling: the user's settings, each overridden by the turn's when it sets one."""
+    from kvplay.engine.sampling import SamplingParams
+
+    def pick(name):
+        value = getattr(turn, name) if turn is not None else None
+        return getattr(user, name) if value is None else value
+
+    return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+                          top_k=int(pick("top_k")), max_tokens=int(pick("max_tokens")),
+                          seed=pick("seed")).validate()
+
+
 def default_seed(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 

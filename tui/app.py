@@ -23,8 +23,7 @@ from textual.widgets import Footer, Header, Log, Static
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
-from kvplay.engine.sampling import SamplingParams
-from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
+from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec, sampling_for
 
 from .blockmap import BlockMap
 from .controls import ControlsMixin
@@ -316,14 +315,8 @@ class KvplayApp(ControlsMixin, App):
             pane.notice("The model is still loading; this message is sent as soon as it is ready.")
             return None
         spec = pane.spec
-        sampling = SamplingParams(
-            temperature=turn.temperature if turn and turn.temperature is not None else spec.temperature,
-            top_p=turn.top_p if turn and turn.top_p is not None else spec.top_p,
-            top_k=turn.top_k if turn and turn.top_k is not None else spec.top_k,
-            max_tokens=turn.max_tokens if turn and turn.max_tokens else spec.max_tokens,
-            seed=turn.seed if turn and turn.seed is not None else spec.seed)
         try:
-            sampling.validate()
+            sampling = sampling_for(spec, turn)
         except EngineError as exc:
             pane.notice(f"✗ {exc}", error=True)
             return None
