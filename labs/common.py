@@ -62,25 +62,36 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def render(result: LabResult, console=None) -> None:
-    """Print the lab's tables and verdict with rich."""
-    from rich.console import Console
+def renderables(result: LabResult) -> list:
+    """The lab's tables, verdict and footer as rich renderables (the CLI prints them; the app
+    shows them in a screen)."""
     from rich.panel import Panel
     from rich.table import Table as RichTable
+    from rich.text import Text
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=140)
+    out: list = []
     for t in result.tables:
         rt = RichTable(title=t.title, title_justify="left", header_style="bold")
         for c in t.columns:
             rt.add_column(c, overflow="fold")
         for row in t.rows:
             rt.add_row(*[fmt(v) for v in row])
-        console.print(rt)
-    console.print(Panel(result.verdict, title=f"verdict: {result.lab}", border_style="green"))
-    console.print(f"[dim]{result.model} · {result.elapsed_s:.1f} s[/dim]")
+        out.append(rt)
+    out.append(Panel(result.verdict, title=f"verdict: {result.lab}", border_style="green"))
+    out.append(Text(f"{result.model} · {result.elapsed_s:.1f} s", style="dim"))
+    return out
+
+
+def render(result: LabResult, console=None) -> None:
+    """Print the lab's tables and verdict with rich."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    for r in renderables(result):
+        console.print(r)
 
 
 def dump_json(result: LabResult, out=None) -> None:

@@ -291,3 +291,20 @@ async def test_a_broken_database_does_not_break_the_playground(tiny_llama, tmp_p
         await say(app, pilot, "alice", "Hello")
         await wait_until(pilot, lambda: app.recorder_error is not None)
         assert "prompt" in badges(app, "alice")[-1]
+
+
+async def test_lab_runs_from_the_app_and_shows_its_verdict(tiny_llama):
+    from kvplay.tui.screens import LabScreen
+
+    app = make_app(tiny_llama, num_blocks=128)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.action_run_lab("response-cache")
+        await pilot.pause(0.2)
+        await pilot.press("y")  # the confirmation
+        await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
+        from rich.panel import Panel
+
+        verdicts = [p for p in app.screen.parts if isinstance(p, Panel)]
+        assert verdicts and "response-cache" in str(verdicts[0].title) and "response cache" in str(verdicts[0].renderable)
+        assert app.engine.config.isolation == "shared"  # the lab restored the mode it found

@@ -17,7 +17,16 @@ from kvplay.sessions.script import UserSpec
 
 from .blockmap import BlockMap
 from .panes import ChatPane
-from .screens import ConfirmScreen, FormScreen, HelpScreen, TextScreen
+from .screens import ConfirmScreen, FormScreen, HelpScreen, LabScreen, TextScreen
+
+# Labs from the palette run on the app's own engine, sized to finish in a minute or two here
+# (the CLI's defaults measure more).
+APP_LABS = {
+    "determinism": ("kvplay.labs.determinism", "DeterminismParams", {}),
+    "leak": ("kvplay.labs.leak", "LeakParams", {"blocks": [1, 4], "samples": 8, "mitigations": []}),
+    "collide": ("kvplay.labs.collide", "CollideParams", {"feed": 120, "offline": 5000}),
+    "response-cache": ("kvplay.labs.response_cache", "ResponseCacheParams", {}),
+}
 from .theme import assign_looks
 
 
@@ -193,6 +202,38 @@ class ControlsMixin:
 
         self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
 
+    def action_run_lab(self, name: str) -> None:
+        if self.engine is None:
+            self.notify("The model is still loading.", severity="warning")
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.notify(f"Running the {name} lab… watch the block map; its verdict opens here when done.",
+                            title="Lab", timeout=8)
+                self._run_lab(name)
+
+        self.push_screen(ConfirmScreen(
+            f"The {name} lab runs on this engine: it clears the cache and switches modes while it runs "
+            "(restoring them after), and typing meanwhile disturbs its measurements. Run it?"), done)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="lab", description="Running a lab")
+    def _run_lab(self, name: str) -> None:
+        import importlib
+
+        from kvplay.labs.common import LabContext, renderables
+
+        module, params_cls, sizes = APP_LABS[name]
+        mod = importlib.import_module(module)
+        try:
+            result = mod.run(self.engine, getattr(mod, params_cls)(**sizes), LabContext())
+        except Exception as exc:  # a lab failure is a notice, never a crash of the app
+            self.call_from_thread(self.notify, f"{name} lab failed: {exc}", severity="error")
+            return
+        self._dirty = True
+        parts = renderables(result)  # tables..., verdict, footer: show the verdict first
+        self.call_from_thread(self.push_screen, LabScreen(f"lab: {name}", [parts[-2], *parts[:-2], parts[-1]]))
+
     def action_screenshot(self) -> None:
         path = self.save_screenshot(path=str(Path.cwd()))
         self.notify(f"Saved {path}", title="Screenshot")
@@ -212,6 +253,14 @@ class ControlsMixin:
             ("view: toggle event log", "Show or hide the engine's event log", self.action_toggle_events),
             ("view: block map", "Focus the block map (arrows move, details below it)", self.action_focus_map),
             ("app: save screenshot", "Save an SVG of the screen in the current directory", self.action_screenshot),
+            ("lab: determinism", "Cached vs cold vs batched logits, default and deterministic mode",
+             lambda: self.action_run_lab("determinism")),
+            ("lab: leak", "Can another user tell a cache hit from their TTFT? (ROC AUC)",
+             lambda: self.action_run_lab("leak")),
+            ("lab: collide", "Hash collisions with a truncated hash, verify-on-hit off and on",
+             lambda: self.action_run_lab("collide")),
+            ("lab: response-cache", "A response cache vs the KV prefix cache: 'Am I pretty?'",
+             lambda: self.action_run_lab("response-cache")),
             ("app: help", "What the colours, glyphs and numbers mean", self.action_help),
             ("app: quit", "Quit kvplay", self.action_quit),
         ]

@@ -85,6 +85,24 @@ class HelpScreen(ModalScreen):
             yield Markdown(HELP)
 
 
+class LabScreen(ModalScreen):
+    """A lab's tables and verdict, as `kvplay lab NAME` prints them."""
+
+    BINDINGS = [Binding("escape,q", "dismiss", "Close", id="lab.close")]
+
+    def __init__(self, title: str, parts: list) -> None:
+        super().__init__()
+        self.title_text, self.parts = title, parts
+
+    def compose(self):
+        with VerticalScroll(id="lab-box"):
+            yield Static(self.title_text, classes="title")
+            for part in self.parts:
+                yield Static(part)
+            name = self.title_text.split(": ", 1)[-1]
+            yield Static(f"Esc closes. The same lab, with every option: kvplay lab {name} --help", classes="hint")
+
+
 class ErrorScreen(Screen):
     """Shown when the engine cannot start: what went wrong and how to fix it."""
 
