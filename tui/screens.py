@@ -50,6 +50,13 @@ shows the block's hash, its tokens as text, creator, ref count, hits, age and us
 * **eviction** – which cached block goes first when the pool is full: `lru`, `lfu`, `fifo`
 * **deterministic** – bitwise-identical results whether cached or not (needs an empty cache)
 
+## Labs (command palette, type "lab:")
+Each claim about shared caches, measured on this engine: **determinism** (cached vs cold vs
+batched logits), **leak** (can another user tell a hit from their TTFT?), **collide** (hash
+collisions with a truncated hash, verify-on-hit off and on), **response-cache** ("the first
+user's answer is what everyone gets" — true of a response cache, not of a KV cache). A lab
+clears the cache and switches modes while it runs, then shows its verdict.
+
 ## Keys
 | key | what it does |
 |---|---|
