@@ -141,6 +141,7 @@ def run(eng, params: DeterminismParams | None = None, ctx: LabContext | None = N
     ctx = ctx or LabContext()
     t_start = time.perf_counter()
     sampling = SamplingParams(max_tokens=p.max_tokens, temperature=0.0)
+    old = {"isolation": eng.config.isolation, "deterministic": eng.config.deterministic}
     if eng.config.isolation != "shared":
         eng.reconfigure(isolation="shared")  # warm runs need another user's blocks
     _run(eng, ctx, "warmup", _messages(p.system, OTHER_QUESTION), sampling, trace=False)  # not timed
@@ -166,7 +167,7 @@ def run(eng, params: DeterminismParams | None = None, ctx: LabContext | None = N
                              cmp["steps"], cmp["max_delta"], cmp["bitwise"], cmp["diverged"],
                              cmp["first_divergence"], cmp["top2_gap_cold"]])
         seconds[mode] = time.perf_counter() - t0
-    eng.reconfigure(deterministic=False)
+    eng.reconfigure(**old)  # leave the engine as we found it (the app runs labs on its engine)
     ctx.progress.close()
     summary = _summarise(runs, seconds)
     texts = [[r["mode"], r["prompt"], r["variant"], r["text"]] for r in runs if r["diverged"]]
