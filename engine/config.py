@@ -89,6 +89,8 @@ class EngineConfig:
         return cls(**kwargs)
 
     def replace(self, **changes) -> "EngineConfig":
+        """A copy with `changes` applied; None means "not given" (as with unset CLI flags), so
+        a field cannot be reset to None this way."""
         d = self.to_dict()
         d.update({k: v for k, v in changes.items() if v is not None})
         return EngineConfig(**d)
