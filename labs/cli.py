@@ -132,6 +132,8 @@ def main(args: argparse.Namespace) -> int:
     from kvplay.cli import check_output_file, save_plot
     from kvplay.engine.engine import Engine
 
+    from kvplay.sessions.recorder import close_run
+
     from .common import LabContext, Progress, dump_json, open_recorder, render
 
     mod, params, base = build_params(args)
@@ -147,11 +149,7 @@ def main(args: argparse.Namespace) -> int:
         ctx = LabContext(Progress(args.lab), rec)
         result = mod.run(eng, params, ctx)
     finally:
-        try:
-            if rec is not None:
-                rec.close()
-        finally:
-            eng.shutdown()  # even when closing the recorder fails
+        close_run(rec, eng)
     if args.json:
         dump_json(result)
     else:

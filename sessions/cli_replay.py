@@ -73,7 +73,7 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], config) 
     from rich.live import Live
     from rich.table import Table
 
-    from .recorder import Recorder
+    from .recorder import Recorder, close_run
     from .replay import replay
     from .run_cmd import start_engine
 
@@ -108,11 +108,7 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], config) 
                     live.refresh()
             con.print()
     finally:
-        try:
-            if rec is not None:
-                rec.close()
-        finally:
-            engine.shutdown()  # even when closing the recorder fails
+        close_run(rec, engine)
     equal = sum(c.equal for c in comps)
     errors = sum(1 for c in comps if c.error)
     differs = len(comps) - equal

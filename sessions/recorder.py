@@ -183,3 +183,13 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def close_run(rec: "Recorder | None", engine) -> None:
+    """End a recorded run: close the recorder (if any), then shut the engine down — even when
+    closing the recorder fails (a locked DB), so no engine thread is left behind."""
+    try:
+        if rec is not None:
+            rec.close()
+    finally:
+        engine.shutdown()

@@ -134,7 +134,7 @@ def start_engine(config):
 
 
 def main(args: argparse.Namespace) -> int:
-    from .recorder import Recorder
+    from .recorder import Recorder, close_run
     from .store import open_db
 
     if args.speed <= 0:
@@ -158,11 +158,7 @@ def main(args: argparse.Namespace) -> int:
         dones, wall = run_jobs(engine, jobs, script.system, args.json, rec, args.speed)
         summ = summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
     finally:
-        try:
-            if rec is not None:
-                rec.close()
-        finally:
-            engine.shutdown()  # even when closing the recorder fails
+        close_run(rec, engine)
     if args.json:
         print_json(summ)
     else:
