@@ -218,18 +218,11 @@ def dump_script(script: Script) -> str:
         out += [f"{k} = {_toml_value(v)}" for k, v in script.engine.items() if v is not None]
         out.append("")
     out += ["[system]", f"prompt = {_toml_value(script.system)}", ""]
-    for u in script.users:
-        out.append("[[users]]")
-        for k in ("name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour"):
-            v = getattr(u, k)
-            if v is not None:
-                out.append(f"{k} = {_toml_value(v)}")
-        out.append("")
-    for t in script.turns:
-        out.append("[[turns]]")
-        for k in ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at"):
-            v = getattr(t, k)
-            if v is not None:
-                out.append(f"{k} = {_toml_value(v)}")
-        out.append("")
+    user_keys = ("name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour")
+    turn_keys = ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at")
+    for header, items, keys in (("[[users]]", script.users, user_keys), ("[[turns]]", script.turns, turn_keys)):
+        for item in items:
+            out.append(header)
+            out += [f"{k} = {_toml_value(getattr(item, k))}" for k in keys if getattr(item, k) is not None]
+            out.append("")
     return "\n".join(out)
