@@ -1,0 +1,1 @@
+"""`kvplay serve`: the engine as an OpenAI-compatible HTTP server with API keys bound to identities, Prometheus /metrics, and vLLM-format KV events."""
