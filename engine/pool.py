@@ -197,8 +197,9 @@ class BlockPool:
         self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
                                creators=[c for _, _, c in dropped], reason=reason))
 
-    def touch(self, block_ids: list[int], now: float | None = None) -> None:
-        """A request reuses these cached/in-use blocks: ref += 1, hit += 1."""
+    def touch(self, block_ids: list[int], now: float | None = None, *, hit: bool = True) -> None:
+        """A request reuses these cached/in-use blocks: ref += 1, and hit += 1 unless `hit` is
+        False (a preempted request re-admitted re-references its blocks without a new hit)."""
         now = time.time() if now is None else now
         self.dirty.update(block_ids)
         for bid in block_ids:
@@ -206,7 +207,8 @@ class BlockPool:
             if blk.ref_count == 0:
                 self.policy.remove(bid)
             blk.ref_count += 1
-            blk.hits += 1
+            if hit:
+                blk.hits += 1
             blk.last_used = now
 
     def register(self, bid: int, block_hash: int, parent_id: int | None, tokens, extra,
