@@ -50,6 +50,16 @@ def m002_session_stats(db: sqlite_utils.Database) -> None:
     db["sessions"].add_column("stats", str)
 
 
+@migration
+def m003_replay_clock(db: sqlite_utils.Database) -> None:
+    """What the simulator and the scrubber need to replay a session without its model: each
+    turn's prompt token ids (and how many belong to the system prompt), and for each event the
+    engine's forward count when it happened (the step clock: when a request entered the queue)."""
+    db["turns"].add_column("prompt_ids", str)
+    db["turns"].add_column("system_tokens", int)
+    db["cache_events"].add_column("forwards", int)
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 

@@ -34,7 +34,7 @@ def session_users(db, sid: str) -> list[dict]:
 def session_turns(db, sid: str) -> list[dict]:
     rows = list(db.query("select * from turns where session_id = ? order by seq", [sid]))
     for r in rows:
-        for k in ("messages", "sampling", "cached_from", "token_ids"):
+        for k in ("messages", "sampling", "cached_from", "token_ids", "prompt_ids"):
             r[k] = json.loads(r[k]) if r.get(k) else ({} if k in ("sampling", "cached_from") else [])
     return rows
 

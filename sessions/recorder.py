@@ -91,7 +91,13 @@ class Recorder:
     def attach(self, engine) -> None:
         if self._unsub is None:
             self._engine = engine
-            self._unsub = engine.subscribe(self._events.append)
+            self._unsub = engine.subscribe(self._on_event)
+
+    def _on_event(self, ev) -> None:
+        # On the engine thread, between or inside steps: the forward count read here is the
+        # step clock at this event (the simulator enters each request at its recorded clock).
+        runner = getattr(self._engine, "runner", None)
+        self._events.append((ev, getattr(runner, "forwards", None)))
 
     def detach(self) -> None:
         if self._unsub is not None:
@@ -102,10 +108,26 @@ class Recorder:
         rows = []
         while True:
             try:
-                ev = self._events.popleft()
+                ev, forwards = self._events.popleft()
             except IndexError:
                 return rows
-            rows.append(event_row(self.session_id, ev))
+            row = event_row(self.session_id, ev)
+            row["forwards"] = forwards
+            rows.append(row)
+
+    def _prompt_ids(self, messages: list[dict], result: RequestResult) -> tuple[list[int] | None, int | None]:
+        """The prompt the engine computed for this turn (encoded again the way submit does), so
+        the simulator can replay it without the model. None when it cannot be recovered."""
+        encode = getattr(self._engine, "encode", None)
+        if encode is None or not messages:
+            return None, None
+        try:
+            ids, system_tokens = encode(messages)
+        except Exception:
+            return None, None
+        if len(ids) != result.stats.prompt_tokens:
+            return None, None
+        return list(ids), system_tokens
 
     # --- writes -------------------------------------------------------------------------------
     def add_user(self, name: str, group: str | None = None, colour: str | None = None, seed: int | None = None,
@@ -128,6 +150,7 @@ class Recorder:
         sampled = sampling.to_dict()
         if sampled.get("seed") is None:  # the engine drew one: record it, so the turn replays
             sampled["seed"] = st.seed
+        prompt_ids, system_tokens = self._prompt_ids(messages, result)
         with self._lock:
             self._seq += 1
             row = {
@@ -140,6 +163,7 @@ class Recorder:
                 "cached_from": _dumps(st.cached_from), "preemptions": st.preemptions,
                 "finish_reason": result.finish_reason, "error": result.error,
                 "token_ids": _dumps(list(result.token_ids)),
+                "prompt_ids": None if prompt_ids is None else _dumps(prompt_ids), "system_tokens": system_tokens,
             }
             events = self._drain()
             try:

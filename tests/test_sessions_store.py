@@ -17,9 +17,10 @@ EXPECTED = {
     "users": {"session_id", "name", "group", "colour", "seed", "temperature", "max_tokens", "top_p", "top_k"},
     "turns": {"id", "session_id", "seq", "user", "text", "reply", "messages", "sampling", "seed", "at", "started",
               "ended", "request_id", "ttft_ms", "decode_tok_s", "prompt_tokens", "cached_tokens", "computed_tokens",
-              "output_tokens", "cached_from", "preemptions", "finish_reason", "error", "token_ids"},
+              "output_tokens", "cached_from", "preemptions", "finish_reason", "error", "token_ids",
+              "prompt_ids", "system_tokens"},
     "cache_events": {"id", "session_id", "seq", "ts", "kind", "block_ids", "block_hashes", "user", "request_id",
-                     "payload"},
+                     "payload", "forwards"},
 }
 
 
