@@ -50,6 +50,8 @@ def _builtin(data: bytes) -> int:
 def parse_hash_name(name: str) -> HashFn:
     if name == "sha256":
         return HashFn(name, 256, _sha256)
+    if name == "sha256_cbor":  # vLLM's hash (wire/cbor_hash.py); BlockHasher hashes blocks its way
+        return HashFn(name, 256, _sha256)
     if name == "blake2b64":
         return HashFn(name, 64, _blake2b64)
     if name == "builtin":
@@ -63,7 +65,7 @@ def parse_hash_name(name: str) -> HashFn:
             raise EngineError(f"--hash {name!r}: N must be an integer from 1 to 256")
         shift = 256 - bits
         return HashFn(name, bits, lambda data, s=shift: _sha256(data) >> s)
-    raise EngineError(f"unknown hash {name!r} (sha256, blake2b64, builtin, trunc:N)")
+    raise EngineError(f"unknown hash {name!r} (sha256, sha256_cbor, blake2b64, builtin, trunc:N)")
 
 
 def _encode(parent: int | None, tokens: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
@@ -82,8 +84,16 @@ class BlockHasher:
         self.fn = parse_hash_name(hash_name)
         self.block_size = block_size
         self.root = self.fn(b"kvplay-root\0" + seed.encode())
+        self._cbor = None
+        if self.fn.name == "sha256_cbor":  # vLLM's bytes; the default seed means vLLM's NONE_HASH rule
+            from kvplay.wire.cbor_hash import CborBlockHashing
+
+            self._cbor = CborBlockHashing(None if seed == "kvplay" else seed)
+            self.root = self._cbor.root_int
 
     def block_hash(self, parent: int | None, tokens: Sequence[int], extra: Sequence[ExtraKey] = ()) -> int:
+        if self._cbor is not None:
+            return self._cbor(parent, tokens, extra)
         return self.fn(_encode(self.root if parent is None else parent, tokens, extra))
 
     def chain(self, tokens: Sequence[int], extras: Sequence[Sequence[ExtraKey]] | None = None,
