@@ -1,0 +1,129 @@
+"""vLLM's KV-event wire: encode/decode of map-tagged and legacy positional events, int and bytes
+hashes, frames and the replay end marker."""
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from kvplay.wire.codec import (
+    END_SEQ, END_SEQ_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError,
+    decode_batch, encode_batch, encode_frames, end_marker_frames, from_engine_event, hash_hex,
+    hex_to_wire_hash, pack_seq, parse_frames, replay_request, unpack_seq)
+
+
+def _stored(**kw):
+    base = dict(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                medium="GPU")
+    base.update(kw)
+    return BlockStored(**base)
+
+
+def test_map_tagged_roundtrip_and_field_names():
+    batch = EventBatch(1.5, [_stored(session_id="alice", kv_cache_spec_kind="full_attention"),
+                             BlockRemoved([11], "GPU"), AllBlocksCleared()], 0)
+    raw = msgpack.unpackb(encode_batch(batch), raw=False)
+    assert raw[0] == 1.5 and raw[2] == 0 and len(raw) == 3
+    stored, removed, cleared = raw[1]
+    assert stored["type"] == "BlockStored"
+    assert stored["block_hashes"] == [11, 12] and stored["token_ids"] == list(range(8))
+    assert stored["session_id"] == "alice" and stored["kv_cache_spec_kind"] == "full_attention"
+    # fields without a default in vLLM's struct are always written (its decoder requires them) ...
+    assert "lora_id" in stored and stored["lora_id"] is None and "lora_name" in stored
+    assert "parent_block_hash" in stored and stored["parent_block_hash"] is None
+    # ... defaulted ones only when set
+    assert "extra_keys" not in stored and "group_idx" not in stored
+    assert removed == {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}
+    assert cleared == {"type": "AllBlocksCleared"}
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_batch_without_rank_is_two_elements():
+    payload = encode_batch(EventBatch(2.0, [AllBlocksCleared()]))
+    assert len(msgpack.unpackb(payload)) == 2
+    assert decode_batch(payload).data_parallel_rank is None
+
+
+def test_legacy_positional_events_decode():
+    # vLLM <= 0.25 (array_like=True, tag=True): ["BlockStored", block_hashes, parent, token_ids,
+    # block_size, lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]
+    payload = msgpack.packb([3.25, [
+        ["BlockStored", [5, 6], 4, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU"],
+        ["BlockRemoved", [5], "GPU"],
+        ["AllBlocksCleared"],
+    ], 0])
+    b = decode_batch(payload)
+    s, r, c = b.events
+    assert isinstance(s, BlockStored) and s.block_hashes == [5, 6] and s.parent_block_hash == 4
+    assert s.block_size == 4 and s.medium == "GPU" and s.session_id is None
+    assert s.block_tokens(1) == [5, 6, 7, 8]
+    assert isinstance(r, BlockRemoved) and r.block_hashes == [5] and r.medium == "GPU"
+    assert isinstance(c, AllBlocksCleared)
+
+
+def test_legacy_encode_matches_the_old_layout_and_roundtrips():
+    batch = EventBatch(1.0, [_stored(parent_block_hash=3), BlockRemoved([11], "GPU")], 0)
+    raw = msgpack.unpackb(encode_batch(batch, legacy=True), raw=False)
+    assert raw[1][0] == ["BlockStored", [11, 12], 3, list(range(8)), 4, None, "GPU", None]
+    assert raw[1][1] == ["BlockRemoved", [11], "GPU"]
+    assert decode_batch(encode_batch(batch, legacy=True)) == batch
+
+
+def test_bytes_hashes_decode_and_hex():
+    digest = hashlib.sha256(b"x").digest()
+    payload = encode_batch(EventBatch(0.0, [_stored(block_hashes=[digest], parent_block_hash=None)]))
+    ev = decode_batch(payload).events[0]
+    assert ev.block_hashes == [digest] and isinstance(ev.block_hashes[0], bytes)
+    assert hash_hex(digest) == digest.hex()
+    assert hash_hex(0xAB) == "00000000000000ab"
+    # kvplay's hex hash as vLLM sends it: the low 64 bits, or the whole digest
+    assert hex_to_wire_hash(digest.hex()) == int.from_bytes(digest[-8:], "big")
+    assert hex_to_wire_hash(digest.hex(), as_int=False) == digest
+
+
+def test_unknown_event_type_is_skipped_and_sglang_metadata_session():
+    payload = msgpack.packb([0.0, [{"type": "SomethingNew", "x": 1},
+                                   {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                    "token_ids": [1, 2], "block_size": 2,
+                                    "metadata": {"session_id": "bob", "cache_salt": "s"}}]])
+    b = decode_batch(payload)
+    assert len(b.events) == 1 and b.events[0].session_id == "bob"
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1]),
+                                     msgpack.packb(["x", []]), msgpack.packb([0.0, [7]]),
+                                     msgpack.packb([0.0, [["BlockStored"]]])])
+def test_bad_payloads_raise_one_wire_error(payload):
+    with pytest.raises(WireError):
+        decode_batch(payload)
+
+
+def test_frames_seq_and_end_marker():
+    assert pack_seq(0) == b"\x00" * 8 and pack_seq(258) == b"\x00" * 6 + b"\x01\x02"
+    assert pack_seq(END_SEQ) == END_SEQ_BYTES and unpack_seq(END_SEQ_BYTES) == -1
+    batch = EventBatch(1.0, [AllBlocksCleared()])
+    live = encode_frames("kv-events", 7, batch)
+    assert live[0] == b"kv-events" and live[1] == pack_seq(7)
+    assert parse_frames(live) == (b"kv-events", 7, encode_batch(batch))
+    # replay as a DEALER sees it: new (with topic) and old (without)
+    assert parse_frames([b"", b"kv-events", pack_seq(7), b"p"]) == (b"kv-events", 7, b"p")
+    assert parse_frames([b"", pack_seq(7), b"p"]) == (b"", 7, b"p")
+    assert parse_frames([b""] + end_marker_frames("t")) == (b"t", -1, b"")
+    assert replay_request(5) == [b"", pack_seq(5)]
+    with pytest.raises(WireError):
+        parse_frames([b"t", b"123", b"p"])
+    with pytest.raises(WireError):
+        unpack_seq(b"\x00")
+
+
+def test_from_engine_event():
+    from kvplay.engine.events import AllBlocksCleared as EC, BlockRemoved as ER, BlockStored as ES
+
+    h1, h0 = "ab" * 32, "cd" * 32
+    w = from_engine_event(ES(block_hashes=[h1], parent_block_hash=h0, token_ids=[1, 2], block_size=2, user="u"),
+                          session_id="u")
+    assert w.block_hashes == [int("ab" * 8, 16)] and w.parent_block_hash == int("cd" * 8, 16)
+    assert w.session_id == "u" and w.medium == "GPU"
+    assert isinstance(from_engine_event(ER(block_hashes=[h1])), BlockRemoved)
+    assert isinstance(from_engine_event(EC()), AllBlocksCleared)
