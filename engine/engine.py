@@ -76,6 +76,7 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         self._listeners: list[Listener] = []
+        self._step_listeners: list[Callable[[], None]] = []
         self._seq = itertools.count(1)
         self._cmds: "queue.Queue[tuple]" = queue.Queue()
         self._lock = threading.RLock()
@@ -124,6 +125,13 @@ class Engine:
         """Call `listener(event)` on the engine thread for every event; returns an unsubscribe."""
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def on_step_end(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn()` on the engine thread after every step, command and call: the events
+        emitted since the last call form one step's batch (kvplay serve publishes each as one
+        vLLM EventBatch). Returns an unsubscribe."""
+        self._step_listeners.append(fn)
+        return lambda: self._step_listeners.remove(fn) if fn in self._step_listeners else None
 
     def _emit(self, event: Event) -> None:
         event.seq = next(self._seq)
@@ -336,6 +344,11 @@ class Engine:
         if now - self._stats_at > 0.2 or not self.scheduler.has_work():
             self._stats_at = now
             self._stats = self._compute_stats()
+        for fn in list(self._step_listeners):
+            try:
+                fn()
+            except Exception:  # a broken listener never stops the engine
+                pass
 
     def snapshot(self) -> tuple[BlockView, ...]:
         """The state of every block as of the last step (never blocks on the engine)."""
