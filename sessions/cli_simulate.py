@@ -1,0 +1,166 @@
+"""`kvplay simulate SESSION_ID|TRACE [--num-blocks N …] [--policy lru,lfu,fifo,belady]
+[--isolation …] [--json] [--plot PNG] [--db PATH]`.
+
+Replays a recorded session (or a trace file: vLLM KV events, Mooncake JSONL) through the real
+scheduler and block pool with no model, once per setting, and reports the share of prompt tokens
+that came from the cache next to Belady's offline optimum for the same pool size. The first line
+checks the replay: under the recorded settings it must give the recorded hit rate exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvplay.engine.config import ISOLATION_MODES
+
+from .report import console, print_json
+from .simulate import SIM_POLICIES, Trace, headline, simulate, simulate_grid
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SESSION_ID|TRACE", help="a recorded session (id or unique prefix) or a trace file")
+    parser.add_argument("--num-blocks", nargs="+", default=None, metavar="N",
+                        help="pool sizes to try (default: around the recorded size)")
+    parser.add_argument("--policy", default=",".join(SIM_POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}")
+    parser.add_argument("--isolation", default=None, help=f"comma list of {', '.join(ISOLATION_MODES)} (default: recorded)")
+    parser.add_argument("--json", action="store_true", help='{"recorded": …, "results": […]} on stdout')
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help="save hit rate vs pool size per policy")
+    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+
+
+def _list(text: str, allowed, flag: str) -> list[str]:
+    from kvplay.cli import KvplayError
+
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in allowed]
+    if bad or not out:
+        raise KvplayError(f"{flag} {text!r}: choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(out))
+
+
+def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
+    from kvplay.cli import KvplayError
+
+    from .simulate import default_sizes
+
+    if not values:
+        return default_sizes(trace)
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            try:
+                n = int(part)
+            except ValueError:
+                n = 0
+            if n <= 0:
+                raise KvplayError(f"--num-blocks {part!r}: give positive integers")
+            out.append(n)
+    return sorted(set(out))
+
+
+def load_source(source: str, db_path: str | None) -> Trace:
+    """A trace file when `source` names a file, else a session in the sessions DB."""
+    if os.path.isfile(source):
+        from .traces import read_trace_file
+
+        return read_trace_file(source).trace
+    from .store import open_db
+    from .traces import session_trace
+
+    db = open_db(db_path, create=False)
+    try:
+        return session_trace(db, source)
+    finally:
+        db.close()
+
+
+def plot(results, trace: Trace, path: str) -> None:
+    from kvplay.labs.common import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    isos = sorted({r.isolation for r in results})
+    styles = ["-", "--", ":", "-."]
+    for p in dict.fromkeys(r.policy for r in results):
+        for k, iso in enumerate(isos):
+            pts = sorted((r.num_blocks, r.hit_rate * 100) for r in results if r.policy == p and r.isolation == iso)
+            label = p if len(isos) == 1 else f"{p} ({iso})"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], styles[k % len(styles)], marker="o",
+                    label=label, linewidth=2.4 if p == "belady" else 1.4)
+    c = trace.config
+    if trace.recorded_hit_rate is not None:
+        ax.scatter([c.num_blocks], [trace.recorded_hit_rate * 100], s=90, facecolors="none", edgecolors="black",
+                   zorder=5, label=f"recorded ({c.eviction})")
+    ax.set_xlabel(f"pool size (blocks of {c.block_size} tokens)")
+    ax.set_ylabel("prompt tokens from the cache (%)")
+    ax.set_title(f"kvplay simulate: {trace.source}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+
+    from kvplay.cli import save_plot
+
+    save_plot(lambda p: fig.savefig(p, dpi=120), path)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import check_output_file
+
+    policies = _list(args.policy, SIM_POLICIES, "--policy")
+    check_output_file(args.plot, "--plot", ".png")
+    trace = load_source(args.source, args.db)
+    c = trace.config
+    isolations = _list(args.isolation, ISOLATION_MODES, "--isolation") if args.isolation else [c.isolation]
+    sizes = _sizes(args.num_blocks, trace)
+    err = sys.stderr
+
+    def progress(i: int, total: int, what: str) -> None:
+        if err.isatty():
+            print(f"\rkvplay: simulating {i + 1}/{total}: {what} …\033[K", end="", file=err, flush=True)
+
+    own = simulate(trace)  # the recorded settings: must reproduce the recorded hits
+    own_opt = simulate(trace, policy="belady")
+    results = simulate_grid(trace, sizes, policies, isolations, progress)
+    if err.isatty():
+        print("\r\033[K", end="", file=err)
+    recorded = trace.recorded_hit_rate
+    if args.json:
+        print_json({"recorded": {"policy": c.eviction, "num_blocks": c.num_blocks,
+                                 "hit_rate": None if recorded is None else round(recorded, 6)},
+                    "results": [r.to_dict() for r in results]})
+        return 0
+    from rich.table import Table
+
+    con = console()
+    n = len(trace.requests)
+    con.print(f"[bold]{trace.source}[/bold]: {n} requests, {trace.prompt_tokens()} prompt tokens; recorded "
+              f"{c.eviction} on {c.num_blocks} blocks of {c.block_size} tokens, isolation {c.isolation}", highlight=False)
+    if recorded is not None:
+        same = own.hit_tokens == trace.recorded_hit_tokens and own.query_tokens == trace.recorded_query_tokens
+        verdict = "[green]reproduces[/green]" if same else "[yellow]differs[/yellow]"
+        con.print(f"replayed under its recorded settings: {own.hit_rate:.1%} ({own.hit_tokens}/{own.query_tokens}); "
+                  f"recorded {recorded:.1%} ({trace.recorded_hit_tokens}/{trace.recorded_query_tokens}): {verdict}",
+                  highlight=False)
+    table = Table(header_style="bold", title="prompt tokens from the cache (share of the optimum)")
+    table.add_column("blocks", justify="right")
+    if len(isolations) > 1:
+        table.add_column("isolation")
+    for p in policies:
+        table.add_column(p, justify="right")
+    for iso in isolations:
+        for size in sizes:
+            row = [str(size)] + ([iso] if len(isolations) > 1 else [])
+            for p in policies:
+                r = next(r for r in results if r.num_blocks == size and r.isolation == iso and r.policy == p)
+                cell = f"{r.hit_rate:.1%}"
+                if p != "belady":
+                    cell += "" if r.of_optimum is None else f" ({r.of_optimum:.0%})"
+                row.append(cell)
+            table.add_row(*row)
+    con.print(table)
+    con.print(headline(own, own_opt), highlight=False)
+    if args.plot:
+        plot(results, trace, args.plot)
+    return 0

@@ -1,0 +1,336 @@
+"""What if: replay a recorded block-level trace through the real scheduler and block pool, with
+no model, under other pool sizes, eviction policies and isolation modes, next to Belady's
+offline optimum.
+
+How a trace replays. Every request is a recorded turn: its prompt token ids, its output token ids
+(and whether it ended on end-of-sequence), its user and group. The engine's own Scheduler and
+BlockPool run it; only the model is replaced, by `ReplayRunner`, whose "logits" make the
+scheduler's sampler pick the recorded next token. So admission, the longest-prefix lookup,
+verify-on-hit, chunked prefill, the block allocated at each decode boundary, preemption,
+registration and release are the engine's code, step for step.
+
+When a request enters (concurrency as recorded): at the engine's forward count at which it
+was queued live (the recorder stores that clock with every event), and never before the
+requests that had finished before it was queued (a user waits for the previous reply; a
+script's untimed turn waits for the turn before). When the scheduler runs dry, the clock jumps
+to the next arrival. Under the recorded settings this enters every request at the very step it
+entered live, so the replay reproduces the live hits token for token. Traces without a step
+clock (imported files) replay one request at a time, in order.
+
+Belady's optimum: `Belady` is an EvictionPolicy fed the future access sequence (each request's
+reusable prompt block hashes, in arrival order); it evicts the cached block whose next use is
+furthest in the future (never used again first), deeper blocks of a chain first on ties.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.errors import EngineError
+from kvplay.engine.events import AllBlocksCleared, RequestFinished, RequestStarted
+from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
+from kvplay.engine.pool import BlockPool
+from kvplay.engine.prefix import BlockHasher, block_extras
+from kvplay.engine.request import Request
+from kvplay.engine.sampling import SamplingParams, make_generator
+from kvplay.engine.scheduler import Scheduler
+
+SIM_POLICIES = tuple(POLICIES) + ("belady",)
+MAX_STEPS = 5_000_000
+
+
+# --- the trace ---------------------------------------------------------------------------------
+@dataclass
+class TraceRequest:
+    request_id: str
+    user: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    group: str | None = None
+    system_tokens: int = 0
+    stop: bool = True  # ended on end-of-sequence after output_ids (else at len(output_ids) tokens)
+    clock: int | None = None  # engine forward count when it was queued (None: one at a time)
+    after: frozenset = frozenset()  # request ids that had finished before it was queued
+    cached_tokens: int | None = None  # what the live run reused (None: not recorded)
+    ts: float | None = None  # wall clock when it was queued
+
+
+@dataclass
+class Clear:
+    """The cache was emptied (the app's "clear cache", a reconfigure) at this point."""
+    clock: int | None = None
+    after: frozenset = frozenset()
+    reason: str = "cleared"
+
+
+@dataclass
+class Trace:
+    config: EngineConfig  # the recorded settings, num_blocks resolved
+    model_key: str  # the model name that keys block 0 of every chain
+    items: list  # TraceRequest | Clear, in the order they reached the engine
+    source: str = ""
+    recorded_hit_tokens: int | None = None
+    recorded_query_tokens: int | None = None
+
+    @property
+    def requests(self) -> list[TraceRequest]:
+        return [it for it in self.items if isinstance(it, TraceRequest)]
+
+    @property
+    def recorded_hit_rate(self) -> float | None:
+        if not self.recorded_query_tokens:
+            return None if self.recorded_query_tokens is None else 0.0
+        return self.recorded_hit_tokens / self.recorded_query_tokens
+
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests)
+
+    def max_blocks_needed(self) -> int:
+        """Blocks the longest request needs alone (a smaller pool fails it)."""
+        bs = self.config.block_size
+        return max((-(-(len(r.prompt_ids) + len(r.output_ids) + 1) // bs) for r in self.requests), default=1)
+
+
+# --- the model stand-in ------------------------------------------------------------------------
+class _SilentTokenizer:
+    """The scheduler streams text; a replay has no one to stream to."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class ReplayRunner:
+    """Takes the ModelRunner's place: counts forwards like it and answers each row with logits
+    that make the scheduler's own sampler pick the recorded next token (then end-of-sequence)."""
+
+    def __init__(self, vocab: int, eos: int):
+        import torch
+
+        self.torch = torch
+        self.vocab, self.eos = vocab, eos
+        self.forwards = 0
+        self.max_positions = 1 << 30
+        self.scheduler: Scheduler | None = None
+        self.outputs: dict[str, list[int]] = {}
+
+    def _logits(self, req: Request):
+        out = self.outputs.get(req.request_id, [])
+        n = len(req.output_ids)
+        tok = out[n] if n < len(out) else self.eos
+        lg = self.torch.full((self.vocab,), -1e9)
+        lg[tok] = 0.0
+        return lg
+
+    def forward(self, rows, deterministic: bool = False):
+        self.forwards += 1
+        by_table = {id(r.block_table): r for r in self.scheduler.running}
+        out = []
+        for row in rows:
+            req = by_table[id(row.block_table)]
+            last = row.past_len + len(row.new_tokens) >= req.num_tokens
+            out.append(self._logits(req) if last else None)
+        return out
+
+
+# --- Belady ------------------------------------------------------------------------------------
+class FutureUses:
+    """The future access sequence: which requests (by arrival position) will look up each block
+    hash, and how far along its chain the block sits."""
+
+    def __init__(self, hashes_per_request: list[list[int]]):
+        self.uses: dict[int, list[int]] = {}
+        self.depth: dict[int, int] = {}
+        for i, hashes in enumerate(hashes_per_request):
+            for j, h in enumerate(hashes):
+                lst = self.uses.setdefault(h, [])
+                if not lst or lst[-1] != i:
+                    lst.append(i)
+                self.depth[h] = j
+        self.done: set[int] = set()
+        self._ptr: dict[int, int] = {}
+
+    def admitted(self, position: int) -> None:
+        self.done.add(position)
+
+    def next_use(self, h: int) -> float:
+        lst = self.uses.get(h)
+        if not lst:
+            return math.inf
+        k = self._ptr.get(h, 0)
+        while k < len(lst) and lst[k] in self.done:
+            k += 1
+        self._ptr[h] = k
+        return lst[k] if k < len(lst) else math.inf
+
+
+class Belady(EvictionPolicy):
+    """Offline optimum: evict the cached block whose next use is furthest in the future."""
+    name = "belady"
+
+    def __init__(self, future: FutureUses) -> None:
+        super().__init__()
+        self.future = future
+
+    def pick(self, blocks):
+        f = self.future
+        block_id = max(self._evictable, key=lambda b: (f.next_use(blocks[b].hash), f.depth.get(blocks[b].hash, 0)))
+        del self._evictable[block_id]
+        return block_id
+
+
+# --- one run -----------------------------------------------------------------------------------
+@dataclass
+class SimResult:
+    policy: str
+    num_blocks: int
+    isolation: str
+    hit_tokens: int
+    query_tokens: int
+    evictions: int = 0
+    preemptions: int = 0
+    cached: dict = field(default_factory=dict)  # request id -> cached tokens at first admission
+    events: list = field(default_factory=list)  # (event, forwards) when asked to keep them
+    of_optimum: float | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "num_blocks": self.num_blocks, "isolation": self.isolation,
+                "hit_rate": round(self.hit_rate, 6),
+                "of_optimum": None if self.of_optimum is None else round(self.of_optimum, 6)}
+
+
+def _future(trace: Trace, config: EngineConfig, hasher: BlockHasher) -> FutureUses:
+    bs = config.block_size
+    out = []
+    for r in trace.requests:
+        n = min((len(r.prompt_ids) - 1) // bs, len(r.prompt_ids) // bs)
+        extras = block_extras(config.isolation, r.user, r.group, trace.model_key, n, r.system_tokens, bs)
+        out.append(hasher.chain(r.prompt_ids[:n * bs], extras) if n > 0 else [])
+    return FutureUses(out)
+
+
+def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = None,
+             isolation: str | None = None, keep_events: bool = False) -> SimResult:
+    """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused."""
+    cfg = trace.config
+    policy = policy or cfg.eviction
+    if policy not in SIM_POLICIES:
+        raise EngineError(f"unknown policy {policy!r} ({', '.join(SIM_POLICIES)})")
+    config = replace(cfg, num_blocks=num_blocks or cfg.num_blocks, isolation=isolation or cfg.isolation,
+                     eviction=policy if policy in POLICIES else "lru").validate()
+    hasher = BlockHasher(config.hash, config.block_size, config.hash_seed)
+    requests = trace.requests
+    position = {r.request_id: i for i, r in enumerate(requests)}
+    future = _future(trace, config, hasher) if policy == "belady" else None
+    evict = Belady(future) if future is not None else make_policy(policy)
+    vocab = 2 + max((t for r in requests for t in (*r.prompt_ids, *r.output_ids)), default=0)
+    runner = ReplayRunner(vocab, eos=vocab - 1)
+    finished: set[str] = set()
+    events: list = []
+    seq = [0]
+
+    def emit(ev) -> None:
+        seq[0] += 1
+        ev.seq = seq[0]
+        if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
+            future.admitted(position[ev.request_id])
+        elif isinstance(ev, RequestFinished):
+            finished.add(ev.request_id)
+        if keep_events:
+            events.append((ev, runner.forwards))
+
+    pool = BlockPool(config.num_blocks, config.block_size, evict, emit=emit, hex_fn=hasher.fn.hex)
+    sched = Scheduler(config, pool, runner, hasher, _SilentTokenizer(), trace.model_key, emit, {runner.eos})
+    runner.scheduler = sched
+    reqs = {}
+    for i, r in enumerate(requests):
+        runner.outputs[r.request_id] = list(r.output_ids)
+
+    def ready(item) -> bool:
+        if item.clock is None:  # one at a time
+            return not sched.has_work()
+        return runner.forwards >= item.clock and item.after <= finished
+
+    def enter(item) -> None:
+        if isinstance(item, Clear):
+            pool.clear(item.reason)
+            return
+        max_tokens = max(1, len(item.output_ids) + (1 if item.stop else 0))
+        req = Request(item.request_id, item.user, item.group, list(item.prompt_ids),
+                      SamplingParams(temperature=0.0, max_tokens=max_tokens), item.system_tokens, None,
+                      make_generator(0))
+        req.arrival = float(len(reqs))
+        reqs[item.request_id] = req
+        emit(_queued(item))
+        sched.add(req)
+
+    items = trace.items
+    k = steps = 0
+    while True:
+        while k < len(items) and ready(items[k]):
+            enter(items[k])
+            k += 1
+        if sched.has_work():
+            sched.step()
+            steps += 1
+            if steps > MAX_STEPS:
+                raise EngineError(f"the simulation of {trace.source} did not finish in {MAX_STEPS} steps")
+            continue
+        if k >= len(items):
+            break
+        enter(items[k])  # the engine would sit idle until then: jump the clock
+        k += 1
+    return SimResult(policy, config.num_blocks, config.isolation, sched.hit_tokens, sched.query_tokens,
+                     pool.evictions, sched.preemptions,
+                     {rid: r.stats.cached_tokens for rid, r in reqs.items() if r.admitted_once}, events)
+
+
+def _queued(item: TraceRequest):
+    from kvplay.engine.events import RequestQueued
+
+    return RequestQueued(request_id=item.request_id, user=item.user, prompt_tokens=len(item.prompt_ids))
+
+
+# --- many runs ---------------------------------------------------------------------------------
+def default_sizes(trace: Trace) -> list[int]:
+    """Pool sizes around the recorded one (none below what the longest request needs alone)."""
+    n = trace.config.num_blocks
+    low = trace.max_blocks_needed()
+    sizes = {max(low, round(n * f)) for f in (0.5, 0.75, 1.0, 1.5, 2.0, 4.0)}
+    return sorted(sizes | {n})
+
+
+def simulate_grid(trace: Trace, sizes: list[int], policies: list[str], isolations: list[str],
+                  progress=None) -> list[SimResult]:
+    """Every (pool size, isolation, policy); Belady always runs too, to give `of_optimum`."""
+    runs = [(n, iso, p) for iso in isolations for n in sizes for p in policies]
+    need_opt = {(n, iso) for n, iso, _ in runs}
+    done: dict[tuple, SimResult] = {}
+    total = len(runs) + sum(1 for key in need_opt if "belady" not in policies)
+    for i, (n, iso, p) in enumerate([(n, iso, "belady") for n, iso in sorted(need_opt)] + runs):
+        if (n, iso, p) in done:
+            continue
+        if progress is not None:
+            progress(len(done), total, f"{p} on {n} blocks, isolation {iso}")
+        done[(n, iso, p)] = simulate(trace, n, p, iso)
+    out = []
+    for n, iso, p in runs:
+        res = done[(n, iso, p)]
+        opt = done[(n, iso, "belady")].hit_rate
+        res.of_optimum = res.hit_rate / opt if opt > 0 else None
+        out.append(res)
+    return out
+
+
+def headline(res: SimResult, opt: SimResult) -> str:
+    """"LRU got 61 % of tokens, 94 % of the optimum (65 %)"."""
+    s = f"{res.policy.upper()} got {res.hit_rate:.0%} of tokens".replace("%", " %")
+    if opt.hit_rate > 0:
+        s += f", {res.hit_rate / opt.hit_rate:.0%} of the optimum ({opt.hit_rate:.0%})".replace("%", " %")
+    else:
+        s += ", as did the optimum (no reuse was possible)"
+    return s
