@@ -28,7 +28,7 @@ def _load_avg() -> list[float] | None:
 def _pool_blocks(loaded, cfg: EngineConfig) -> int:
     if cfg.num_blocks:
         return cfg.num_blocks
-    from kvplay.engine.pool import KVStore
+    from kvplay.engine.kv_store import KVStore
     from kvplay.engine.runner import kv_geometry
 
     layers, kv_heads, head_dim = kv_geometry(loaded.model)

@@ -23,7 +23,8 @@ from .errors import EngineError
 from .events import Event, RequestQueued
 from .eviction import make_policy
 from .model import LoadedModel, load_model
-from .pool import BlockPool, KVStore
+from .kv_store import KVStore
+from .pool import BlockPool
 from .prefix import BlockHasher
 from .request import Request, RequestHandle
 from .runner import ModelRunner, kv_geometry

@@ -54,12 +54,16 @@ def save_plot(save, path: str) -> None:
     print(f"kvplay: plot saved to {path}", file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only `command`'s module is imported (None: none of them), so `kvplay
+    --help` and a bad flag answer at once instead of after importing torch and transformers."""
     parser = argparse.ArgumentParser(prog="kvplay", description=(
         "See how a shared, paged LLM prefix KV cache behaves: many users, one model, one block pool."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
+        if name != command:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["app"] + argv
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"kvplay: error: {args._missing}", file=sys.stderr)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from .player import Done
+if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
+    from .player import Done
 
 
 def attribution(cached_from: dict[str, int] | None, user: str) -> str:

@@ -10,12 +10,16 @@ import argparse
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from kvplay.options import add_engine_args, config_from_args
 
-from .player import Done, Job, play
 from .report import attribution, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
 from .script import Script, load_script, sampling_for
+
+if TYPE_CHECKING:  # the player imports the engine (torch): only when a script really runs
+    from .player import Done, Job
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def script_jobs(script: Script) -> list[Job]:
     """Script turns -> player jobs (per-user sampling from [[users]], overridden per turn)."""
+    from .player import Job
+
     jobs = []
     for i, t in enumerate(script.turns, 1):
         u = script.user(t.user)
@@ -36,15 +42,107 @@ def script_jobs(script: Script) -> list[Job]:
     return jobs
 
 
-def make_table(title: str | None = None):
-    from rich.table import Table
+COLUMNS = ["turn", "user", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"]
 
-    table = Table(title=title, show_lines=False, header_style="bold")
-    for name, kw in [("turn", {"justify": "right"}), ("user", {}), ("prompt", {"justify": "right"}),
-                     ("cached", {"no_wrap": True}), ("computed", {"justify": "right"}), ("TTFT ms", {"justify": "right"}),
-                     ("tok/s", {"justify": "right"}), ("reply", {"no_wrap": True, "overflow": "ellipsis", "max_width": 48})]:
+
+def make_table(title: str | None = None, rows: list[list[str]] = (), width: int | None = None,
+               users: list[str] = ()):
+    """A Rich table of finished turns that fits `width` columns. No header is ever clipped (each
+    column is at least as wide as its name and the user names); the attribution and the reply
+    take what is left and end in an ellipsis. Narrow terminals get no border, then no reply."""
+    from rich.table import Table
+    from rich.text import Text
+
+    need = {name: len(name) for name in COLUMNS}
+    need["user"] = max([4, *map(len, users)])
+    need["reply"] = 8
+    names = list(COLUMNS)
+    kw_table: dict = {}
+    if width is not None and sum(need.values()) + 3 * len(names) + 1 > width:
+        kw_table = {"box": None, "padding": (0, 1), "pad_edge": False}
+        if sum(need.values()) + 2 * (len(names) - 1) > width:
+            names.remove("reply")
+    widths: dict[str, int] = {}
+    if width is not None:  # exact widths: Rich never shrinks a no-wrap column, so decide here
+        for i, name in enumerate(names):
+            widths[name] = max([need[name], *(Text.from_markup(r[i]).cell_len for r in rows)])
+        overhead = 2 * (len(names) - 1) if kw_table else 3 * len(names) + 1
+        fixed = sum(widths[n] for n in names if n not in ("cached", "reply"))
+        room = width - overhead - fixed
+        reply_min = need["reply"] if "reply" in names else 0
+        widths["cached"] = max(need["cached"], min(widths["cached"], room - reply_min))
+        if "reply" in names:
+            widths["reply"] = max(need["reply"], room - widths["cached"])
+    table = Table(title=title, show_lines=False, header_style="bold", **kw_table)
+    for name in names:
+        kw = {"min_width": need[name], "no_wrap": True, "overflow": "ellipsis"}
+        if name in widths:
+            kw["width"] = widths[name]
+        if name not in ("user", "cached", "reply"):
+            kw["justify"] = "right"
         table.add_column(name, **kw)
+    for row in rows:
+        table.add_row(*row[:len(names)])
     return table
+
+
+class TurnTable:
+    """Finished turns in turn order, whatever order they finish in. On a terminal: a live table
+    that fits its width. Otherwise (piped, redirected): plain columns, one line per turn, each
+    printed as soon as every earlier turn has been printed."""
+
+    def __init__(self, console, turns: list[int], users: list[str], title: str | None = None) -> None:
+        self.console, self.title = console, title
+        self.order = sorted(turns)
+        self.rows: dict[int, list[str]] = {}
+        self.printed = 0
+        self.live = None
+        w_user = max([4, *map(len, users)])
+        self.users = users
+        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 8, 7, 6, 0]
+
+    def table(self):
+        return make_table(self.title, [self.rows[t] for t in self.order if t in self.rows],
+                          self.console.width, self.users)
+
+    def __enter__(self) -> "TurnTable":
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self.table(), console=self.console, auto_refresh=False, transient=False)
+            self.live.start()
+        else:
+            if self.title:
+                print(self.title, file=self.console.file)
+            self._print_plain(COLUMNS)
+        return self
+
+    def add(self, turn: int, row: list[str]) -> None:
+        self.rows[turn] = row
+        if self.live is not None:
+            self.live.update(self.table(), refresh=True)
+            return
+        while self.printed < len(self.order) and self.order[self.printed] in self.rows:
+            self._print_plain(self.rows[self.order[self.printed]])
+            self.printed += 1
+
+    def _print_plain(self, cells: list[str]) -> None:
+        from rich.text import Text
+
+        out = []
+        for i, (cell, w) in enumerate(zip(cells, self.widths)):
+            text = Text.from_markup(cell).plain
+            right = COLUMNS[i] not in ("user", "cached", "reply")
+            out.append(text.rjust(w) if right else text.ljust(w))
+        print("  ".join(out).rstrip(), file=self.console.file, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.stop()
+        else:  # turns that never finished (a failure in the player) leave gaps: print the rest
+            for t in self.order[self.printed:]:
+                if t in self.rows:
+                    self._print_plain(self.rows[t])
 
 
 def table_row(done: Done) -> list[str]:
@@ -53,6 +151,8 @@ def table_row(done: Done) -> list[str]:
         reply = f"[red]error: {done.error}[/red]"
     else:
         reply = excerpt(done.result.text, 48)
+        if done.result.finish_reason == "pool_exhausted":
+            reply = "[yellow](stopped: the pool is full)[/yellow] " + reply
     cached = "-" if st is None else f"{st.cached_tokens}" + (
         f" ({attribution(st.cached_from, done.job.user)})" if st.cached_tokens else "")
     return [str(done.job.turn), done.job.user, fmt_num(st.prompt_tokens if st else None), cached,
@@ -94,11 +194,11 @@ def print_summary(console, summ: dict) -> None:
 def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None, speed: float = 1.0,
              title: str | None = None, extra_row=None) -> tuple[list[Done], float]:
     """Play jobs, print each finished turn (JSON line or live table row), record each one."""
-    from rich.live import Live
+    from .player import play
 
     console = make_console()
-    table = make_table(title)
     t0 = time.perf_counter()
+    table = TurnTable(console, [j.turn for j in jobs], [j.user for j in jobs], title)
 
     def finished(done: Done) -> None:
         if recorder is not None and done.result is not None:
@@ -110,23 +210,22 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
                 obj.update(extra_row(done))
             print_json(obj)
         else:
-            table.add_row(*table_row(done))
-            live.refresh()
+            table.add(done.job.turn, table_row(done))
 
     if as_json:
         dones = play(engine, jobs, system, finished, speed)
     else:
-        with Live(table, console=console, auto_refresh=False, transient=False) as live:
+        with table:
             dones = play(engine, jobs, system, finished, speed)
         console.print()
     return dones, time.perf_counter() - t0
 
 
 def start_engine(config):
+    t = time.perf_counter()
+    print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)  # before torch's import
     from kvplay.engine.engine import Engine
 
-    print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)
-    t = time.perf_counter()
     engine = Engine(config).start()
     print(f"kvplay: {engine.model_name} ready in {time.perf_counter() - t:.1f} s "
           f"({engine.pool.num_blocks} blocks of {config.block_size} tokens)", file=sys.stderr, flush=True)
@@ -134,7 +233,6 @@ def start_engine(config):
 
 
 def main(args: argparse.Namespace) -> int:
-    from .recorder import Recorder, close_run
     from .store import open_db
 
     if args.speed <= 0:
@@ -147,6 +245,8 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_record:
         open_db(args.db).close()  # refuse a bad DB before spending time on the model
     engine = start_engine(config)
+    from .recorder import Recorder, close_run
+
     rec = None
     try:
         if not args.no_record:

@@ -153,3 +153,49 @@ def test_shared_system_example_on_embedded_model(capsys):
     assert rc == 0 and b["cached_from"].get("alice", 0) >= 480 and a["cached_tokens"] == 0
     rc, (a, b), _ = run_json(capsys, ["run", ex, "--json", "--no-record", "--model", "default", "--isolation", "user"])
     assert rc == 0 and b["cached_tokens"] == 0
+
+
+def test_piped_table_lists_turns_in_turn_order_with_whole_headers(tmp_path, capsys):
+    # turn 1 decodes 40 tokens, turns 2 and 3 one each: they finish first, yet print after turn 1
+    turns = [{"user": "alice", "text": "When are you open?", "at": 0, "max_tokens": 40},
+             {"user": "bob", "text": "Do you sell rye?", "at": 0, "max_tokens": 1},
+             {"user": "carol", "text": "Cake for tomorrow?", "at": 0, "max_tokens": 1}]
+    users = ("alice", "bob", "carol")
+    assert cli(["run", script(tmp_path, turns, users=users), "--no-record"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("turn"))
+    assert lines[header].split() == ["turn", "user", "prompt", "cached", "computed", "TTFT", "ms", "tok/s", "reply"]
+    rows = [line.split() for line in lines[header + 1:header + 4]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "alice"), ("2", "bob"), ("3", "carol")]
+    assert "…" not in lines[header] and "│" not in "".join(lines)  # plain columns, not a boxed table
+
+
+@pytest.mark.parametrize("width", [56, 70, 90, 200])
+def test_terminal_table_fits_the_width_and_never_clips_a_header(width):
+    from rich.console import Console
+
+    from kvplay.sessions.run_cmd import COLUMNS, make_table
+
+    rows = [["1", "alice", "532", "512 (alice 496, own 16)", "20", "140.2", "18.3", "a reply " * 12],
+            ["2", "bob", "40", "0", "40", "12.0", "220.0", "short"]]
+    con = Console(width=width, record=True, force_terminal=True, color_system=None)
+    con.print(make_table(None, rows, width, ["alice", "bob"]))
+    text = con.export_text()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    header = text.splitlines()[1] if text.startswith("┏") else text.splitlines()[0]
+    for name in COLUMNS[:-1]:
+        assert name in header, (name, header)
+    if width >= 90:
+        assert "reply" in header
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["sessions", "--help"], ["run", "x.toml", "--bogus"]])
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(argv):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvplay.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert "HEAVY []" in out.stderr, out.stderr
