@@ -1,0 +1,214 @@
+"""A recorded session's cache history: the block pool as it stood after any recorded event.
+
+`pool_state(events, n, num_blocks)` is the one pure function: it applies events 0..n-1 to an
+empty pool, the way the engine's BlockPool changed when it emitted them, and returns every
+block's state (free / cached / in use), hash, creator, tokens, hits and users, plus the
+counters the app shows. `History` adds checkpoints so that scrubbing back and forth through
+a long session stays cheap; its states equal `pool_state`'s.
+
+What the events cannot show: a block allocated but not yet full (the tail of a running
+request) and the blocks a preempted request re-references when it is re-admitted emit nothing,
+so they read as free (or cached) until the request stores or releases them. With no request
+running (between turns of a sequential session) the state equals the live pool's.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+from dataclasses import dataclass, field
+
+FREE, CACHED, IN_USE = "free", "cached", "in_use"
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """One block, with the attribute names of the engine's BlockView (the block map reads both)."""
+    block_id: int
+    state: str
+    ref_count: int
+    hash: str | None
+    creator: str | None
+    creator_request: str | None
+    token_ids: tuple[int, ...]
+    hits: int
+    created_at: float
+    last_used: float
+    users: tuple[str, ...]
+
+
+@dataclass
+class _Block:
+    holders: set = field(default_factory=set)  # request ids holding it
+    indexed: bool = False
+    hash: str | None = None
+    creator: str | None = None
+    creator_request: str | None = None
+    token_ids: tuple = ()
+    hits: int = 0
+    created_at: float = 0.0
+    last_used: float = 0.0
+    users: set = field(default_factory=set)
+
+    def reset(self) -> None:
+        self.indexed, self.hash, self.creator, self.creator_request = False, None, None, None
+        self.token_ids, self.hits, self.users = (), 0, set()
+
+    @property
+    def state(self) -> str:
+        return IN_USE if self.holders else (CACHED if self.indexed else FREE)
+
+
+@dataclass
+class PoolState:
+    """The pool and counters after `applied` events."""
+    applied: int
+    blocks: tuple[BlockState, ...]
+    hit: frozenset  # blocks the latest request reused
+    hit_tokens: int
+    query_tokens: int
+    evictions: int
+    preemptions: int
+    running: int
+    waiting: int
+    ts: float | None  # wall clock of the last applied event
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def count(self, state: str) -> int:
+        return sum(1 for b in self.blocks if b.state == state)
+
+
+class _Replayer:
+    """Mutable pool state that events are applied to, in order."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [_Block() for _ in range(num_blocks)]
+        self.held: dict[str, list[int]] = {}
+        self.prompt: dict[str, int] = {}
+        self.started: set[str] = set()
+        self.running: set[str] = set()
+        self.waiting: set[str] = set()
+        self.hit: frozenset = frozenset()
+        self.hit_tokens = self.query_tokens = self.evictions = self.preemptions = 0
+        self.applied = 0
+        self.ts: float | None = None
+
+    def _block(self, b: int) -> _Block:
+        while b >= len(self.blocks):  # a session whose pool size was not recorded
+            self.blocks.append(_Block())
+        return self.blocks[b]
+
+    def _release(self, rid: str, ts: float) -> None:
+        for b in self.held.pop(rid, []):
+            blk = self._block(b)
+            blk.holders.discard(rid)
+            blk.last_used = ts
+            if not blk.holders and not blk.indexed:
+                blk.reset()
+
+    def apply(self, e: dict) -> None:
+        kind, rid, ts = e.get("kind"), e.get("request_id") or "", e.get("ts") or 0.0
+        self.applied += 1
+        self.ts = ts or self.ts
+        if kind == "BlockStored":
+            hashes = e.get("block_hashes") or []
+            tokens = e.get("token_ids") or []
+            bs = e.get("block_size") or (len(tokens) // max(1, len(hashes)))
+            for i, b in enumerate(e.get("block_ids") or []):
+                blk = self._block(b)
+                blk.reset()
+                blk.indexed = True
+                blk.hash = hashes[i] if i < len(hashes) else None
+                blk.creator, blk.creator_request = e.get("user") or None, rid or None
+                blk.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+                blk.created_at = blk.last_used = ts
+                blk.users = {e["user"]} if e.get("user") else set()
+                if rid:
+                    blk.holders.add(rid)
+                    self.held.setdefault(rid, []).append(b)
+        elif kind == "BlockHit":
+            self.hit = frozenset(e.get("block_ids") or [])
+            self.hit_tokens += e.get("cached_tokens") or 0
+            for b in e.get("block_ids") or []:
+                blk = self._block(b)
+                blk.hits += 1
+                blk.last_used = ts
+                if e.get("user"):
+                    blk.users.add(e["user"])
+                if rid and rid not in blk.holders:
+                    blk.holders.add(rid)
+                    self.held.setdefault(rid, []).append(b)
+        elif kind == "BlockRemoved":
+            ids = e.get("block_ids") or []
+            if e.get("reason", "evicted") == "evicted":
+                self.evictions += len(ids)
+            for b in ids:
+                blk = self._block(b)
+                blk.indexed = False
+                if not blk.holders:
+                    blk.reset()
+        elif kind == "AllBlocksCleared":
+            self.hit = frozenset()
+        elif kind == "RequestQueued":
+            self.prompt[rid] = e.get("prompt_tokens") or 0
+            self.waiting.add(rid)
+        elif kind == "RequestStarted":
+            if rid not in self.started:
+                self.started.add(rid)
+                self.query_tokens += self.prompt.get(rid, 0)
+                if not e.get("cached_tokens"):
+                    self.hit = frozenset()
+            self.waiting.discard(rid)
+            self.running.add(rid)
+        elif kind == "RequestPreempted":
+            self.preemptions += 1
+            self._release(rid, ts)
+            self.running.discard(rid)
+            self.waiting.add(rid)
+        elif kind == "RequestFinished":
+            self._release(rid, ts)
+            self.running.discard(rid)
+            self.waiting.discard(rid)
+
+    def state(self) -> PoolState:
+        views = tuple(BlockState(i, b.state, len(b.holders), b.hash, b.creator, b.creator_request, b.token_ids,
+                                 b.hits, b.created_at, b.last_used, tuple(sorted(b.users)))
+                      for i, b in enumerate(self.blocks))
+        return PoolState(self.applied, views, self.hit, self.hit_tokens, self.query_tokens, self.evictions,
+                         self.preemptions, len(self.running), len(self.waiting), self.ts)
+
+
+def pool_state(events: list[dict], n: int, num_blocks: int) -> PoolState:
+    """The pool after applying recorded events 0..n-1 (event dicts as the recorder stores them)."""
+    r = _Replayer(num_blocks)
+    for e in events[:max(0, n)]:
+        r.apply(e)
+    return r.state()
+
+
+class History:
+    """`pool_state` for a cursor that moves back and forth: a copy of the state every `every`
+    events, so a seek replays at most `every` events."""
+
+    def __init__(self, events: list[dict], num_blocks: int, every: int = 256):
+        self.events = events
+        self.num_blocks = num_blocks
+        self.every = every
+        self._marks: list[int] = [0]
+        self._saved: list[_Replayer] = [_Replayer(num_blocks)]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def state(self, n: int) -> PoolState:
+        n = max(0, min(n, len(self.events)))
+        i = bisect.bisect_right(self._marks, n) - 1
+        r = copy.deepcopy(self._saved[i])
+        while r.applied < n:
+            r.apply(self.events[r.applied])
+            if r.applied % self.every == 0 and r.applied > self._marks[-1]:
+                self._marks.append(r.applied)
+                self._saved.append(copy.deepcopy(r))
+        return r.state()
