@@ -20,13 +20,14 @@ from typing import Callable
 from .chat import encode_chat
 from .config import EngineConfig
 from .errors import EngineError
-from .events import Event, RequestQueued
+from .events import Event, RequestQueued, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
 from .request import Request, RequestHandle
+from .registry import UserRegistry, check_name
 from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
@@ -85,6 +86,9 @@ class Engine:
         self._stop = threading.Event()
         self._snapshot: tuple[BlockView, ...] = ()
         self._stats: dict = {}
+        self._closed = False  # set (under _submit_lock) by shutdown: no command gets in after
+        self._submit_lock = threading.Lock()
+        self.users = UserRegistry()
         self._stats_at = 0.0
         self.failure: str | None = None
         self._build()
@@ -152,24 +156,45 @@ class Engine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread. Requests still queued or running finish with an error
-        ("engine shut down"), so nobody waiting on a handle hangs."""
-        if self._thread is not None and self._thread.is_alive():
-            self._cmds.put(("call", lambda: self.scheduler.fail_all("engine shut down"), Future()))
-        self._stop.set()
-        self._cmds.put(("noop",))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        ("engine shut down"), so nobody waiting on a handle hangs.
+
+        After the lock-guarded `_closed` flag is set no command can enter the queue (submit
+        raises instead), and the engine thread itself, once its current step ends, fails
+        everything still queued or running: the scheduler is never touched from two threads,
+        even when the join below times out on a long step."""
+        with self._submit_lock:
+            self._closed = True
+            self._stop.set()
+            self._cmds.put(("noop",))
+        thread = self._thread
+        if thread is None:  # never started: nothing runs concurrently, drain here
+            self._final_drain()
+            return
+        thread.join(timeout)
+        if not thread.is_alive():
             self._thread = None
-        while True:  # commands that arrived too late
-            try:
-                op, *args = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if op == "submit":
-                self.scheduler.add(args[0])
-            elif args and isinstance(args[-1], Future) and not args[-1].done():
-                args[-1].set_exception(EngineError("engine shut down"))
-        self.scheduler.fail_all("engine shut down")
+        # else: the thread is still in a step; it runs _final_drain itself when the step ends
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs (requests it holds will get a result)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _final_drain(self) -> None:
+        """Fail every request and command left at shutdown (on the engine thread, or on the
+        caller's when the thread never started)."""
+        with self._lock:
+            while True:
+                try:
+                    op, *args = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if op == "submit":
+                    self.take_in(args[0])
+                elif args and isinstance(args[-1], Future) and not args[-1].done():
+                    args[-1].set_exception(EngineError("engine shut down"))
+            self.scheduler.fail_all("engine shut down")
+            self._publish_snapshot()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -178,26 +203,29 @@ class Engine:
         self.shutdown()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
-            idle = not self.scheduler.has_work()
-            while True:
-                try:
-                    cmd = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                self._run_cmd(cmd)
-                idle = False
-            if self.scheduler.has_work():
-                try:
-                    with self._lock:
-                        self.scheduler.step()
-                        self._publish_snapshot()
-                except Exception as exc:  # model failure: fail in-flight requests, keep serving
-                    self.failure = f"{type(exc).__name__}: {exc}"
-                    with self._lock:
-                        self.scheduler.fail_all(f"engine step failed: {self.failure}")
-                        self._publish_snapshot()
+        try:
+            while not self._stop.is_set():
+                # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
+                idle = not self.scheduler.has_work()
+                while not self._stop.is_set():
+                    try:
+                        cmd = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._run_cmd(cmd)
+                    idle = False
+                if self.scheduler.has_work() and not self._stop.is_set():
+                    try:
+                        with self._lock:
+                            self.scheduler.step()
+                            self._publish_snapshot()
+                    except Exception as exc:  # model failure: fail in-flight requests, keep serving
+                        self.failure = f"{type(exc).__name__}: {exc}"
+                        with self._lock:
+                            self.scheduler.fail_all(f"engine step failed: {self.failure}")
+                            self._publish_snapshot()
+        finally:
+            self._final_drain()
 
     def _run_cmd(self, cmd: tuple) -> None:
         op, *args = cmd
@@ -207,10 +235,7 @@ class Engine:
         try:
             with self._lock:
                 if op == "submit":
-                    req = args[0]
-                    self.scheduler.add(req)
-                    self._emit(RequestQueued(request_id=req.request_id, user=req.user,
-                                             prompt_tokens=len(req.prompt_ids)))
+                    self.take_in(args[0])
                     out = None
                 elif op == "cancel":
                     out = self.scheduler.cancel(args[0])
@@ -225,25 +250,71 @@ class Engine:
             if fut is not None:
                 fut.set_exception(exc)
 
+    def _post(self, fn: Callable[[], object]) -> Future:
+        """Queue `fn` to run on the engine thread between steps, in order with submits. Without
+        an engine thread (not started, or gone after shutdown) it runs here and now."""
+        fut: Future = Future()
+        if threading.current_thread() is self._thread or not self.alive:
+            with self._lock:
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:
+                    fut.set_exception(exc)
+                self._publish_snapshot()
+            return fut
+    def register_user(self, name: str, group: str | None = None) -> None:
+        """Bind `name` to `group` (see registry.py). Idempotent when unchanged; a different
+        group for a known user is an EngineError (use `set_group`)."""
+        self.users.register(name, group)
+
+    def set_group(self, name: str, group: str | None) -> None:
+        """Move `name` to `group` (None: no group). Requests submitted afterwards use it (the
+        change travels the engine's command queue with them); a `UserGroupChanged` event
+        records it."""
+        check_name("user", name)
+        if group is not None:
+            check_name("group", group)
+
+        def apply():  # on the engine thread, in order with submits: the event is where it applies
+            old = self.users.set_group(name, group)
+            if old != group:
+                self._emit(UserGroupChanged(user=name, old_group=old, new_group=group))
+        self._post(apply)  # does not wait: submits queued after this one see the new group
+
+        with self._submit_lock:
+            if self._closed:
+                raise EngineError("engine shut down")
+            self._cmds.put(("call", fn, fut))
+        return fut
+
     def call(self, fn: Callable[[], object], timeout: float | None = 60.0):
         """Run `fn` on the engine thread between steps and return its result."""
-        if self._thread is None or threading.current_thread() is self._thread:
-            with self._lock:
-                out = fn()
-                self._publish_snapshot()
-                return out
-        fut: Future = Future()
-        self._cmds.put(("call", fn, fut))
-        return fut.result(timeout)
+        return self._post(fn).result(timeout)
 
     # --- client API ---------------------------------------------------------------------------
     def encode(self, messages: list[dict]) -> tuple[list[int], int]:
         return encode_chat(self.tokenizer, messages)
 
     def submit(self, user: str, messages: list[dict] | None = None, sampling: SamplingParams | None = None,
-               group: str | None = None, prompt_ids: list[int] | None = None, system_tokens: int = 0,
+               prompt_ids: list[int] | None = None, system_tokens: int = 0,
                request_id: str | None = None, trace_logits: bool = False) -> RequestHandle:
-        """Queue one turn for `user`. Raises EngineError (one clear line) for bad input."""
+        """Queue one turn for `user` (its group comes from the user registry when the engine
+        thread takes it in). Raises EngineError (one clear line) for bad input or after
+        shutdown; once this returns, the handle always gets a result."""
+        req = self.make_request(user, messages, sampling, prompt_ids, system_tokens, request_id, trace_logits)
+        with self._submit_lock:  # the check and the put are one step: shutdown cannot slip between
+            if self._closed:
+                raise EngineError("engine shut down")
+            if self._thread is None:
+                raise EngineError("engine is not started (use Engine(...).start() or `with Engine(...)`)")
+            self._cmds.put(("submit", req))  # never blocks: the engine thread takes it between steps
+        return req.handle
+
+    def make_request(self, user: str, messages: list[dict] | None = None, sampling: SamplingParams | None = None,
+                     prompt_ids: list[int] | None = None, system_tokens: int = 0,
+                     request_id: str | None = None, trace_logits: bool = False) -> Request:
+        """Validate one turn and build its Request (with a handle) without queueing it.
+        `submit` queues it; tests that drive `scheduler.step()` themselves use `take_in`."""
         sampling = (sampling or SamplingParams()).validate()
         if not user or not str(user).strip():
             raise EngineError("a request needs a user name")
@@ -260,24 +331,28 @@ class Engine:
         need = -(-(n + 1) // self.config.block_size)
         if need > self.pool.num_blocks:
             raise EngineError(f"message is {n} tokens ({need} blocks of {self.config.block_size}); "
-                              f"the whole pool holds {self.pool.num_blocks} blocks — raise --cache-mb")
+                              f"{self.config.pool_size_hint(self.pool.num_blocks)}")
         rid = request_id or _new_id()
         seed = sampling.seed if sampling.seed is not None else int(uuid.UUID(int=uuid.uuid4().int).int & 0xFFFFFFFF)
         handle = RequestHandle(rid, user, self)
-        req = Request(rid, user, group, list(prompt_ids), sampling, system_tokens, handle, make_generator(seed))
+        req = Request(rid, user, None, list(prompt_ids), sampling, system_tokens, handle, make_generator(seed))
         req.stats.seed = seed
         if trace_logits:
             req.logits_trace = []
         handle.request = req  # read-only access for labs (logits trace, stats)
-        if self._thread is None:
-            raise EngineError("engine is not started (use Engine(...).start() or `with Engine(...)`)")
-        self._cmds.put(("submit", req))  # never blocks: the engine thread picks it up between steps
-        return handle
+        return req
+
+    def take_in(self, req: Request) -> None:
+        """Hand `req` to the scheduler (engine thread, or the caller's when no thread runs):
+        its group is read from the registry now."""
+        req.group = self.users.group_of(req.user)  # identity: the registry, at take-in
+        self.scheduler.add(req)
+        self._emit(RequestQueued(request_id=req.request_id, user=req.user, prompt_tokens=len(req.prompt_ids)))
 
     def generate(self, user: str, messages: list[dict], sampling: SamplingParams | None = None,
-                 group: str | None = None, timeout: float | None = None):
+                 timeout: float | None = None):
         """Submit and wait: returns the RequestResult."""
-        return self.submit(user, messages, sampling, group).result(timeout)
+        return self.submit(user, messages, sampling).result(timeout)
 
     def cancel(self, request_id: str) -> None:
         self._cmds.put(("cancel", request_id))
@@ -298,6 +373,7 @@ class Engine:
         Hash, seed or determinism changes clear the cache first (old blocks would be unreachable
         or not bitwise-compatible). Block size and model need a new Engine.
         """
+                self.scheduler.epoch += 1
         for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads"):
             if k in changes and changes[k] != getattr(self.config, k):
                 raise EngineError(f"changing {k} needs a new engine (restart with --{k.replace('_', '-')})")
@@ -305,19 +381,17 @@ class Engine:
 
         def apply():  # on the engine thread: applies only `changes` to the config as it is now
             clear = self.needs_fresh_cache(**changes)
-            rehash = clear or changes.get("isolation", self.config.isolation) != self.config.isolation
             for k, v in changes.items():
                 setattr(self.config, k, v)
             if "eviction" in changes:
                 self.pool.set_policy(make_policy(self.config.eviction))
-            if clear:
+            if clear:  # a new cache generation: running requests' later blocks stay unindexed
                 self.hasher = BlockHasher(self.config.hash, self.config.block_size, self.config.hash_seed)
                 self.scheduler.hasher = self.hasher
                 self.pool.hex = self.hasher.fn.hex
                 self.pool.clear("reconfigured")
-            if rehash:  # waiting requests look their prefix up again under the new salts/hash
-                for req in self.scheduler.waiting:
-                    req.hashes = []
+            # waiting requests pick up a new isolation (or hasher) at their next admission
+            # attempt; running ones keep the keys they were admitted with (scheduler.py)
             return self.config
 
         return self.call(apply)

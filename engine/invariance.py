@@ -1,12 +1,20 @@
-"""Batch-invariant linear layers for deterministic mode, calibrated on this machine.
+"""Batch-invariant linear layers for deterministic mode: only measured GEMM shapes run.
 
 A GEMM's kernel (and so its floating-point reduction order) depends on the number of rows M
 and on the thread count: on this project's CPUs M=1 (a GEMV) and some small M gave other bits
-for the same row than M=300, while every M >= 16 agreed. Deterministic mode needs a row's
-result to be the same whatever M it was computed in (a decode batch of 1 or 4, a prefill
-chunk of 16 or 256), so ``LinearPlan`` measures, once per engine, which row counts agree with a
-large reference GEMM for every weight shape of the model, and pads any other M up to the next
-row count that agrees. If some large M disagrees, it falls back to fixed 16-row tiles.
+for the same row than M=300. Deterministic mode needs a row's result to be the same whatever M
+the step had (a decode batch of 1 or 4, a prefill of 16 or 2,000 packed tokens), so every
+F.linear runs in **tiles** of a fixed row count T, and the last partial tile is padded up to a
+**bucket** (a power of two <= T). For each weight shape, dtype, device and torch thread count,
+``LinearPlan`` measures once, on first use, that
+
+- the T-row GEMM gives each row the same bits wherever the row sits in it (rolled inputs give
+  rolled outputs), else T is halved (down to 1: one row per GEMM, trivially invariant); and
+- each bucket's rows equal the same rows of the T-row GEMM; a bucket that does not is skipped
+  (its M is padded up to the next bucket that does).
+
+So no row count runs that was not measured, whatever the batch. A new thread count (the app's
+threads setting, ``--threads``) gets its own calibration.
 """
 from __future__ import annotations
 
@@ -16,54 +24,66 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-SMALL = range(1, 21)
-LARGE = (24, 32, 48, 64, 100, 128, 200, 256)
-REF_ROWS = 300
-TILE = 16
+TILE = 256  # rows per GEMM for layer weights (a prefill chunk's worth)
+BIG_TILE = 64  # rows per GEMM for very wide weights (the LM head: one row per request)
+BIG_WEIGHT = 1 << 24  # elements
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    tile: int
+    pad_to: tuple  # pad_to[m] = rows to compute for a tile of m rows (m = 1 .. tile)
+    threads: int
+
+    def pieces(self, m: int):
+        """(start, rows, computed rows) covering m rows with measured shapes only."""
+        t = self.tile
+        for i in range(0, m, t):
+            n = min(t, m - i)
+            yield i, n, self.pad_to[n]
+
+
+def _buckets(tile: int) -> list[int]:
+    out, b = [], 1
+    while b < tile:
+        out.append(b)
+        b *= 2
+    return out + [tile]
+
+
+def calibrate_shape(w: torch.Tensor, threads: int) -> ShapePlan:
+    """Measure which row counts give the same per-row bits as a full tile, for weight w."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tile = TILE if w.numel() < BIG_WEIGHT else BIG_TILE
+    while tile > 1:
+        x = torch.randn((tile, w.shape[1]), generator=g).to(device=w.device, dtype=w.dtype)
+        ref = F.linear(x, w)
+        if all(torch.equal(F.linear(x.roll(s, 0), w), ref.roll(s, 0)) for s in (1, tile // 2 + 1)):
+            break
+        tile //= 2
+    if tile == 1:
+        return ShapePlan(1, (1, 1), threads)
+    good = [m for m in _buckets(tile) if m == tile or torch.equal(F.linear(x[:m], w), ref[:m])]
+    pad_to = [0] + [min(b for b in good if b >= m) for m in range(1, tile + 1)]
+    return ShapePlan(tile, tuple(pad_to), threads)
 
 
 @dataclass
 class LinearPlan:
-    pad_to: dict[int, int] = field(default_factory=dict)  # small M -> rows to compute
-    tile: int | None = None  # when set, every GEMM runs in tiles of this many rows
+    """Calibrated shapes, keyed by (weight shape, dtype, device, torch threads)."""
+    shapes: dict = field(default_factory=dict)
 
-    def rows_for(self, m: int) -> int:
-        return self.pad_to.get(m, m)
-
-
-def _agreeing_rows(w: torch.Tensor, ms, ref_rows: int) -> set[int]:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn((ref_rows, w.shape[1]), generator=g).to(device=w.device, dtype=w.dtype)
-    ref = F.linear(x, w)
-    return {m for m in ms if m <= ref_rows and torch.equal(F.linear(x[:m], w), ref[:m])}
-
-
-@torch.inference_mode()
-def calibrate(model, max_lm_rows: int = 16) -> LinearPlan:
-    """Find the row counts whose GEMM rows agree with a large GEMM, for every Linear shape."""
-    shapes: dict[tuple, torch.Tensor] = {}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and mod is not head:
-            shapes.setdefault(tuple(mod.weight.shape), mod.weight)
-    good = set(SMALL) | set(LARGE)
-    for w in shapes.values():
-        good &= _agreeing_rows(w, list(SMALL) + list(LARGE), REF_ROWS)
-    if head is not None:  # the LM head only ever sees one row per running request
-        head_ms = list(range(1, max_lm_rows + 1))
-        good_head = _agreeing_rows(head.weight, head_ms, max(64, max_lm_rows))
-        good &= good_head | {m for m in good if m > max_lm_rows}
-    if not all(m in good for m in LARGE) or TILE not in good:
-        return LinearPlan(tile=TILE)
-    pad_to = {}
-    for m in SMALL:
-        if m not in good:
-            pad_to[m] = min(g for g in good if g > m)
-    return LinearPlan(pad_to=pad_to)
+    def for_weight(self, w: torch.Tensor) -> ShapePlan:
+        threads = torch.get_num_threads()
+        key = (tuple(w.shape), w.dtype, str(w.device), threads)
+        plan = self.shapes.get(key)
+        if plan is None:
+            plan = self.shapes[key] = calibrate_shape(w.detach(), threads)
+        return plan
 
 
 class BatchInvariantLinear(TorchFunctionMode):
-    """Computes every F.linear with a row count from the calibrated plan."""
+    """Computes every F.linear in calibrated tiles and buckets (see the module doc)."""
 
     def __init__(self, plan: LinearPlan):
         super().__init__()
@@ -73,23 +93,17 @@ class BatchInvariantLinear(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
-        x = args[0]
+        x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+        shape = self.plan.for_weight(w)
         flat = x.reshape(-1, x.shape[-1])
         m = flat.shape[0]
-        if self.plan.tile:
-            t = self.plan.tile
-            chunks = []
-            for i in range(0, m, t):
-                part = flat[i:i + t]
-                n = part.shape[0]
-                if n < t:
-                    part = torch.cat([part, part.new_zeros((t - n, part.shape[1]))])
-                chunks.append(func(part, *args[1:], **kwargs)[:n])
-            y = torch.cat(chunks)
-        else:
-            rows = self.plan.rows_for(m)
-            if rows == m:
-                return func(*args, **kwargs)
-            pad = flat.new_zeros((rows - m, flat.shape[1]))
-            y = func(torch.cat([flat, pad]), *args[1:], **kwargs)[:m]
+        if m == shape.tile:
+            return func(*args, **kwargs)
+        parts = []
+        for i, n, rows in shape.pieces(m):
+            part = flat[i:i + n]
+            if rows > n:
+                part = torch.cat([part, part.new_zeros((rows - n, part.shape[1]))])
+            parts.append(func(part, *args[1:], **kwargs)[:n])
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
         return y.reshape(*x.shape[:-1], y.shape[-1])

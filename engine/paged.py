@@ -1,16 +1,20 @@
 """Paged attention through transformers' Cache API.
 
-A ``PagedCache`` is a transformers ``Cache`` whose layers write each step's new K/V into the
-shared block pool (at the slots of each request's block table) and hand attention the K/V
-gathered from the pool. Attention is our registered function ``kvplay_paged``: in the default
-mode it is transformers' SDPA with a per-row causal mask over the gathered keys; in
-deterministic mode it computes every query against exactly its own keys, and every linear
-layer sees at least 16 rows (see ``BatchInvariantLinear``), so a token's logits do not depend on
-whether its prefix came from the cache, on chunking, or on which other requests share the batch.
+The runner packs every row's new tokens into one sequence (batch 1, N tokens: no padding, so
+the linear layers see exactly N rows). A ``PagedCache`` is a transformers ``Cache`` whose layers
+write each step's new K/V into the shared pool (at the slots of each request's block table) and
+hand attention the pool itself. Attention is our registered function ``kvplay_paged``: for each
+row it gathers exactly that row's keys from the pool and calls torch SDPA with grouped K/V
+(``enable_gqa``, no copy per query head) and a causal (and, for sliding-window layers, windowed)
+mask only where one is needed (decode rows need none).
+
+In deterministic mode every query is computed against exactly its own keys, and every linear
+layer runs only calibrated row counts (see ``invariance.py``), so a token's logits do not depend
+on whether its prefix came from the cache, on chunking, or on which other requests share the step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +29,38 @@ ATTN_NAME = "kvplay_paged"
 @dataclass
 class StepPlan:
     """Where one forward's tokens go. Rows are requests; row b has q_lens[b] new tokens after
-    past_lens[b] tokens already in the pool."""
-    write_slots: torch.Tensor  # [N] flat pool slots for the N valid new tokens
-    write_rows: torch.Tensor  # [N] batch row of each
-    write_cols: torch.Tensor  # [N] position within the row's new tokens
-    gather_slots: torch.Tensor  # [B, Kmax] flat pool slots of each row's keys (padded)
+    past_lens[b] tokens already in the pool, packed at q_starts[b] in the step's token axis."""
+    write_slots: torch.Tensor  # [N] flat pool slots of the N new tokens, in packed order
+    row_slots: list  # per row: LongTensor [past + q_len] flat pool slots of all its keys
+    q_starts: list[int]
     past_lens: list[int]
     q_lens: list[int]
     deterministic: bool
+    _masks: dict = field(default_factory=dict)
+
+    def key_range(self, row: int, window: int | None) -> int:
+        """First key position any of the row's new queries can see."""
+        if window is None:
+            return 0
+        return max(0, self.past_lens[row] - window + 1)
+
+    def mask(self, row: int, window: int | None, device):
+        """(attn_mask, is_causal) for the row's queries over keys key_range(..) .. past+q_len-1."""
+        past, n = self.past_lens[row], self.q_lens[row]
+        if n == 1:
+            return None, False  # one query sees every gathered key
+        if past == 0 and (window is None or n <= window):
+            return None, True  # square causal: SDPA's own (top-left) causal mask is right
+        key = (row, window)
+        if key not in self._masks:
+            start = self.key_range(row, window)
+            kpos = torch.arange(start, past + n, device=device).view(1, -1)
+            qpos = torch.arange(past, past + n, device=device).view(-1, 1)
+            m = kpos <= qpos
+            if window is not None:
+                m &= kpos > qpos - window
+            self._masks[key] = m
+        return self._masks[key], False
 
 
 class PagedLayer(CacheLayerMixin):
@@ -48,21 +76,17 @@ class PagedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Write the step's new K/V ([1, H, N, D]) into the pool; hand attention the pool."""
         plan = self.owner.plan
         store = self.owner.store.data[self.layer_idx]  # [2, slots, H, D]
         kpool, vpool = store[0], store[1]
-        k = key_states.transpose(1, 2)  # [B, L, H, D]
-        v = value_states.transpose(1, 2)
-        kpool.index_copy_(0, plan.write_slots, k[plan.write_rows, plan.write_cols].to(kpool.dtype))
-        vpool.index_copy_(0, plan.write_slots, v[plan.write_rows, plan.write_cols].to(vpool.dtype))
-        b, kmax = plan.gather_slots.shape
-        flat = plan.gather_slots.reshape(-1)
-        keys = kpool.index_select(0, flat).view(b, kmax, *kpool.shape[1:]).transpose(1, 2)
-        values = vpool.index_select(0, flat).view(b, kmax, *vpool.shape[1:]).transpose(1, 2)
-        return keys, values
+        kpool.index_copy_(0, plan.write_slots, key_states[0].transpose(0, 1).to(kpool.dtype))
+        vpool.index_copy_(0, plan.write_slots, value_states[0].transpose(0, 1).to(vpool.dtype))
+        return kpool, vpool
 
     def get_mask_sizes(self, query_length: int):
-        return self.owner.plan.gather_slots.shape[1], 0
+        plan = self.owner.plan
+        return max(p + q for p, q in zip(plan.past_lens, plan.q_lens)), 0
 
     def get_seq_length(self) -> int:
         plan = self.owner.plan
@@ -82,31 +106,56 @@ class PagedCache(Cache):
         super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over pool-gathered K/V. query [B, Hq, L, D]; key/value [B, Hkv, Kmax, D]."""
+def _row_kv(pool, plan: StepPlan, row: int, start: int):
+    """The row's keys (or values) from position `start`: [1, H, S, D], a view over one gather."""
+    slots = plan.row_slots[row]
+    if start:
+        slots = slots[start:]
+    return pool.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, **kwargs):
+    """query [1, Hq, N, D] (rows packed); key/value: the layer's pool [slots, Hkv, D]."""
     plan: StepPlan | None = kwargs.get("kvplay_plan")
     if plan is None:  # the model used outside the engine (e.g. HF generate): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    if not plan.deterministic:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, is_causal=False)
-    gqa = query.shape[1] != key.shape[1]  # grouped-query attention without copying K/V per group
-    b, h, l, d = query.shape
-    out = query.new_zeros((b, l, h, d))
-    # Half-precision SDPA calls on one query are several times slower on CPU than float32 ones;
-    # the per-query loop runs in float32 (exact, and a pure function of each query's inputs).
-    work = torch.float32 if query.device.type == "cpu" else query.dtype
-    query = query.to(work)
-    for row in range(b):
-        past = plan.past_lens[row]
-        k, v = key[row:row + 1].to(work), value[row:row + 1].to(work)
-        for i in range(plan.q_lens[row]):
-            n = past + i + 1  # exactly this token's keys: no padding, no mask
-            o = F.scaled_dot_product_attention(query[row:row + 1, :, i:i + 1], k[:, :, :n], v[:, :, :n],
-                                               scale=scaling, enable_gqa=gqa)
-            out[row, i] = o[0, :, 0].to(out.dtype)
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    window = sliding_window or None
+    gqa = query.shape[1] != key.shape[1]
+    h, d = query.shape[1], query.shape[3]
+    out = query.new_empty((1, query.shape[2], h, d))
+    for row, (s, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
+        start = plan.key_range(row, window)
+        k = _row_kv(key, plan, row, start)
+        v = _row_kv(value, plan, row, start)
+        q = query[:, :, s:s + n]
+        if plan.deterministic:
+            out[0, s:s + n] = _exact_queries(q, k, v, plan.past_lens[row], start, window, scaling, gqa)
+            continue
+        mask, causal = plan.mask(row, window, query.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling,
+                                           enable_gqa=gqa)
+        out[0, s:s + n] = o[0].transpose(0, 1)
     return out, None
+
+
+def _exact_queries(q, k, v, past, start, window, scaling, gqa):
+    """Each query against exactly its own keys: no padding, no mask, so its result is a pure
+    function of its inputs. Half-precision SDPA calls on one query are several times slower on
+    CPU than float32 ones, so the loop runs in float32 there (exact)."""
+    work = torch.float32 if q.device.type == "cpu" else q.dtype
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    n = q.shape[2]
+    out = q.new_empty((n, q.shape[1], q.shape[3]))
+    for i in range(n):
+        pos = past + i
+        lo = 0 if window is None else max(0, pos - window + 1) - start
+        hi = pos + 1 - start
+        o = F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, lo:hi], v[:, :, lo:hi],
+                                           scale=scaling, enable_gqa=gqa)
+        out[i] = o[0, :, 0]
+    return out
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

