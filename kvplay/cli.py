@@ -23,6 +23,7 @@ COMMANDS = {
     "lab": ("kvplay.labs.cli", "measure a claim about shared KV caches"),
     "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
     "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
+    "serve": ("kvplay.serve.cli", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
 }
 
 

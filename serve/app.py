@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API over one Engine (FastAPI/Starlette, served by uvicorn).
+
+Routes: POST /v1/chat/completions, POST /v1/completions (streaming SSE or not), GET /v1/models,
+GET /health, POST /reset_prefix_cache, GET /metrics.
+
+Who is asking comes from the bearer token (serve/keys.py) when the server has API keys, else
+from the body's `user` (a loopback playground, shared isolation only). Every response carries
+``usage.prompt_tokens_details.cached_tokens`` and a ``kvplay`` object (``cached_from``: the
+users whose blocks the prompt reused, in tokens). Errors are OpenAI-style JSON with the right
+status; a client that goes away mid-request has its request cancelled (blocks freed) at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvplay.engine.errors import EngineError
+from kvplay.engine.sampling import SamplingParams
+
+from .bridge import HandleStream
+from .keys import Identity, lookup
+from .protocol import ApiError, GenRequest, StopMatcher, bad, parse
+
+MAX_BODY_BYTES = 8 << 20
+ANONYMOUS = "anonymous"
+
+
+@dataclass
+class ServeState:
+    """Everything the routes share. Built by serve/cli.py (or a test) around a started Engine."""
+    engine: object
+    keys: dict[str, Identity] | None = None
+    recorder: object | None = None
+    events: object | None = None  # serve.kv_events.EngineEventPublisher
+    metrics: object | None = None  # serve.metrics.ServerMetrics
+    served_name: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    record_failures: int = 0
+    _recorded_users: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or self.engine.model_name
+
+    def model_names(self) -> set[str]:
+        return {self.model_name, self.engine.model_name, self.engine.config.model}
+
+    def register_keys(self) -> None:
+        """Bind every key's identity in the engine (and the recording) before serving."""
+        for ident in {(i.user, i.group) for i in (self.keys or {}).values()}:
+            self.engine.register_user(*ident)
+            self.note_user(*ident)
+
+    def note_user(self, user: str, group: str | None) -> None:
+        if self.recorder is None:
+            return
+        with self._lock:
+            if user in self._recorded_users:
+                return
+            self._recorded_users.add(user)
+        self._safe_record(self.recorder.add_user, user, group=group)
+
+    def _safe_record(self, fn, *args, **kw) -> None:
+        try:
+            fn(*args, **kw)
+        except Exception as exc:  # a failing DB never breaks a reply; say it once
+            self.record_failures += 1
+            if self.record_failures == 1:
+                print(f"kvplay serve: recording failed ({exc}); serving goes on", file=sys.stderr, flush=True)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def identify(state: ServeState, request: Request) -> Identity | None:
+    """The key's identity; None when the server has no keys (the body names the user)."""
+    if state.keys is None:
+        return None
+    header = request.headers.get("authorization")
+    ident = lookup(state.keys, header)
+    if ident is None:
+        msg = ("missing API key: send 'Authorization: Bearer KEY'" if not header
+               else "invalid API key")
+        raise ApiError(401, msg, code="invalid_api_key")
+    return ident
+
+
+async def read_json(request: Request):
+    size = request.headers.get("content-length")
+    if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    if not raw.strip():
+        raise bad("the request body is empty: send a JSON object")
+    try:
+        return json.loads(bytes(raw))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"malformed JSON: {exc}", code="invalid_json") from None
+
+
+def check_model(state: ServeState, model: str | None) -> None:
+    if model is not None and model not in state.model_names():
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{state.model_name}`).",
+                       "model", "model_not_found")
+
+
+def prepare_prompt(state: ServeState, g: GenRequest) -> tuple[list[int], int]:
+    """Token ids and system-prompt length (runs in a worker thread: tokenising is CPU work)."""
+    eng = state.engine
+    if g.kind == "chat":
+        try:
+            return eng.encode(g.messages)
+        except EngineError as exc:
+            raise bad(str(exc), "messages") from None
+    if g.prompt_ids is not None:
+        vocab = len(eng.tokenizer)
+        for t in g.prompt_ids:
+            if not 0 <= t < vocab:
+                raise bad(f"token id {t} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        return list(g.prompt_ids), 0
+    return list(eng.tokenizer(g.prompt)["input_ids"]), 0
+
+
+def check_limits(state: ServeState, g: GenRequest, n: int) -> int:
+    """Refuse prompts that can never run; return the max_tokens to use."""
+    eng = state.engine
+    param = "messages" if g.kind == "chat" else "prompt"
+    if n == 0:
+        raise bad("the prompt is empty after tokenisation", param)
+    ctx = eng.runner.max_positions
+    if n >= ctx:
+        raise bad(f"This model's maximum context length is {ctx} tokens. However, your request has {n} "
+                  f"input tokens. Please reduce the length of the input.", param, "context_length_exceeded")
+    room = ctx - n
+    if g.max_tokens is not None and g.max_tokens > room:
+        raise bad(f"'max_tokens' is too large: {g.max_tokens}. This model's maximum context length is {ctx} "
+                  f"tokens and your request has {n} input tokens ({g.max_tokens} > {ctx} - {n}).", "max_tokens")
+    bs, total = eng.config.block_size, eng.pool.num_blocks
+    need = -(-(n + 1) // bs)
+    if need > total:
+        raise ApiError(413, f"the prompt is {n} tokens ({need} blocks of {bs}); this server's whole KV pool "
+                            f"holds {total} blocks", param, "kv_pool_exceeded")
+    return room if g.max_tokens is None else g.max_tokens
+
+
+def finish_reason(result, stopped: bool) -> str:
+    r = result.finish_reason
+    if stopped:
+        return "stop"
+    if r in ("stop", "length"):
+        return r
+    if r == "pool_exhausted":
+        return "length"
+    return "abort"
+
+
+def usage_of(result) -> dict:
+    st = result.stats
+    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.output_tokens,
+            "total_tokens": st.prompt_tokens + st.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+
+
+def kvplay_of(result, user: str) -> dict:
+    st = result.stats
+    return {"request_id": result.request_id, "user": user, "cached_tokens": st.cached_tokens,
+            "cached_from": dict(st.cached_from), "computed_tokens": st.computed_tokens,
+            "finish_reason": result.finish_reason, "ttft_ms": st.ttft_ms, "queued_ms": st.queued_ms,
+            "preemptions": st.preemptions}
+
+
+def engine_failure(result) -> ApiError:
+    err = result.error or "request failed"
+    if "pool" in err and "block" in err:
+        return ApiError(413, err, code="kv_pool_exceeded")
+    if "shut down" in err:
+        return ApiError(503, err, code="unavailable")
+    return ApiError(500, err, code="engine_error")
+
+
+class Turn:
+    """One accepted request on its way through the engine."""
+
+    def __init__(self, state: ServeState, g: GenRequest, user: str, rid: str, sampling: SamplingParams,
+                 stream: HandleStream):
+        self.state, self.g, self.user, self.rid, self.sampling, self.stream = state, g, user, rid, sampling, stream
+        self.result = None
+        self.matcher = StopMatcher(g.stop)
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if g.kind == "chat" else "cmpl-") + rid
+
+    async def pieces(self, request: Request | None = None):
+        """Yield released text; ends with self.result set. Cancels the request if abandoned."""
+        try:
+            while True:
+                try:
+                    item = await self.stream.next(timeout=None if request is None else 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if not hasattr(item, "token_id"):
+                    self.result = item
+                    break
+                piece = self.matcher.feed(item.text)
+                if piece:
+                    yield piece
+                if self.matcher.stopped:
+                    self.stream.cancel()
+            if self.result.error is None:
+                tail = self.matcher.finish()
+                if tail:
+                    yield tail
+        finally:
+            if self.result is None:
+                self.stream.cancel()
+
+    @property
+    def finish(self) -> str:
+        return finish_reason(self.result, self.matcher.stopped)
+
+    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        if self.g.kind == "chat":
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
+                "choices": [choice]}
+
+    def full_response(self) -> dict:
+        text = self.matcher.released
+        if self.g.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
+                "choices": [choice], "usage": usage_of(self.result), "kvplay": kvplay_of(self.result, self.user)}
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def stream_turn(turn: Turn):
+    try:
+        if turn.g.kind == "chat":
+            yield sse(turn.chunk("", role=True))
+        async for piece in turn.pieces():
+            yield sse(turn.chunk(piece))
+        res = turn.result
+        if res.error is not None:
+            yield sse(engine_failure(res).body())
+            yield "data: [DONE]\n\n"
+            return
+        final = turn.chunk(None if turn.g.kind == "chat" else "", finish=turn.finish)
+        final["kvplay"] = kvplay_of(res, turn.user)
+        yield sse(final)
+        if turn.g.include_usage:
+            yield sse({"id": turn.id, "object": final["object"], "created": turn.created,
+                       "model": turn.state.model_name, "choices": [], "usage": usage_of(res),
+                       "kvplay": kvplay_of(res, turn.user)})
+        yield "data: [DONE]\n\n"
+    finally:
+        if turn.result is None:
+            turn.stream.cancel()
+
+
+# --- the app ----------------------------------------------------------------------------------
+def create_app(state: ServeState) -> FastAPI:
+    app = FastAPI(title="kvplay serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvplay = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(ApiError(exc.status_code, msg))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(bad(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else "invalid request"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    async def generate(request: Request, kind: str):
+        ident = identify(state, request)
+        g = parse(await read_json(request), kind)
+        check_model(state, g.model)
+        user, group = (ident.user, ident.group) if ident is not None else (g.body_user or ANONYMOUS, None)
+        prompt_ids, system_tokens = await run_in_threadpool(prepare_prompt, state, g)
+        max_tokens = check_limits(state, g, len(prompt_ids))
+        sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_tokens=max_tokens,
+                                  seed=g.seed, stop_on_eos=not g.ignore_eos)
+        rid = uuid.uuid4().hex[:16]
+        if state.recorder is not None:
+            await run_in_threadpool(state.note_user, user, group)
+        if state.events is not None:
+            state.events.set_mode(rid, g.report_mode)
+        eng = state.engine
+        try:
+            handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling, system_tokens=system_tokens,
+                                request_id=rid)
+        except EngineError as exc:
+            status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
+            raise ApiError(status, str(exc)) from None
+        started = time.time()
+        on_result = None
+        if state.recorder is not None:
+            text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "")
+            messages = g.messages if g.kind == "chat" else []
+
+            def on_result(result):  # on the bridge thread: SQLite never blocks the event loop
+                state._safe_record(state.recorder.record_turn, user, text, messages, sampling, result,
+                                   started=started)
+        turn = Turn(state, g, user, rid, sampling, HandleStream(handle, on_result=on_result))
+        if g.stream:
+            return StreamingResponse(stream_turn(turn), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        async for _ in turn.pieces(request):
+            pass
+        if turn.result is None:  # the client went away; its request is cancelled
+            return Response(status_code=499)
+        if turn.result.error is not None:
+            raise engine_failure(turn.result)
+        return JSONResponse(turn.full_response(), headers={"X-Request-Id": rid})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        identify(state, request)
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvplay",
+            "root": state.engine.model_name, "parent": None,
+            "max_model_len": state.engine.runner.max_positions}]}
+
+    @app.get("/health")
+    async def health():
+        eng = state.engine
+        if not getattr(eng, "alive", True) or getattr(eng, "failure", None):
+            return error_response(ApiError(503, f"engine is down: {getattr(eng, 'failure', None) or 'stopped'}",
+                                           code="unavailable"))
+        return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        identify(state, request)
+        dropped = await run_in_threadpool(state.engine.clear_cache)
+        return JSONResponse({"ok": True, "dropped_blocks": dropped})
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await run_in_threadpool(state.engine.stats, 0.2)
+        return PlainTextResponse(state.metrics.render(stats, state.model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

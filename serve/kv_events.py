@@ -1,0 +1,89 @@
+"""The engine's cache events as vLLM's KV events: one EventBatch per engine step.
+
+Listens on the engine thread (``Engine.subscribe`` + ``Engine.on_step_end``), turns kvplay's
+events into vLLM's wire events (wire/codec.py) and hands one batch per step to the ZMQ
+publisher (wire/publisher.py):
+
+- ``BlockStored``: consecutive blocks a request stored in the same step go out as one event
+  (as vLLM does), ``session_id`` = the user who created them (the identity the server bound).
+- ``BlockRemoved``: one event per evicted block. Blocks dropped by a reset are not listed:
+  ``AllBlocksCleared`` says it (vLLM sends only that).
+- With ``kv_cache_report_mode = "full"`` (per request through ``vllm_xargs``, or the server's
+  default), the cached prefix a request reuses is re-announced as a ``BlockStored`` carrying the
+  *reusing* user's ``session_id``, so a consumer sees who reuses whose blocks.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, MEDIUM_GPU, from_engine_event, hex_to_wire_hash
+
+REPORT_MODES = ("incremental", "full")
+
+
+def int_hashes() -> bool:
+    """vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default on: uint64 hashes on the wire)."""
+    return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+
+
+class EngineEventPublisher:
+    def __init__(self, engine, publisher, report_full: bool = False, as_int: bool | None = None):
+        self.engine = engine
+        self.publisher = publisher
+        self.report_full_default = report_full
+        self.as_int = int_hashes() if as_int is None else as_int
+        self._pending: list = []
+        self._modes: dict[str, bool] = {}  # request id -> report reuse ("full")
+        self._unsubs = [engine.subscribe(self._on_event), engine.on_step_end(self._flush)]
+
+    def set_mode(self, request_id: str, mode: str | None) -> None:
+        """Before submitting `request_id`: its kv_cache_report_mode (None: the server default)."""
+        if mode is not None:
+            self._modes[request_id] = mode == "full"
+
+    def close(self) -> None:
+        for unsub in self._unsubs:
+            unsub()
+        self._flush()
+
+    # --- on the engine thread -----------------------------------------------------------------
+    def _add_stored(self, ev: BlockStored) -> None:
+        last = self._pending[-1] if self._pending else None
+        if (isinstance(last, BlockStored) and last.session_id == ev.session_id and last.block_size == ev.block_size
+                and last.block_hashes and ev.parent_block_hash == last.block_hashes[-1]):
+            last.block_hashes.extend(ev.block_hashes)
+            last.token_ids.extend(ev.token_ids)
+        else:
+            self._pending.append(ev)
+
+    def _on_event(self, ev) -> None:
+        kind = type(ev).__name__
+        if kind == "BlockStored":
+            self._add_stored(from_engine_event(ev, session_id=ev.user or None, as_int=self.as_int))
+        elif kind == "BlockRemoved":
+            if ev.reason == "evicted":
+                for h in ev.block_hashes:
+                    self._pending.append(BlockRemoved([hex_to_wire_hash(h, self.as_int)], MEDIUM_GPU))
+        elif kind == "AllBlocksCleared":
+            self._pending.append(from_engine_event(ev))
+        elif kind == "BlockHit":
+            if self._modes.get(ev.request_id, self.report_full_default):
+                self._reannounce(ev)
+        elif kind == "RequestFinished":
+            self._modes.pop(ev.request_id, None)
+
+    def _reannounce(self, ev) -> None:
+        """The reused prefix as one BlockStored with the reusing user's session_id."""
+        blocks = self.engine.pool.blocks
+        hashes = [hex_to_wire_hash(h, self.as_int) for h in ev.block_hashes]
+        tokens: list[int] = []
+        for bid in ev.block_ids:
+            tokens.extend(blocks[bid].token_ids)
+        self._pending.append(BlockStored(hashes, None, tokens, self.engine.pool.block_size, None, MEDIUM_GPU,
+                                         None, session_id=ev.user or None))
+
+    def _flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self.publisher.publish(EventBatch(time.time(), batch))

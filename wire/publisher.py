@@ -1,0 +1,229 @@
+"""vLLM's KV-event publisher: a ZMQ PUB for the live stream and a ROUTER for replay.
+
+Same semantics as vLLM's ``ZmqEventPublisher`` (vllm/distributed/kv_events.py):
+
+- ``--kv-events-config`` is vLLM's JSON (``KVEventsConfig``): ``enable_kv_cache_events``,
+  ``publisher`` ("zmq" | "null"; default "zmq" when enabled), ``endpoint`` (default
+  ``tcp://*:5557``), ``replay_endpoint``, ``buffer_steps`` (10,000), ``hwm`` (100,000),
+  ``max_queue_size`` (100,000), ``topic`` ("").
+- The PUB socket **binds only when the endpoint has ``*`` or ``::``, or is ipc/inproc**, and
+  connects otherwise (then the subscriber binds). The replay ROUTER always binds.
+- Each batch goes out as ``[topic, seq (8 bytes BE, from 0), msgpack EventBatch]``; the last
+  ``buffer_steps`` payloads are kept. A replay request (a DEALER sends ``[b"", seq8]``) gets
+  every kept batch with seq >= start as ``[b"", topic, seq8, payload]``, then the end marker
+  ``[b"", b"", -1 as 8 bytes, b""]``.
+
+One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+import zmq
+
+from kvplay.engine.errors import EngineError
+
+from .codec import END_SEQ_BYTES, EventBatch, encode_batch, pack_seq, topic_bytes
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig, field for field."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self):
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.enable_kv_cache_events) and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str, flag: str = "--kv-events-config") -> "KVEventsConfig":
+        """Parse vLLM's JSON; a bad value is one EngineError line."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineError(f"{flag}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(d, dict):
+            raise EngineError(f"{flag}: expected a JSON object like "
+                              '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}')
+        kinds = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": str,
+                 "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str}
+        for key, value in d.items():
+            if key not in kinds:
+                raise EngineError(f"{flag}: unknown field {key!r} ({', '.join(kinds)})")
+            want = kinds[key]
+            ok = value is None and key in ("publisher", "replay_endpoint") or (
+                isinstance(value, want) and not (want is int and isinstance(value, bool)))
+            if not ok:
+                raise EngineError(f"{flag}: {key} must be {want.__name__}, got {value!r}")
+        cfg = cls(**d)
+        if cfg.publisher not in ("zmq", "null"):
+            raise EngineError(f"{flag}: unknown publisher {cfg.publisher!r} (zmq, null)")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(cfg, key) < 1:
+                raise EngineError(f"{flag}: {key} must be at least 1")
+        for key in ("endpoint", "replay_endpoint"):
+            ep = getattr(cfg, key)
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise EngineError(f"{flag}: {key} {ep!r} must start with tcp://, ipc:// or inproc://")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def loopback_only(endpoint: str | None) -> str | None:
+    """A bind endpoint limited to 127.0.0.1 (for a server that serves loopback only): a
+    wildcard interface (``tcp://*:5557``, ``tcp://[::]:5557``, ``tcp://0.0.0.0:5557``) becomes
+    ``tcp://127.0.0.1:5557``; a wildcard *port* (``tcp://127.0.0.1:*``) stays a wildcard."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep:
+        return endpoint
+    if host in ("*", "[::]", "::", "0.0.0.0", "[*]", ""):
+        host = LOOPBACK
+    return f"tcp://{host}:{port}"
+
+
+class ZmqEventPublisher:
+    """PUB + replay ROUTER with an in-memory buffer of the last `buffer_steps` batches."""
+
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 topic: str = "", data_parallel_rank: int = 0, ctx: zmq.Context | None = None,
+                 bind: bool | None = None):
+        self._ctx = ctx or zmq.Context.instance()
+        self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._topic = topic_bytes(topic)
+        self._rank = data_parallel_rank
+        self._seq = 0
+        self.dropped = 0
+        self.binds = is_bind_endpoint(endpoint) if bind is None else bind
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = None
+        try:
+            if self.binds:
+                self._pub.bind(endpoint)
+                self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # wildcard port resolved
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise EngineError(f"KV events: cannot open {endpoint if self._replay is None else replay_endpoint}: "
+                              f"{exc.strerror}") from None
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvplay-kv-events", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, cfg: KVEventsConfig, data_parallel_rank: int = 0,
+                    loopback: bool = False) -> "ZmqEventPublisher":
+        """With `loopback`, what would bind every interface binds 127.0.0.1 (same port)."""
+        binds = is_bind_endpoint(cfg.endpoint)
+        endpoint, replay = cfg.endpoint, cfg.replay_endpoint
+        if loopback:
+            endpoint = loopback_only(endpoint) if binds else endpoint
+            replay = loopback_only(replay)
+        return cls(endpoint, replay, cfg.buffer_steps, cfg.hwm, cfg.max_queue_size, cfg.topic,
+                   data_parallel_rank, bind=binds)
+
+    # --- producer side (any thread) ------------------------------------------------------------
+    def publish(self, batch: EventBatch) -> None:
+        """Queue one step's batch (never blocks: a full queue drops it and counts it)."""
+        if not self._running:
+            return
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self._rank
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.dropped += 1
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        if not self._running:
+            return
+        self._running = False
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close(linger=0)
+
+    # --- the thread that owns the sockets -----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    try:
+                        self._serve_replay()
+                    except zmq.ZMQError:
+                        break
+            try:
+                batch = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            try:
+                payload = encode_batch(batch)
+                seq = self._seq
+                self._pub.send_multipart((self._topic, pack_seq(seq), payload))
+                self._seq += 1
+                self._buffer.append((seq, payload))
+            except (zmq.ZMQError, TypeError, ValueError):
+                self.dropped += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:  # [client id, b"", seq8] from a DEALER; anything else is ignored
+            return
+        client, _, start = frames
+        if len(start) != 8:
+            return
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, pack_seq(seq), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ_BYTES, b""))
