@@ -74,6 +74,11 @@ class EngineConfig:
             raise EngineError("--max-running must be at least 1")
         return self
 
+    def pool_size_hint(self, num_blocks: int) -> str:
+        """"the pool holds N blocks — raise --num-blocks" (the flag that set the pool's size)."""
+        flag = "--num-blocks" if self.num_blocks is not None else "--cache-mb"
+        return f"the whole pool holds {num_blocks} block{'' if num_blocks == 1 else 's'} — raise {flag}"
+
     def to_dict(self) -> dict:
         return asdict(self)
 

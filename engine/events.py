@@ -109,14 +109,23 @@ class RequestFinished(Event):
     request_id: str = ""
     user: str = ""
     stats: dict = field(default_factory=dict)  # RequestStats.to_dict()
-    finish_reason: str = "stop"  # stop | length | cancelled | error
+    finish_reason: str = "stop"  # stop | length | pool_exhausted | cancelled | error
     error: str | None = None
+
+
+# --- identity ------------------------------------------------------------------------------
+@dataclass
+class UserGroupChanged(Event):
+    """`Engine.set_group` moved a user to another group (requests submitted afterwards use it)."""
+    user: str = ""
+    old_group: str | None = None
+    new_group: str | None = None
 
 
 CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught)
 EVENT_TYPES = {cls.__name__: cls for cls in (
     BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, RequestQueued,
-    RequestStarted, FirstToken, RequestPreempted, RequestFinished)}
+    RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged)}
 
 
 def event_from_dict(d: dict) -> Event:

@@ -117,17 +117,21 @@ class BlockHasher:
 
 
 def salt_for(isolation: str, user: str, group: str | None) -> ExtraKey | None:
-    """The salt the engine derives from who is asking; clients never choose it."""
+    """The salt the engine derives from who is asking; clients never choose it.
+
+    The value is typed by kind ("user:NAME" or "group:NAME"): a group named like a user never
+    gets that user's salt. Under `group` isolation a user without a group is private.
+    """
     if isolation == "shared":
         return None
-    if isolation == "group":
-        return ("salt", "group:" + (group or user))
-    return ("salt", "user:" + user)  # "user" and the per-user part of "system"
+    if isolation == "group" and group is not None:
+        return ("salt", "group:" + group)
+    return ("salt", "user:" + user)  # "user", "system", and "group" for a user with no group
 
 
-def block_extras(isolation: str, user: str, group: str | None, model_key: str,
-                 num_blocks: int, system_tokens: int, block_size: int) -> list[list[ExtraKey]]:
-    """Extra keys for each of `num_blocks` blocks of a prompt.
+def salted_extras(isolation: str, salt: ExtraKey | None, model_key: str, num_blocks: int,
+                  system_tokens: int, block_size: int) -> list[list[ExtraKey]]:
+    """Extra keys for each of `num_blocks` blocks of a prompt, given its salt.
 
     Block 0 always carries the model key. The salt goes into block 0, except in `system`
     isolation where blocks wholly inside the shared system prompt stay unsalted and the salt
@@ -137,7 +141,6 @@ def block_extras(isolation: str, user: str, group: str | None, model_key: str,
     if num_blocks == 0:
         return extras
     extras[0].append(("model", model_key))
-    salt = salt_for(isolation, user, group)
     if salt is None:
         return extras
     first_salted = 0
@@ -146,3 +149,10 @@ def block_extras(isolation: str, user: str, group: str | None, model_key: str,
     if first_salted < num_blocks:
         extras[first_salted].append(salt)
     return extras
+
+
+def block_extras(isolation: str, user: str, group: str | None, model_key: str,
+                 num_blocks: int, system_tokens: int, block_size: int) -> list[list[ExtraKey]]:
+    """Extra keys for each of `num_blocks` blocks of `user`'s prompt (see `salted_extras`)."""
+    return salted_extras(isolation, salt_for(isolation, user, group), model_key, num_blocks,
+                         system_tokens, block_size)

@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+from .errors import EngineError
 from .sampling import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -71,9 +72,26 @@ class RequestHandle:
     def _put(self, item) -> None:
         self._queue.put(item)
 
+    def _get(self, deadline: float | None):
+        """The next streamed item. Waits in short slices so that an engine whose thread is gone
+        raises EngineError instead of leaving the caller blocked for ever."""
+        while True:
+            left = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._queue.get(timeout=left)
+            except queue.Empty:
+                pass
+            if not getattr(self._engine, "alive", True):
+                try:  # the engine's last act is to finish every request: look once more
+                    return self._queue.get_nowait()
+                except queue.Empty:
+                    raise EngineError(f"request {self.request_id}: the engine stopped before it finished") from None
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
     def __iter__(self) -> Iterator[TokenDelta]:
         while self._result is None:
-            item = self._queue.get()
+            item = self._get(None)
             if isinstance(item, RequestResult):
                 self._result = item
                 return
@@ -82,17 +100,30 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._result is None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = self._queue.get(timeout=left)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s") from None
+            item = self._get(deadline)
+            if item is None:
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
             if isinstance(item, RequestResult):
                 self._result = item
         return self._result
 
     def cancel(self) -> None:
         self._engine.cancel(self.request_id)
+
+
+@dataclass(frozen=True)
+class HashKeys:
+    """What a request's block hashes are made under, fixed when it is admitted.
+
+    `epoch` counts the cache generations (a hash, seed or determinism change starts a new one);
+    `hasher` is the BlockHasher in force; `isolation` and `salt` decide its extra keys. A
+    running request keeps its keys whatever `reconfigure` does; a preempted one drops them with
+    its hashes and is re-admitted under the keys in force then.
+    """
+    epoch: int
+    hasher: object
+    isolation: str
+    salt: tuple | None
 
 
 @dataclass
@@ -109,6 +140,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks so far
+    keys: HashKeys | None = None  # what `hashes` were made under (frozen at admission)
+    collisions_seen: set = field(default_factory=set)  # (block index, hash) already reported
     num_computed: int = 0  # tokens whose K/V is in the pool
     high_water: int = 0  # most tokens ever computed (recompute accounting after preemption)
     registered: int = 0  # full blocks already registered in the prefix index

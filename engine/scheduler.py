@@ -14,6 +14,13 @@ Each ``step()``:
 4. registers every block that became full (BlockStored) and samples/streams tokens.
 
 At least the last prompt token is always computed (its logits start the answer).
+
+Hash keys are frozen at admission (``HashKeys``: cache epoch, hasher, isolation, salt): a
+running request hashes, looks up and verifies under the keys it was admitted with, whatever
+``reconfigure`` changes meanwhile. A preempted request drops its hashes and keys; it is
+re-admitted under the isolation mode (and hasher) in force at its re-admission, with the group
+it was submitted with. Blocks a request fills after a new cache epoch began (hash, seed or
+determinism changed) are never indexed: nobody could reach them under the new keys.
 """
 from __future__ import annotations
 
@@ -23,8 +30,8 @@ from typing import Callable
 from .events import (BlockHit, CollisionCaught, Event, FirstToken, RequestFinished,
                      RequestPreempted, RequestStarted)
 from .pool import BlockPool, NoFreeBlocks
-from .prefix import BlockHasher, block_extras
-from .request import FINISHED, RUNNING, WAITING, Request, RequestResult, TokenDelta
+from .prefix import BlockHasher, salt_for, salted_extras
+from .request import FINISHED, RUNNING, WAITING, HashKeys, Request, RequestResult, TokenDelta
 from .runner import ModelRunner, Row
 from .sampling import sample
 
@@ -49,6 +56,7 @@ class Scheduler:
         self.preemptions = 0
         self.collisions_caught = 0
         self.finished = 0
+        self.epoch = 0  # cache generation: bumped when the hash, seed or determinism changes
 
     # --- bookkeeping --------------------------------------------------------------------------
     @property
@@ -61,19 +69,28 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def _freeze_keys(self, req: Request) -> None:
+        """Before an admission attempt: fix the keys the request is hashed under to those in
+        force now (a waiting request whose keys changed drops its hashes)."""
+        iso = self.config.isolation
+        keys = HashKeys(self.epoch, self.hasher, iso, salt_for(iso, req.user, req.group))
+        if req.keys != keys:
+            req.keys = keys
+            req.hashes = []
+
     def _extras(self, req: Request, n_blocks: int):
-        return block_extras(self.config.isolation, req.user, req.group, self.model_key,
-                            n_blocks, req.system_tokens, self.bs)
+        k = req.keys
+        return salted_extras(k.isolation, k.salt, self.model_key, n_blocks, req.system_tokens, self.bs)
 
     def _ensure_hashes(self, req: Request) -> None:
-        """Extend req.hashes to cover every full block of its tokens."""
+        """Extend req.hashes to cover every full block of its tokens (under its frozen keys)."""
         full = req.num_tokens // self.bs
         if len(req.hashes) >= full:
             return
         toks = req.tokens
         extras = self._extras(req, full)
         parent = req.hashes[-1] if req.hashes else None
-        req.hashes.extend(self.hasher.chain(toks, extras, start_parent=parent, start_block=len(req.hashes)))
+        req.hashes.extend(req.keys.hasher.chain(toks, extras, start_parent=parent, start_block=len(req.hashes)))
 
     # --- admission ----------------------------------------------------------------------------
     def _reusable_blocks(self, req: Request) -> int:
@@ -96,10 +113,14 @@ class Scheduler:
                 want = tuple(toks[j * self.bs:(j + 1) * self.bs])
                 parent_ok = blk.parent_id == (matched[-1] if matched else None)
                 if blk.token_ids != want or blk.extra != tuple(extras[j]) or not parent_ok:
-                    self.collisions_caught += 1
-                    req.stats.collisions_caught += 1
-                    self.emit(CollisionCaught(request_id=req.request_id, user=req.user, block_id=blk.block_id,
-                                              block_hash=self.hasher.hex(req.hashes[j]), position=j))
+                    seen = (j, req.hashes[j])
+                    if seen not in req.collisions_seen:  # once per request, not per admission retry
+                        req.collisions_seen.add(seen)
+                        self.collisions_caught += 1
+                        req.stats.collisions_caught += 1
+                        self.emit(CollisionCaught(request_id=req.request_id, user=req.user,
+                                                  block_id=blk.block_id, position=j,
+                                                  block_hash=req.keys.hasher.hex(req.hashes[j])))
                     break
             matched.append(blk.block_id)
         return matched
@@ -111,15 +132,17 @@ class Scheduler:
         if need > self.pool.available() - matched_evictable:
             return False
         now = time.time()
-        self.pool.touch(matched, now)
+        first = not req.admitted_once
+        self.pool.touch(matched, now, hit=first)  # a re-admission re-references, it is no new hit
         new = self.pool.allocate(need, now)
         req.block_table = matched + new
         req.num_computed = len(matched) * self.bs
         req.registered = len(matched)
-        for b in matched:
-            self.pool.blocks[b].users_seen.add(req.user)
+        if first:
+            for b in matched:
+                self.pool.blocks[b].users_seen.add(req.user)
         cached = req.num_computed
-        if not req.admitted_once:
+        if first:
             req.admitted_once = True
             req.start_time = time.perf_counter()
             req.stats.queued_ms = (req.start_time - req.arrival) * 1000
@@ -134,7 +157,7 @@ class Scheduler:
             self.hit_tokens += cached
             if matched:
                 self.emit(BlockHit(request_id=req.request_id, user=req.user, block_ids=list(matched),
-                                   block_hashes=[self.hasher.hex(self.pool.blocks[b].hash) for b in matched],
+                                   block_hashes=[req.keys.hasher.hex(self.pool.blocks[b].hash) for b in matched],
                                    cached_tokens=cached, by_creator=dict(by)))
         else:
             req.stats.recomputed_tokens += max(0, req.high_water - cached)
@@ -166,6 +189,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.config.max_running:
             req = self.waiting[i]
+            self._freeze_keys(req)
             if self._waits_for_inflight(req, inflight):
                 i += 1  # later arrivals may still be admitted; this one retries next step
                 continue
@@ -174,7 +198,7 @@ class Scheduler:
                     self.waiting.pop(i)
                     self._finish(req, "error", error=(
                         f"message needs {-(-req.num_tokens // self.bs)} blocks of {self.bs} tokens; "
-                        f"the pool has {self.pool.num_blocks} (raise --cache-mb or shorten it)"))
+                        f"{self.config.pool_size_hint(self.pool.num_blocks)}"))
                     continue
                 break
             self.waiting.pop(i)
@@ -188,6 +212,7 @@ class Scheduler:
         victim.block_table = []
         victim.num_computed = 0
         victim.registered = 0
+        victim.hashes, victim.keys = [], None  # re-admitted under the keys in force then
         victim.status = WAITING
         victim.stats.preemptions += 1
         self.preemptions += 1
@@ -204,7 +229,7 @@ class Scheduler:
             except NoFreeBlocks:
                 victim = max(self.running, key=lambda r: r.arrival)
                 if victim is req and len(self.running) == 1:
-                    self._finish(req, "length", error=None)  # alone and the pool is full
+                    self._finish(req, "pool_exhausted", error=None)  # alone and the pool is full
                     return False
                 self._preempt(victim)
                 if victim is req:
@@ -268,6 +293,9 @@ class Scheduler:
     def _register_full_blocks(self, req: Request) -> None:
         full = req.num_computed // self.bs
         if full <= req.registered:
+            return
+        if req.keys.epoch != self.epoch:  # admitted before the cache changed generation
+            req.registered = full
             return
         self._ensure_hashes(req)
         toks = req.tokens

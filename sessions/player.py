@@ -16,6 +16,8 @@ from kvplay.engine.errors import EngineError
 from kvplay.engine.request import RequestResult
 from kvplay.engine.sampling import SamplingParams
 
+TURN_TIMEOUT_S = 3600.0  # a turn still unfinished after this is reported as failed, never waited on for ever
+
 
 @dataclass
 class Job:
@@ -23,7 +25,6 @@ class Job:
     user: str
     text: str
     sampling: SamplingParams
-    group: str | None = None
     at: float | None = None
     messages: list[dict] | None = None  # fixed prompt (replay); None: build from the conversation
 
@@ -84,9 +85,9 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 messages.append({"role": "user", "content": job.text})
             started, offset = time.time(), time.monotonic() - t0
             try:
-                res = engine.submit(job.user, messages, job.sampling, group=job.group).result()
+                res = engine.submit(job.user, messages, job.sampling).result(TURN_TIMEOUT_S)
                 err = res.error
-            except EngineError as exc:
+            except (EngineError, TimeoutError) as exc:  # a stopped engine or a stuck turn: an error row
                 res, err = None, str(exc)
             done = Done(job, messages, res, err, started, time.time(), offset)
             if err is None:

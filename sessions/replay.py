@@ -58,9 +58,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def recorded_jobs(turns: list[dict], groups: dict[str, str | None] | None = None,
-                  speed: float | None = None) -> list[Job]:
-    groups = groups or {}
+def recorded_jobs(turns: list[dict], speed: float | None = None) -> list[Job]:
     t0 = min((t["started"] for t in turns if t.get("started") is not None), default=0.0)
     jobs = []
     for t in submit_order(turns):
@@ -68,8 +66,7 @@ def recorded_jobs(turns: list[dict], groups: dict[str, str | None] | None = None
         at = t.get("at")
         if speed is not None and t.get("started") is not None:
             at = max(0.0, t["started"] - t0)
-        jobs.append(Job(t["seq"], t["user"], t["text"], s, group=groups.get(t["user"]), at=at,
-                        messages=t["messages"]))
+        jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"]))
     return jobs
 
 
@@ -103,7 +100,9 @@ def replay(engine, turns: list[dict], system: str = "", groups: dict | None = No
            recorder=None) -> Iterator[Comparison]:
     """Re-drive `turns` (rows from query.session_turns) through `engine`; yield a Comparison per
     finished turn, in finish order. With `recorder`, each new turn is recorded as it finishes."""
-    jobs = recorded_jobs(turns, groups, speed)
+    for name, group in (groups or {}).items():  # the recorded users, in their recorded groups
+        engine.register_user(name, group)
+    jobs = recorded_jobs(turns, speed)
     by_seq = {t["seq"]: t for t in turns}
     out: "queue.Queue" = queue.Queue()
     failure: list[BaseException] = []

@@ -38,7 +38,7 @@ def script_jobs(script: Script) -> list[Job]:
     jobs = []
     for i, t in enumerate(script.turns, 1):
         u = script.user(t.user)
-        jobs.append(Job(i, t.user, t.text, sampling_for(u, t), group=u.group, at=t.at))
+        jobs.append(Job(i, t.user, t.text, sampling_for(u, t), at=t.at))
     return jobs
 
 
@@ -245,6 +245,8 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_record:
         open_db(args.db).close()  # refuse a bad DB before spending time on the model
     engine = start_engine(config)
+    for u in script.users:  # identity is bound here, once; turns carry only the user name
+        engine.register_user(u.name, u.group)
     from .recorder import Recorder, close_run
 
     rec = None

@@ -51,9 +51,11 @@ def test_attribution_three_users(make_engine):
 @pytest.mark.parametrize("mode,shares", [("shared", True), ("user", False), ("group", "group"), ("system", "system")])
 def test_isolation_modes(make_engine, mode, shares):
     eng = make_engine(isolation=mode, num_blocks=128)
-    eng.generate("alice", chat("same question"), GREEDY, group="g1", timeout=60)
-    b = eng.generate("bob", chat("same question"), GREEDY, group="g1", timeout=60)
-    c = eng.generate("carol", chat("same question"), GREEDY, group="g2", timeout=60)
+    for user, group in (("alice", "g1"), ("bob", "g1"), ("carol", "g2")):
+        eng.register_user(user, group)
+    eng.generate("alice", chat("same question"), GREEDY, timeout=60)
+    b = eng.generate("bob", chat("same question"), GREEDY, timeout=60)
+    c = eng.generate("carol", chat("same question"), GREEDY, timeout=60)
     sys_tokens = eng.encode(chat("same question"))[1]
     if shares is True:
         assert b.stats.cached_from.get("alice", 0) > 0
@@ -66,7 +68,7 @@ def test_isolation_modes(make_engine, mode, shares):
         assert b.stats.cached_from == {"alice": sys_tokens // 16 * 16}
         assert c.stats.cached_from == {"alice": sys_tokens // 16 * 16}
     # a user always reuses their own blocks
-    a2 = eng.generate("alice", chat("same question"), GREEDY, group="g1", timeout=60)
+    a2 = eng.generate("alice", chat("same question"), GREEDY, timeout=60)
     assert a2.stats.cached_from.get("alice", 0) >= (a2.stats.prompt_tokens - 1) // 16 * 16 - 16
 
 

@@ -25,8 +25,10 @@ def test_no_cross_salt_hits(tiny_llama, mode, turns):
     with Engine(EngineConfig(model="tiny:llama", num_blocks=96, isolation=mode), tiny_llama) as eng:
         eng.subscribe(lambda e: hits.append(e) if isinstance(e, BlockHit) else None)
         sys_tokens = eng.encode([system, {"role": "user", "content": "x"}])[1]
-        hs = [eng.submit(u, [system, {"role": "user", "content": " ".join(w)}], SamplingParams(max_tokens=3),
-                         group=groups[u]) for u, w in turns]
+        for u, g in groups.items():
+            eng.register_user(u, g)
+        hs = [eng.submit(u, [system, {"role": "user", "content": " ".join(w)}], SamplingParams(max_tokens=3))
+              for u, w in turns]
         for h in hs:
             h.result(60)
         blocks = {b.block_id: b for b in eng.snapshot()}

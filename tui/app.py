@@ -152,6 +152,7 @@ class KvplayApp(ControlsMixin, App):
         self._unsubscribe = None
         self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
         self.recorder = None
+        self._recorder_opened = None  # the future of the recorder's opening (first turn)
         self.recorder_error: str | None = None
         self._recorder_error_shown = False
 
@@ -253,11 +254,11 @@ class KvplayApp(ControlsMixin, App):
 
     def on_engine_ready(self, msg: EngineReady) -> None:
         self.engine = msg.engine
+        for u in self.users:  # each pane's identity is bound in the engine, not per message
+            self.engine.register_user(u.name, u.group)
         for p in self.panes:
             p.set_ready(True)
         self._dirty = True
-        if self.record:
-            self._recorder_call(self._open_recorder)
         self.ready.set()
         pending, self._pending = self._pending, []
         for pane, text, turn in pending:
@@ -273,13 +274,22 @@ class KvplayApp(ControlsMixin, App):
 
     # --- recorder (one thread of its own; never the engine thread) -----------------------------
     def _recorder_call(self, fn, *args) -> None:
-        def run():
-            try:
-                fn(*args)
-            except Exception as exc:  # recording must never break the playground
-                if self.recorder_error is None:
-                    self.recorder_error = f"{type(exc).__name__}: {exc}"
-        self._rec_pool.submit(run)
+        self._rec_pool.submit(self._guarded, fn, *args)
+
+    def _start_recording(self):
+        """Open the session at the first turn (an app closed without a turn records nothing).
+        Returns a future the reply workers wait on, so the recorder sees every event of the
+        first request."""
+        if self._recorder_opened is None:
+            self._recorder_opened = self._rec_pool.submit(self._guarded, self._open_recorder)
+        return self._recorder_opened
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # recording must never break the playground
+            if self.recorder_error is None:
+                self.recorder_error = f"{type(exc).__name__}: {exc}"
 
     def _open_recorder(self) -> None:
         Recorder = _load_recorder()
@@ -327,14 +337,17 @@ class KvplayApp(ControlsMixin, App):
         pane.start_reply(turn_id)
         pane.set_busy(True)
         self._inflight[turn_id] = (pane, text)
-        self._stream(turn_id, spec.name, spec.group, text, messages, sampling)
+        opened = self._start_recording() if self.record else None
+        self._stream(opened, turn_id, spec.name, text, messages, sampling)
         return turn_id
 
     @work(thread=True, exit_on_error=False, group="replies", description="Streaming a reply")
-    def _stream(self, turn_id: int, user: str, group, text: str, messages: list[dict], sampling) -> None:
+    def _stream(self, opened, turn_id: int, user: str, text: str, messages: list[dict], sampling) -> None:
+        if opened is not None:
+            opened.result()  # the recorder listens before the first request is submitted
         started = time.time()
         try:
-            handle = self.engine.submit(user, messages, sampling, group=group)
+            handle = self.engine.submit(user, messages, sampling)  # the group: the engine's registry
         except EngineError as exc:
             self.post_message(ReplyFailed(turn_id, user, str(exc)))
             return

@@ -147,6 +147,8 @@ class ControlsMixin:
                 return
             s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
             s.group = values["group"].strip() or None
+            if self.engine is not None:  # the engine's registry decides; recorded as UserGroupChanged
+                self.engine.set_group(s.name, s.group)
             pane.refresh_subtitle()
             self._recorder_call(self._record_user, s)  # replays use the users' latest settings
             self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
@@ -179,6 +181,10 @@ class ControlsMixin:
         self._layout_panes()
         self._update_legend()
         if self.engine is not None:
+            try:
+                self.engine.register_user(spec.name, spec.group)
+            except EngineError:  # a removed pane's user comes back in another group
+                self.engine.set_group(spec.name, spec.group)
             pane.call_after_refresh(pane.set_ready, True)
         if self.record:
             self._recorder_call(self._record_user, spec)

@@ -132,7 +132,7 @@ class ChatPane(Vertical):
         if turn_id not in self._replies:
             return
         body, meta = self._replies.pop(turn_id)
-        more = " …" if result.finish_reason == "length" else ""
+        more = {"length": " …", "pool_exhausted": " … (stopped: the pool is full)"}.get(result.finish_reason, "")
         body.update(Text((result.text or "(no text)") + more))
         meta.update(badge(result.stats, looks, timings))
         if result.error:
