@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from kvplay.options import add_engine_args, config_from_args
 
@@ -25,6 +26,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of kvplay,hf-generate,hf-cache-per-user,hf-cb,kvplay-det")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="skip the decode probe (1 user vs N users)")
+    parser.add_argument("--script", metavar="FILE.toml",
+                        help="also play a `kvplay run` script as a workload (alone unless --workload is given), "
+                             "e.g. examples/shared-system.toml")
+    parser.add_argument("--peer-url", metavar="URL",
+                        help="add a peer: an OpenAI-compatible server with prefix caching (vLLM, SGLang, "
+                             "kvplay serve) at URL, e.g. http://127.0.0.1:8000, serving the same model")
+    parser.add_argument("--peer-model", metavar="NAME",
+                        help="the model name to ask --peer-url for (default: the only one it lists)")
     add_engine_args(parser)
 
 
@@ -42,8 +51,17 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_output_file(args.plot, "--plot", ".png")
-    workload = args.workload or ("shared-system" if args.quick else "all")
-    names = list(WORKLOADS) if workload == "all" else [workload]
+    if args.peer_model and not args.peer_url:
+        raise KvplayError("--peer-model needs --peer-url")
+    if args.script and not Path(args.script).is_file():
+        raise KvplayError(f"--script {args.script}: no such file")
+    if args.workload is None and args.script:
+        names = []
+    else:
+        workload = args.workload or ("shared-system" if args.quick else "all")
+        names = list(WORKLOADS) if workload == "all" else [workload]
+    if args.script:
+        names.append("script")
     turns = args.turns or (2 if args.quick and names == ["shared-system"] else None)
     for flag, v in (("--users", args.users), ("--turns", args.turns)):
         if v is not None and v < 1:
@@ -55,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
         if bad:
             raise KvplayError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEER_ORDER)})")
     report = run_bench(config, names, users=args.users, turns=turns, quick=args.quick, peers=peers,
-                       probe=args.probe, progress=_progress(time.perf_counter()))
+                       probe=args.probe, progress=_progress(time.perf_counter()), script=args.script,
+                       peer_url=args.peer_url, peer_model=args.peer_model)
     if args.plot:
         save_plot(lambda path: plot_report(report, path), args.plot)
     if args.json:

@@ -12,7 +12,9 @@ from kvplay.engine.model import load_model
 
 from . import peers as P
 from .metrics import Target, ratio, ratios, speedup, summarize
-from .workloads import WORKLOADS, build_workload
+from .http_peer import KEY as HTTP_KEY
+from .http_peer import run_http_peer
+from .workloads import WORKLOADS, build_workload, script_workload
 
 PEER_ORDER = ("kvplay", "hf-generate", "hf-cache-per-user", "hf-cb", "kvplay-det")
 BASELINES = ("hf-generate", "hf-cache-per-user", "hf-cb")
@@ -38,43 +40,76 @@ def _pool_blocks(loaded, cfg: EngineConfig) -> int:
 
 def run_bench(config: EngineConfig, workloads: list[str], users: int | None = None, turns: int | None = None,
               quick: bool = False, peers: tuple[str, ...] = PEER_ORDER, probe: bool = True,
-              progress: Callable[[str], None] = P._quiet, system_prompt: str | None = None) -> dict:
-    """Play `workloads` through `peers`; return the report dict (see docs/bench.md)."""
+              progress: Callable[[str], None] = P._quiet, system_prompt: str | None = None,
+              script: str | None = None, peer_url: str | None = None, peer_model: str | None = None,
+              new_tokens: int | None = None) -> dict:
+    """Play `workloads` through `peers`; return the report dict (see docs/bench.md).
+
+    `script`: a `kvplay run` script, played as the workload "script" (bench/workloads.py).
+    `peer_url`: an OpenAI-compatible server, played as the peer "peer-url" (bench/http_peer.py)."""
     t0 = time.perf_counter()
     for w in workloads:
-        if w not in WORKLOADS:
+        if w not in WORKLOADS + ("script",):
             raise EngineError(f"unknown workload {w!r} ({', '.join(WORKLOADS)}, all)")
+    if "script" in workloads and not script:
+        raise EngineError("the script workload needs --script FILE")
     unknown = set(peers) - set(PEER_ORDER)
     if unknown:
         raise EngineError(f"unknown peer(s) {', '.join(sorted(unknown))} ({', '.join(PEER_ORDER)})")
+    http = None
+    if peer_url:
+        from .http_peer import HttpPeer
+
+        http = HttpPeer(peer_url, peer_model).connect()  # one clear line when it cannot be reached
     load_avg_start = _load_avg()
     # Every peer runs with the engine's thread count (set once, process-wide, before any timing).
     from kvplay.engine.engine import set_cpu_threads
 
     set_cpu_threads(config.threads)
-    progress(f"loading {config.model} twice (kvplay's copy, and the Hugging Face peers' copy)")
+    hf_needed = bool(set(peers) & set(BASELINES)) or (probe and "kvplay" in peers)
+    progress(f"loading {config.model}" + (" twice (kvplay's copy, and the Hugging Face peers' copy)"
+                                          if hf_needed else ""))
     loaded_kv = load_model(config.model, config.device, config.dtype, progress=progress)
-    loaded_hf = load_model(config.model, config.device, config.dtype, progress=progress)
-    hf_model = loaded_hf.model
-    if hf_model.config._attn_implementation not in ("sdpa", "eager"):
-        hf_model.set_attn_implementation("sdpa")
+    hf_model = None
+    if hf_needed:
+        hf_model = load_model(config.model, config.device, config.dtype, progress=progress).model
+        if hf_model.config._attn_implementation not in ("sdpa", "eager"):
+            hf_model.set_attn_implementation("sdpa")
     extra = {} if system_prompt is None else {"system_prompt": system_prompt}
+    if new_tokens is not None:
+        extra["new_tokens"] = new_tokens
+
+    def workload(name: str):
+        if name == "script":
+            return script_workload(script, loaded_kv.tokenizer, new_tokens)
+        return build_workload(name, loaded_kv.tokenizer, users, turns, config.block_size, **extra)
+
     report = {
         "model": loaded_kv.name, "device": str(loaded_kv.device), "dtype": str(loaded_kv.dtype).replace("torch.", ""),
         "quick": quick, "config": config.to_dict(), "torch_threads": _torch_threads(),
         "cpu_count": os.cpu_count(), "load_avg_start": load_avg_start, "workloads": [],
     }
-    # warm both copies once so first-call costs land on nobody's figures
-    progress("warming up the Hugging Face copy")
-    first = build_workload(workloads[0], loaded_kv.tokenizer, users, turns, config.block_size, **extra)
-    P._hf_generate_one(hf_model, first.turns[0].prompt_ids[:24], 2)
+    if http is not None:
+        report["peer_url"] = {"url": http.base, "model": http.model, "label": http.label}
+    if hf_model is not None:
+        # warm the HF copy once so first-call costs land on nobody's figures
+        progress("warming up the Hugging Face copy")
+        P._hf_generate_one(hf_model, workload(workloads[0]).turns[0].prompt_ids[:24], 2)
+    run_peers = tuple(peers) + ((HTTP_KEY,) if http is not None else ())
     for name in workloads:
-        wl = build_workload(name, loaded_kv.tokenizer, users, turns, config.block_size, **extra)
+        wl = workload(name)
+        name = wl.name
         progress(f"workload {name}: {wl.description} ({len(wl.turns)} requests, "
                  f"{wl.prompt_tokens()} prompt tokens)")
         cfg_kv = P.kvplay_config(config, wl, False)
         results = {}
-        for peer in peers:
+        for peer in run_peers:
+            if peer == HTTP_KEY:
+                progress(f"{name}: {http.label} …")
+                results[peer] = run_http_peer(http, wl, progress)
+                r = results[peer]
+                progress(f"{name}: {peer} " + (r.unavailable if r.unavailable else f"done in {r.wall_s:.1f} s"))
+                continue
             progress(f"{name}: {P.LABELS[peer]} …")
             if peer == "kvplay":
                 results[peer] = P.run_kvplay(loaded_kv, wl, config, False, progress)
@@ -93,6 +128,8 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
     if probe and "kvplay" in peers:
         wl = build_workload("shared-system", loaded_kv.tokenizer, users, 1, config.block_size, **extra)
         report["decode_probe"] = P.decode_probe(loaded_kv, hf_model, wl, config, users or 4, progress)
+    if http is not None:
+        http.close()
     report["targets"] = [t.to_dict() for t in targets(report)]
     report["load_avg_end"] = _load_avg()
     report["elapsed_s"] = time.perf_counter() - t0
@@ -137,6 +174,20 @@ def targets(report: dict) -> list[Target]:
         if det and ours:
             out.append(Target("deterministic wall / default wall", ratio(det.get("wall_s"), ours.get("wall_s")),
                               1.5, True))
+    for w in report["workloads"]:
+        peer = w["peers"].get(HTTP_KEY)
+        if peer is None or "kvplay" not in w["peers"]:
+            continue
+        why = peer.get("unavailable", "")
+        name = w["workload"]["name"]
+        ours = w["peers"]["kvplay"]
+        # the issue's targets: kvplay level with the server on cold TTFT, warm TTFT and decode
+        out.append(Target(f"{name}: cold TTFT p50, {HTTP_KEY} / kvplay", ratio(peer.get("ttft_cold_p50_ms"),
+                          ours.get("ttft_cold_p50_ms")), 1.0, False, why))
+        out.append(Target(f"{name}: warm TTFT p50, {HTTP_KEY} / kvplay", ratio(peer.get("ttft_warm_p50_ms"),
+                          ours.get("ttft_warm_p50_ms")), 1.0, False, why))
+        out.append(Target(f"{name}: decode tok/s, kvplay / {HTTP_KEY}", ratio(ours.get("decode_tok_s"),
+                          peer.get("decode_tok_s")), 1.0, False, why))
     probe = report.get("decode_probe")
     if probe:
         out.append(Target("warm/cold TTFT p50 of one request alone (kvplay)", ratio(

@@ -10,6 +10,7 @@ the next prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvplay.engine.chat import encode_chat
 from kvplay.engine.errors import EngineError
@@ -168,6 +169,45 @@ def build_workload(name: str, tokenizer, users: int | None = None, turns: int | 
                        f"({per_request} blocks per request)")
     else:
         raise EngineError(f"unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
+    return w
+
+
+def script_workload(path: str, tokenizer, new_tokens: int | None = None) -> Workload:
+    """A workload from a `kvplay run` script (e.g. examples/shared-system.toml): its system prompt,
+    users and turns. Turns without `at` run in file order, each a round of its own (as `kvplay run`
+    plays them); turns with the same `at` arrive together. The first round is cold. A user's later
+    turn carries its earlier turns with canned replies (every peer sees the same prompts). Every
+    turn generates the same number of tokens: `new_tokens`, else the script's largest max_tokens."""
+    from kvplay.sessions.script import load_script, sampling_for
+
+    script = load_script(path)
+    users = {u.name: u for u in script.users}
+    history: dict[str, list[dict]] = {}
+    groups: list[tuple[float | None, list[tuple[str, list[dict]]]]] = []
+    wanted = []
+    for i, t in enumerate(script.turns):
+        msgs = history.setdefault(t.user, [{"role": "system", "content": script.system}] if script.system else [])
+        msgs.append({"role": "user", "content": t.text})
+        wanted.append(sampling_for(users[t.user], t).max_tokens)
+        if t.at is not None and groups and groups[-1][0] == t.at:
+            groups[-1][1].append((t.user, list(msgs)))
+        else:
+            groups.append((t.at, [(t.user, list(msgs))]))
+        msgs.append({"role": "assistant", "content": CANNED_REPLIES[i % len(CANNED_REPLIES)]})
+    n = new_tokens or max(wanted)
+    rounds = []
+    for r, (_, turns) in enumerate(groups):
+        row = []
+        for user, msgs in turns:
+            ids, sys_len = encode_chat(tokenizer, msgs)
+            row.append(Turn(user, r, ids, sys_len, cold=(r == 0)))
+        rounds.append(row)
+    name = "script:" + Path(path).stem
+    w = Workload(name, f"{len(users)} users, {len(script.turns)} turns of {path}, {n} new tokens, greedy",
+                 rounds, n)
+    if len(set(wanted)) > 1:
+        w.notes.append(f"every turn generates {n} tokens (the script asks {min(wanted)}–{max(wanted)})")
+    w.notes.append("greedy, EOS ignored, whatever temperature the script sets")
     return w
 
 

@@ -203,6 +203,60 @@ def test_report_cache_figures(tiny_report):
     assert probe["kvplay_alone_cold_ttft_ms"] > 0 and probe["kvplay_alone_warm_ttft_ms"] > 0
 
 
+def test_hf_cb_peer_is_warmed_like_kvplay(tiny_report):
+    # transformers' own default (warmup() before start) plus one throwaway request, before timing
+    for w in tiny_report["workloads"]:
+        cb = w["peers"]["hf-cb"]
+        if cb.get("unavailable"):
+            continue
+        assert cb["warmed_up"] is True and cb["throwaway_requests"] == 1
+        assert cb["output_tokens"] == 32 * cb["requests"]  # the throwaway request is not counted
+
+
+def test_script_workload_from_shared_system_example(tiny_llama):
+    from kvplay.bench.workloads import script_workload
+
+    w = script_workload("examples/shared-system.toml", tiny_llama.tokenizer)
+    assert w.name == "script:shared-system" and w.users == ["alice", "bob"]
+    assert [len(r) for r in w.rounds] == [1, 1]  # turns without `at` run one after the other
+    assert [t.cold for t in w.turns] == [True, False]
+    assert w.new_tokens == 48  # the script's max_tokens
+    a, b = w.turns
+    assert a.system_tokens == b.system_tokens > 100
+    assert shared_prefix_len([a.prompt_ids, b.prompt_ids]) >= a.system_tokens
+    assert script_workload("examples/shared-system.toml", tiny_llama.tokenizer, new_tokens=5).new_tokens == 5
+
+
+def test_script_workload_rounds_and_history(tiny_llama, tmp_path):
+    from kvplay.bench.workloads import script_workload
+
+    path = tmp_path / "s.toml"
+    path.write_text('[system]\nprompt = "Be brief."\n[[users]]\nname = "a"\n[[users]]\nname = "b"\n'
+                    '[[turns]]\nuser = "a"\ntext = "one"\nat = 0.0\nmax_tokens = 4\n'
+                    '[[turns]]\nuser = "b"\ntext = "two"\nat = 0.0\nmax_tokens = 6\n'
+                    '[[turns]]\nuser = "a"\ntext = "three"\nat = 1.0\n')
+    w = script_workload(str(path), tiny_llama.tokenizer)
+    assert [[t.user for t in r] for r in w.rounds] == [["a", "b"], ["a"]]  # same `at`: one round
+    assert [t.cold for t in w.turns] == [True, True, False]
+    first, _, again = w.turns
+    assert again.prompt_ids[:len(first.prompt_ids)] == first.prompt_ids  # a's history carries turn 1
+    assert w.new_tokens == 48 and any("every turn generates 48" in n for n in w.notes)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--peer-url", "http://127.0.0.1:9"], "cannot connect"),
+    (["--peer-url", "ftp://x"], "expected http://"),
+    (["--peer-model", "x"], "needs --peer-url"),
+    (["--script", "no/such.toml"], "no such file"),
+])
+def test_cli_peer_and_script_errors_are_one_line(argv, needle, capsys):
+    from kvplay.cli import main
+
+    assert main(["bench", "--model", "tiny:llama", "--no-probe", "--peers", "kvplay"] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
 def test_print_and_plot(tiny_report, tmp_path):
     from rich.console import Console
 
