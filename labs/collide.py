@@ -26,7 +26,9 @@ from kvplay.engine import events as ev
 from kvplay.engine.prefix import BlockHasher, block_extras
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, pyplot, token_messages
+from kvplay.sessions.report import attribution
+
+from .common import LabContext, LabResult, Table, pyplot, quoted, token_messages
 
 TEMPLATE = "{pad}Remember this: my locker code is {code}.\nWhat is my locker code? Reply with the code only."
 DIGITS = 8
@@ -224,8 +226,8 @@ def run(eng, params: CollideParams | None = None, ctx: LabContext | None = None)
             f"alice's code {pair['code_a']}, bob's code {pair['code_b']}",
             ["verify-on-hit", "bob cached tokens (from)", "collisions caught", "bob's answer", "bob's cold answer",
              "correct"],
-            [[d["verify_on_hit"], f"{d['bob_cached_tokens']}/{d['bob_prompt_tokens']} {d['bob_cached_from']}",
-              d["collisions_caught"], repr(d["bob_answer"]), repr(pair["bob_cold_answer"]), d["bob_correct"]]
+            [[d["verify_on_hit"], f"{d['bob_cached_tokens']}/{d['bob_prompt_tokens']} {attribution(d['bob_cached_from'], 'bob')}".strip(),
+              d["collisions_caught"], quoted(d["bob_answer"]), quoted(pair["bob_cold_answer"]), d["bob_correct"]]
              for d in demos]))
     data = {"params": p.__dict__, "offline": offline, "feed": feed, "pair": pair, "demos": demos,
             "scales": [dict(zip(["bits", "blocks", "expected_pairs", "p_any"], r)) for r in scale]}
@@ -243,8 +245,9 @@ def _verdict(p, offline, feed, pair, demos) -> str:
         off = next(d for d in demos if not d["verify_on_hit"])
         on = next(d for d in demos if d["verify_on_hit"])
         s += (f"Crafted pair ({pair['tries']} tries): with verify-on-hit off bob was served "
-              f"{off['bob_cached_tokens']} tokens of KV from {sorted(off['bob_cached_from'])} and answered "
-              f"{off['bob_answer']!r} (correct: {pair['bob_cold_answer']!r}); with it on the collision was "
+              f"{off['bob_cached_tokens']} tokens of KV from {', '.join(sorted(off['bob_cached_from'])) or 'no one'} "
+              f"and answered {quoted(off['bob_answer'])} (correct: {quoted(pair['bob_cold_answer'])}); with it on "
+              "the collision was "
               f"{'caught' if on['collisions_caught'] else 'NOT caught'}, recomputed, and bob's answer "
               f"{'equals' if on['bob_correct'] else 'differs from'} his cold answer. ")
     elif pair:

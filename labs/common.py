@@ -48,11 +48,16 @@ def _jsonable(x):
 
 
 def fmt(v: Any) -> str:
-    """Short, readable cell text."""
+    """Short, readable cell text (never a Python repr: mappings read "alice 32, bob 16", lists
+    "a, b")."""
     if v is None:
         return "—"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {fmt(x)}" for k, x in v.items()) or "—"
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return ", ".join(fmt(x) for x in v) or "—"
     if isinstance(v, float):
         if v == 0:
             return "0"
@@ -92,6 +97,13 @@ def render(result: LabResult, console=None) -> None:
             console = Console(width=140)
     for r in renderables(result):
         console.print(r)
+
+
+def quoted(text: str) -> str:
+    """A model's answer inside a sentence or a cell: in quotes, on one line."""
+    from kvplay.sessions.report import excerpt
+
+    return f"“{excerpt(text, 400)}”"
 
 
 def dump_json(result: LabResult, out=None) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, pyplot
+from .common import LabContext, LabResult, Table, pyplot, quoted
 
 SYSTEM = ("You are a careful assistant for a small library. Answer briefly and precisely, "
           "use plain words, and say so when you do not know something. Never invent facts.")
@@ -182,7 +182,7 @@ def run(eng, params: DeterminismParams | None = None, ctx: LabContext | None = N
     if texts:
         ref_text = {(r["mode"], r["prompt"]): r["text"] for r in runs if r["variant"].startswith("cold (")}
         tables.append(Table("Diverged texts", ["mode", "prompt", "run", "text (cold text below)"],
-                            [t[:3] + [f"{t[3]!r}\ncold: {ref_text[(t[0], t[1])]!r}"] for t in texts]))
+                            [t[:3] + [f"{quoted(t[3])}\ncold: {quoted(ref_text[(t[0], t[1])])}"] for t in texts]))
     return LabResult("determinism", _verdict(summary), tables,
                      {"params": p.__dict__, "runs": runs, "summary": summary},
                      eng.model_name, eng.config.to_dict(), time.perf_counter() - t_start)

@@ -1,9 +1,11 @@
 """Lab: can another user tell, from its own time to first token, what is in the shared cache?
 
 A victim user sends a secret prompt (raw tokens, like a completion API). An attacker user sees
-only what a client sees: it submits candidate prompts through a ``Server`` layer and measures
+only what a client sees: it connects to a ``Server`` layer once (the server authenticates it and
+binds its identity in the engine's user registry, so the isolation salt is the server's, never
+a name the client picks per request), submits candidate prompts on that connection and measures
 the wall time from submit to its first streamed token, in its own code (the ``Attacker`` class
-holds the server, never the engine). A **hit** candidate starts with the victim's first k
+holds its connection, never the engine). A **hit** candidate starts with the victim's first k
 blocks, a **miss** candidate with random tokens; both have the same length. The attacker
 calibrates a threshold on its own prompts (a fresh one, then the same one again) and guesses
 hit when a probe is faster. We report ROC AUC and accuracy against k, a one-sided KS test of
@@ -22,6 +24,7 @@ from kvplay.engine.sampling import SamplingParams
 from .common import LabContext, LabResult, Table, pyplot, roc_auc, token_messages
 
 PROBE = SamplingParams(max_tokens=1, temperature=0.0, stop_on_eos=False)
+VICTIM, ATTACKER = "victim", "mallory"
 
 
 @dataclass
@@ -38,7 +41,11 @@ class LeakParams:
 
 
 class Server:
-    """The serving layer between clients and the engine; can hide the cache's timing."""
+    """The serving layer between clients and the engine; can hide the cache's timing.
+
+    A client connects once as a user (the server authenticates it, as an API key would) and the
+    server binds that identity in the engine's user registry at that moment; every request on the
+    connection is that user's. A client never names itself per request."""
 
     def __init__(self, engine, ctx: LabContext, mitigation: str = "none", delay_ms: float = 0.0,
                  pad_ms: float = 0.0, seed: int = 0):
@@ -49,8 +56,12 @@ class Server:
         self.pad_ms = pad_ms
         self._rng = random.Random(seed)
 
-    def complete(self, user: str, prompt_ids: list[int]):
-        """Stream the completion's text pieces for `prompt_ids`."""
+    def connect(self, user: str, group: str | None = None) -> "Connection":
+        """Authenticate a client as `user` and bind its identity (and group) in the engine."""
+        self._engine.register_user(user, group)
+        return Connection(self, user)
+
+    def _complete(self, user: str, prompt_ids: list[int]):
         t0 = time.perf_counter()
         h = self._engine.submit(user, prompt_ids=prompt_ids, sampling=PROBE)
         first = True
@@ -71,16 +82,27 @@ class Server:
                 time.sleep(left)
 
 
-class Attacker:
-    """Client-side only: its own clock and its own prompts."""
+class Connection:
+    """One client's authenticated connection: requests on it run as the user bound at connect."""
 
-    def __init__(self, server: Server, user: str = "mallory"):
-        self.server = server
-        self.user = user
+    def __init__(self, server: Server, user: str):
+        self._server = server
+        self._user = user
+
+    def complete(self, prompt_ids: list[int]):
+        """Stream the completion's text pieces for `prompt_ids`."""
+        return self._server._complete(self._user, prompt_ids)
+
+
+class Attacker:
+    """Client-side only: its own connection, its own clock and its own prompts."""
+
+    def __init__(self, connection: Connection):
+        self.connection = connection
 
     def ttft_ms(self, prompt_ids: list[int]) -> float:
         t0 = time.perf_counter()
-        stream = self.server.complete(self.user, prompt_ids)
+        stream = self.connection.complete(prompt_ids)
         next(stream, None)
         ms = (time.perf_counter() - t0) * 1000
         for _ in stream:
@@ -114,8 +136,8 @@ def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random
     length = k * bs + p.tail
     rand = lambda n: [rng.choice(vocab) for _ in range(n)]  # noqa: E731
     eng.clear_cache()  # the harness, not the attacker, resets the world between settings
-    victim = Server(eng, ctx)
-    attacker = Attacker(server)
+    victim = Server(eng, ctx).connect(VICTIM)
+    attacker = Attacker(server.connect(ATTACKER))
     threshold = attacker.calibrate(lambda: rand(length), p.calibration)
     labels = ["hit"] * p.samples + ["miss"] * p.samples
     rng.shuffle(labels)
@@ -124,7 +146,7 @@ def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random
         # A fresh secret before every probe: a hit probe can only hit the victim's blocks,
         # never blocks the attacker wrote itself with an earlier probe.
         secret = rand(length)
-        for _ in victim.complete("victim", secret):
+        for _ in victim.complete(secret):
             pass
         if label == "hit":
             probe = secret[:k * bs] + rand(p.tail)
@@ -152,7 +174,7 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
     old_isolation = eng.config.isolation
     results = []
     kmax = max(p.blocks)
-    for _ in Server(eng, LabContext()).complete("warmup", [rng.choice(vocab) for _ in range(8)]):
+    for _ in Server(eng, LabContext()).connect("warmup").complete([rng.choice(vocab) for _ in range(8)]):
         pass  # warm up the model before timing anything
     for iso in p.isolations:
         eng.reconfigure(isolation=iso)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
+from kvplay.sessions.report import attribution
+
 from .common import LabContext, LabResult, Table
 
 QUESTION = "Am I pretty?"
@@ -90,11 +92,13 @@ def run(eng, params: ResponseCacheParams | None = None, ctx: LabContext | None =
     rows = []
     for (u, s), a, b, c in zip(people, with_rc, kv, cold):
         rows.append([u, s, a["text"], a["source"], b.text,
-                     f"{b.stats.cached_tokens}/{b.stats.prompt_tokens} {b.stats.cached_from or ''}".strip(),
+                     f"{b.stats.cached_tokens}/{b.stats.prompt_tokens} {attribution(b.stats.cached_from, u)}".strip(),
                      b.text == c])
     rc_texts = [a["text"] for a in with_rc]
     kv_texts = [r.text for r in kv]
     summary = {
+        "users": list(p.users), "temperature": p.temperature,
+        "response_cache_texts": rc_texts, "kv_texts": kv_texts, "cold_texts": cold,
         "response_cache_identical": len(set(rc_texts)) == 1,
         "response_cache_engine_calls": sum(a["engine_called"] for a in with_rc),
         "kv_distinct_answers": len(set(kv_texts)),
@@ -103,17 +107,8 @@ def run(eng, params: ResponseCacheParams | None = None, ctx: LabContext | None =
         "kv_prompt_tokens": kv[0].stats.prompt_tokens if kv else 0,
         "kv_equals_cold": [r.text == c for r, c in zip(kv, cold)],
     }
-    n = len(people)
-    verdict = (
-        f"Response cache: {n if summary['response_cache_identical'] else 'not all'} of {n} users got "
-        f"{p.users[0]}'s answer verbatim ({summary['response_cache_engine_calls']} engine call). "
-        f"KV prefix cache: {summary['kv_distinct_answers']} distinct answers from {n} seeds at temperature "
-        f"{p.temperature}, while users after the first reused "
-        f"{', '.join(str(c) for c in summary['kv_cached_tokens'][1:])} of {summary['kv_prompt_tokens']} prompt "
-        f"tokens from the cache; {sum(summary['kv_equals_cold'])}/{n} answers equal the same seed on a cold "
-        f"cache. \"The first user's answer is what everyone gets\" is true of a response cache, not of a "
-        f"KV prefix cache.")
-    tables = [Table(f"{p.question!r} at temperature {p.temperature}, own seed per user",
+    verdict = make_verdict(summary)
+    tables = [Table(f"“{p.question}” at temperature {p.temperature}, own seed per user",
                     ["user", "seed", "response cache: answer", "source", "KV prefix cache: answer",
                      "cached/prompt tokens (from)", "= cold answer"], rows)]
     data = {"params": p.__dict__, "response_cache": with_rc,
@@ -121,6 +116,51 @@ def run(eng, params: ResponseCacheParams | None = None, ctx: LabContext | None =
             "cold": cold, "summary": summary}
     return LabResult("response-cache", verdict, tables, data, eng.model_name, eng.config.to_dict(),
                      time.perf_counter() - t_start)
+
+
+def served_first(summary: dict) -> list[bool]:
+    """For each user after the first: did it get the first user's answer *because of the cache*
+    (the first user's text, while its own seed alone, on a cold cache, gives another)?"""
+    kv, cold = summary["kv_texts"], summary["cold_texts"]
+    return [kv[i] == kv[0] and cold[i] != kv[0] for i in range(1, len(kv))]
+
+
+def make_verdict(summary: dict) -> str:
+    """The verdict; every clause is decided by the measurements in `summary` (see run())."""
+    users, t = summary["users"], summary["temperature"]
+    n, first = len(users), users[0]
+    rc = summary["response_cache_texts"]
+    rc_got_first = sum(1 for x in rc[1:] if x == rc[0])
+    calls = summary["response_cache_engine_calls"]
+    parts = [f"Response cache: {rc_got_first} of {n - 1} later users got {first}'s answer verbatim "
+             f"({calls} engine call{'' if calls == 1 else 's'} for {n} users)."]
+    cached = summary["kv_cached_tokens"][1:]
+    reuse = (f"reused {', '.join(str(c) for c in cached)} of {summary['kv_prompt_tokens']} prompt tokens"
+             if cached else "had no one to reuse from")
+    eq_cold = sum(summary["kv_equals_cold"])
+    distinct = summary["kv_distinct_answers"]
+    parts.append(f"KV prefix cache: {distinct} distinct answer{'' if distinct == 1 else 's'} from {n} seeds at "
+                 f"temperature {t:g}; users after the first {reuse}; {eq_cold}/{n} answers equal the same seed "
+                 "on a cold cache.")
+    kv_first = served_first(summary)
+    rc_true = n > 1 and rc_got_first == n - 1
+    kv_true = bool(kv_first) and all(kv_first)
+    claim = "“The first user's answer is what everyone gets”"
+    if kv_true:
+        parts.append(f"{claim} held for the KV prefix cache" + (" and for the response cache" if rc_true else
+                     ", not for the response cache") + f": every later user got {first}'s answer through the KV "
+                     "cache, which its own seed does not give on a cold cache.")
+        return " ".join(parts)
+    if any(kv_first):
+        why = f"only {sum(kv_first)} of {n - 1} later users got {first}'s answer through it"
+    elif eq_cold == n:
+        why = "it shared the prompt's computation, and every answer is what the user's own seed gives on a cold cache"
+    else:
+        why = (f"no later user got {first}'s answer through it, but {n - eq_cold} of {n} answers differ from the "
+               "same seed on a cold cache, so the cache changed outputs in another way")
+    held = "held for the response cache but" if rc_true else "held for neither cache:"
+    parts.append(f"{claim} {held} not for the KV prefix cache: {why}.")
+    return " ".join(parts)
 
 
 def plot(result: LabResult, path: str) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import io
 import json
 
 import pytest
@@ -37,8 +38,30 @@ def test_determinism_is_bitwise_in_deterministic_mode(make_engine):
 
 def test_leak_attacker_sees_only_its_client():
     src = inspect.getsource(leak.Attacker)
-    for word in ("engine", "stats", "snapshot", "pool", "subscribe", "cached"):
+    for word in ("engine", "stats", "snapshot", "pool", "subscribe", "cached", "user"):
         assert word not in src
+    # a client holds a connection and names no one per request: identity is bound at connect
+    assert list(inspect.signature(leak.Attacker.__init__).parameters) == ["self", "connection"]
+    assert list(inspect.signature(leak.Connection.complete).parameters) == ["self", "prompt_ids"]
+
+
+def test_leak_identity_is_bound_when_the_client_connects(make_engine):
+    from kvplay.engine.events import RequestFinished
+    from kvplay.labs.common import LabContext
+
+    eng = make_engine(num_blocks=64)
+    server = leak.Server(eng, LabContext())
+    conn = server.connect("eve", group="red")
+    assert eng.users.users()["eve"] == "red"  # registered by the server, before any request
+    finished = []
+    eng.subscribe(lambda e: finished.append(e.user) if isinstance(e, RequestFinished) else None)
+    assert leak.Attacker(conn).ttft_ms(list(range(5, 25))) > 0
+    assert finished == ["eve"]  # the request ran as the connection's user
+    r = leak.run(eng, leak.LeakParams(blocks=[1], samples=2, calibration=1, isolations=["user"],
+                                      mitigations=[], seed=1))
+    users = eng.users.users()
+    assert users[leak.ATTACKER] is None and users[leak.VICTIM] is None  # the lab's clients connected
+    assert r.data["results"][0]["isolation"] == "user"
 
 
 def test_leak_auc_high_when_shared_and_chance_when_isolated(make_engine):
@@ -82,6 +105,58 @@ def test_response_cache_identical_only_with_response_cache(make_engine):
     assert s["response_cache_identical"] and s["response_cache_engine_calls"] == 1
     assert not s["kv_identical"] and s["kv_distinct_answers"] == 3
     assert all(c > 0 for c in s["kv_cached_tokens"][1:])
+    assert r.verdict == response_cache.make_verdict(s)  # the verdict is a function of the measurements
+
+
+def _rc_summary(rc, kv, cold, cached=(0, 32, 32), calls=1):
+    return {"users": ["alice", "bob", "carol"], "temperature": 0.8, "response_cache_texts": rc,
+            "kv_texts": kv, "cold_texts": cold, "response_cache_engine_calls": calls,
+            "kv_distinct_answers": len(set(kv)), "kv_cached_tokens": list(cached), "kv_prompt_tokens": 34,
+            "kv_equals_cold": [a == b for a, b in zip(kv, cold)]}
+
+
+def test_response_cache_verdict_follows_the_measurements():
+    claim_rc_only = response_cache.make_verdict(_rc_summary(["A", "A", "A"], ["A", "B", "C"], ["A", "B", "C"]))
+    assert "held for the response cache but not for the KV prefix cache" in claim_rc_only
+    assert "3/3 answers equal the same seed" in claim_rc_only and "2 of 2 later users" in claim_rc_only
+    # a KV cache that served alice's answer to everyone (their own seeds give other answers cold)
+    kv_leaks = response_cache.make_verdict(_rc_summary(["A", "A", "A"], ["A", "A", "A"], ["A", "B", "C"]))
+    assert "held for the KV prefix cache and for the response cache" in kv_leaks
+    assert "1/3 answers equal the same seed" in kv_leaks
+    # a response cache that did not answer from its store (e.g. keyed per user)
+    neither = response_cache.make_verdict(_rc_summary(["A", "B", "C"], ["A", "B", "C"], ["A", "B", "C"], calls=3))
+    assert "held for neither cache" in neither and "0 of 2 later users" in neither and "3 engine calls" in neither
+    # the KV cache changed answers, but not into alice's
+    drift = response_cache.make_verdict(_rc_summary(["A", "A", "A"], ["A", "X", "C"], ["A", "B", "C"]))
+    assert "1 of 3 answers differ from the same seed on a cold cache" in drift
+    partial = response_cache.make_verdict(_rc_summary(["A", "A", "A"], ["A", "A", "C"], ["A", "B", "C"]))
+    assert "only 1 of 2 later users" in partial
+    assert len({claim_rc_only, kv_leaks, neither, drift, partial}) == 5
+
+
+def test_lab_reports_print_no_python_reprs(make_engine):
+    """What a person reads (tables and verdicts, as the CLI prints them) holds no dict or list repr."""
+    from rich.console import Console
+
+    from kvplay.labs.common import fmt, renderables
+
+    assert fmt({"alice": 32, "bob": 16}) == "alice 32, bob 16" and fmt(["alice"]) == "alice" and fmt([]) == "—"
+    eng = make_engine(num_blocks=200)
+    results = [
+        response_cache.run(eng, response_cache.ResponseCacheParams(max_tokens=4)),
+        collide.run(eng, collide.CollideParams(bits=8, feed=30, offline=300, max_tokens=4)),
+        determinism.run(eng, determinism.DeterminismParams(prompts=determinism.PROMPTS[:1], max_tokens=3,
+                                                           batch_sizes=[2], modes=["default"])),
+        leak.run(eng, leak.LeakParams(blocks=[1], samples=2, calibration=1, isolations=["shared"],
+                                      mitigations=["delay"], seed=2)),
+    ]
+    for r in results:
+        console = Console(record=True, width=200, file=io.StringIO())
+        for x in renderables(r):
+            console.print(x)
+        text = console.export_text()
+        assert f"verdict: {r.lab}" in text
+        assert "{'" not in text and "['" not in text and "{\"" not in text, (r.lab, text)
 
 
 @pytest.mark.parametrize("argv, needle", [
