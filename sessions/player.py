@@ -85,7 +85,12 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 messages.append({"role": "user", "content": job.text})
             started, offset = time.time(), time.monotonic() - t0
             try:
-                res = engine.submit(job.user, messages, job.sampling).result(TURN_TIMEOUT_S)
+                handle = engine.submit(job.user, messages, job.sampling)
+                try:
+                    res = handle.result(TURN_TIMEOUT_S)
+                except TimeoutError:
+                    handle.cancel()
+                    raise
                 err = res.error
             except (EngineError, TimeoutError) as exc:  # a stopped engine or a stuck turn: an error row
                 res, err = None, str(exc)
