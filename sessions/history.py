@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import json
 from dataclasses import dataclass, field
 
 FREE, CACHED, IN_USE = "free", "cached", "in_use"
@@ -212,3 +213,50 @@ class History:
                 self._marks.append(r.applied)
                 self._saved.append(copy.deepcopy(r))
         return r.state()
+
+
+# --- loading a recorded session (no engine, no model) ---------------------------------------------
+def session_events(db, sid: str) -> list[dict]:
+    """The recorded events of a session in order: each its payload plus `forwards`, the engine's
+    step clock when it was emitted (None for sessions recorded before kvplay kept it)."""
+    out = []
+    for r in db.query("select payload, forwards from cache_events where session_id = ? order by seq, id", [sid]):
+        d = json.loads(r["payload"])
+        d["forwards"] = r.get("forwards")
+        out.append(d)
+    return out
+
+
+def recorded_pool_size(session: dict, events: list[dict]) -> int | None:
+    """How many blocks the session's pool had: its config, else its final stats, else at least
+    every block its events name."""
+    n = (session.get("engine_config") or {}).get("num_blocks") or (session.get("stats") or {}).get("blocks_total")
+    if n is None and events:
+        n = 1 + max((b for e in events for b in (e.get("block_ids") or [])), default=-1)
+    return int(n) if n else None
+
+
+@dataclass
+class Recording:
+    """Everything the scrubber shows of one recorded session."""
+    session: dict
+    users: list[dict]
+    turns: list[dict]
+    events: list[dict]
+    num_blocks: int
+
+    @property
+    def id(self) -> str:
+        return self.session["id"]
+
+
+def load_recording(db, ident: str) -> Recording:
+    from .query import resolve_session, session_turns, session_users
+    from .store import StoreError
+
+    s = resolve_session(db, ident)
+    events = session_events(db, s["id"])
+    if not events:
+        raise StoreError(f"session {s['id']} has no recorded cache events to scrub through")
+    n = recorded_pool_size(s, events) or 1
+    return Recording(s, session_users(db, s["id"]), session_turns(db, s["id"]), events, n)

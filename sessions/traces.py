@@ -6,32 +6,21 @@ import json
 
 from kvplay.engine.config import EngineConfig
 
+from .history import recorded_pool_size, session_events
 from .query import resolve_session, session_turns, session_users
 from .simulate import Clear, Trace, TraceRequest
 from .store import StoreError
-
-
-def session_events(db, sid: str) -> list[dict]:
-    """The recorded events of a session in order, each its payload plus the step clock."""
-    out = []
-    for r in db.query("select payload, forwards from cache_events where session_id = ? order by seq, id", [sid]):
-        d = json.loads(r["payload"])
-        d["forwards"] = r.get("forwards")
-        out.append(d)
-    return out
 
 
 def session_config(session: dict, events: list[dict] | None = None) -> EngineConfig:
     """The engine settings a session ran under, with the pool size resolved."""
     cfg = EngineConfig.from_dict(dict(session.get("engine_config") or {}), where=f"session {session['id']}: engine config")
     if cfg.num_blocks is None:
-        n = (session.get("stats") or {}).get("blocks_total")
-        if n is None and events:  # an unfinished session: at least every block it touched
-            n = 1 + max((b for e in events for b in (e.get("block_ids") or [])), default=-1)
+        n = recorded_pool_size(session, events or [])
         if not n:
             raise StoreError(f"session {session['id']} did not record its pool size; "
                              "give --num-blocks to simulate it")
-        cfg = cfg.replace(num_blocks=int(n))
+        cfg = cfg.replace(num_blocks=n)
     return cfg
 
 

@@ -8,10 +8,9 @@ import pytest
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.sampling import SamplingParams
-from kvplay.sessions.history import History, pool_state
+from kvplay.sessions.history import History, pool_state, session_events
 from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.store import open_db
-from kvplay.sessions.traces import session_events
 
 N = 24  # blocks: small enough for evictions
 SYSTEM = "You are a helpful assistant for a small bakery. Answer briefly and plainly, please."
@@ -88,3 +87,111 @@ def test_history_seeks_back_and_forth_like_the_pure_function(recorded):
         assert h.state(n).blocks == pool_state(events, n, N).blocks, n
     mid = pool_state(events, len(events) // 2, N)
     assert mid.count("in_use") + mid.count("cached") > 0
+
+
+# --- the scrubber app (no model loaded) ---------------------------------------------------------
+def _app(recorded, cursor=None):
+    from kvplay.sessions.history import load_recording
+    from kvplay.tui.scrub import ScrubApp
+
+    d = open_db(recorded["db"])
+    try:
+        rec = load_recording(d, recorded["sid"])
+    finally:
+        d.close()
+    return ScrubApp(rec, cursor)
+
+
+def _map(screen):
+    from kvplay.tui.blockmap import BlockMap
+
+    return screen.query_one(BlockMap)
+
+
+async def test_keys_step_turns_play_and_seek(recorded):
+    from kvplay.tui.scrub import ScrubScreen, Timeline
+
+    events = recorded["events"]
+    app = _app(recorded, cursor=0)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause(0.2)
+        scr = app.screen
+        assert isinstance(scr, ScrubScreen) and scr.cursor == 0
+        assert all(v.state == "free" for v in _map(scr).views)
+        await pilot.press("right", "right")
+        assert scr.cursor == 2
+        await pilot.press("right_square_bracket")  # to the end of the first turn
+        n1, live1 = recorded["live"][0]
+        assert scr.cursor == n1
+        assert _rebuilt(scr.state) == live1  # the map shows what the live pool held then
+        assert tuple(_map(scr).views) == scr.state.blocks
+        await pilot.press("right_square_bracket", "right_square_bracket", "left_square_bracket")
+        assert scr.cursor == recorded["live"][1][0]
+        await pilot.press("g", "4", "enter")  # go to turn 4
+        assert scr.cursor == recorded["live"][3][0]
+        assert _rebuilt(scr.state) == recorded["live"][3][1]
+        await pilot.press("s", "s", "s")  # 1x -> 2x -> 4x -> 8x
+        assert scr.speed == 8
+        await pilot.press("home")
+        assert scr.cursor == 0
+        await pilot.press("space")  # plays at 8x the recorded pace (this session lasts under a second)
+        assert scr._timer is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while scr.cursor < len(events):
+            assert loop.time() < end, "playing did not reach the end"
+            await pilot.pause(0.05)
+        assert not scr.playing
+        # click the middle of the timeline: the cursor lands among the events of that time
+        tl = scr.query_one(Timeline)
+        x = 9 + tl.span_w // 2
+        await pilot.click(Timeline, offset=(x, 1))
+        await pilot.pause(0.1)
+        ts = tl.ts_at(x)
+        assert 0 < scr.cursor < len(events)
+        assert (events[scr.cursor - 1].get("ts") or 0) <= ts
+        assert scr.cursor == len(events) or events[scr.cursor]["ts"] > ts
+
+
+def test_cli_screenshot_and_bad_input(recorded, tmp_path, capsys):
+    from kvplay.cli import main as cli
+
+    out = tmp_path / "scrub.svg"
+    assert cli(["scrub", recorded["sid"][:10], "--db", recorded["db"], "--turn", "3", "--screenshot", str(out)]) == 0
+    svg = out.read_text()
+    assert svg.startswith("<svg") and "turn&#160;3/6" in svg
+    assert cli(["scrub", "NOSUCH", "--db", recorded["db"]]) == 2
+    assert cli(["scrub", recorded["sid"], "--db", recorded["db"], "--turn", "99"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown session" in err and "--turn 99" in err and "Traceback" not in err
+
+
+async def test_palette_opens_the_scrubber_on_the_recorded_session(tiny_llama, tmp_path):
+    from kvplay.sessions.script import UserSpec
+    from kvplay.tui.app import KvplayApp
+    from kvplay.tui.scrub import ScrubScreen
+
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=32), [UserSpec("alice", max_tokens=8)], SYSTEM,
+                    loaded=tiny_llama, db=str(tmp_path / "app.db"), record=True, timings=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 60
+        while app.engine is None:
+            assert loop.time() < end
+            await pilot.pause(0.05)
+        assert "session: scrub" in [c.title for c in app.get_system_commands(app.screen)]
+        pane = app.pane("alice")
+        pane.input.focus()
+        pane.input.value = "Are you open on Mondays?"
+        await pilot.press("enter")
+        while app.busy or app.recorder is None or app.recorder._seq < 1:
+            assert loop.time() < end
+            await pilot.pause(0.05)
+        live = _live(app.engine)
+        app.action_scrub()
+        await pilot.pause(0.2)
+        scr = app.screen
+        assert isinstance(scr, ScrubScreen) and scr.cursor == len(scr.rec.events) > 0
+        assert _rebuilt(scr.state) == live
+        await pilot.press("escape")
+        assert not isinstance(app.screen, ScrubScreen)

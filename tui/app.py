@@ -534,6 +534,17 @@ class KvplayApp(ControlsMixin, App):
             self.paused = True
             self._step += 1
 
+    def action_scrub(self) -> None:
+        from .scrub import open_in_app
+
+        open_in_app(self)
+
+    def get_system_commands(self, screen):
+        from textual.app import SystemCommand
+
+        yield SystemCommand("session: scrub", "Step back and forth through this session's cache history", self.action_scrub)
+        yield from super().get_system_commands(screen)
+
     # --- actions --------------------------------------------------------------------------------
     # --- shutdown -------------------------------------------------------------------------------
     def on_unmount(self) -> None:

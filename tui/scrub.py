@@ -1,0 +1,473 @@
+"""The scrubber: step, play and seek through a recorded session's cache history, no model loaded.
+
+The block map, the stats, the per-user panes and the event line show the pool as it stood after
+the event under the cursor (sessions.history rebuilds it from the recorded events alone). The
+timeline below puts every request on the session's wall-clock axis: its prompt tokens reused
+(colour of the user) and computed (grey), and each user's TTFT; the cursor is the ▲; click it
+to seek there.
+
+Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s speed 1x/2x/4x/8x, g go to a
+turn, home/end, escape closes.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from rich.style import Style
+from rich.text import Text
+from textual import events, on
+from textual.app import App
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer, Header, Input, Static
+
+from kvplay.sessions.history import History, PoolState, Recording
+
+from .blockmap import BlockMap
+from .format import DIM, SPARK, badge, block_detail, event_line, legend_text, stats_text
+from .theme import UNKNOWN_COLOUR, assign_looks
+
+SPEEDS = (1, 2, 4, 8)
+TICK_S = 0.05
+MAX_GAP_S = 1.0  # playing compresses idle gaps longer than this
+LABEL_W = 9
+
+
+class _IdsDecoder:
+    """The scrubber loads no tokenizer: a block's tokens are shown as ids."""
+
+    def decode(self, ids, **_) -> str:
+        return " ".join(map(str, ids))
+
+
+def request_spans(rec: Recording) -> list[dict]:
+    """Per request: user, queued / first-token wall time, prompt and cached tokens, TTFT."""
+    by_id: dict[str, dict] = {}
+    turns = {t.get("request_id"): t for t in rec.turns}
+    for i, e in enumerate(rec.events):
+        rid = e.get("request_id")
+        if not rid:
+            continue
+        k = e.get("kind")
+        if k == "RequestQueued":
+            by_id[rid] = {"rid": rid, "user": e.get("user"), "queued": e.get("ts"), "event": i,
+                          "prompt": e.get("prompt_tokens") or 0, "cached": 0, "ttft_ms": None, "first": None,
+                          "cached_from": {}}
+        elif rid in by_id and k == "BlockHit":
+            by_id[rid]["cached"] = e.get("cached_tokens") or 0
+            by_id[rid]["cached_from"] = e.get("by_creator") or {}
+        elif rid in by_id and k == "FirstToken":
+            by_id[rid]["ttft_ms"], by_id[rid]["first"] = e.get("ttft_ms"), e.get("ts")
+    for rid, sp in by_id.items():
+        t = turns.get(rid)
+        if t is not None and t.get("cached_tokens") is not None and not sp["cached"]:
+            sp["cached"] = t["cached_tokens"]
+    return sorted(by_id.values(), key=lambda s: s["event"])
+
+
+class Timeline(Widget):
+    """Requests on the session's wall-clock axis: reuse per request, TTFT per user, the cursor."""
+
+    DEFAULT_CSS = "Timeline { height: auto; }"
+
+    class Seek(Message):
+        def __init__(self, ts: float) -> None:
+            super().__init__()
+            self.ts = ts
+
+    def __init__(self, spans: list[dict], looks: dict, t0: float, t1: float, **kw) -> None:
+        super().__init__(**kw)
+        self.spans, self.looks = spans, looks
+        self.t0, self.t1 = t0, max(t1, t0 + 1e-3)
+        self.cursor_ts = t0
+        self.bar_rows = 4
+        self.users = [u for u in looks if any(s["user"] == u and s["ttft_ms"] is not None for s in spans)]
+
+    def get_content_height(self, container, viewport, width) -> int:
+        return self.bar_rows + len(self.users) + 2
+
+    @property
+    def span_w(self) -> int:
+        return max(10, self.size.width - LABEL_W - 10)
+
+    def col(self, ts: float | None) -> int:
+        if ts is None:
+            return 0
+        f = (ts - self.t0) / (self.t1 - self.t0)
+        return max(0, min(self.span_w - 1, int(f * (self.span_w - 1) + 0.5)))
+
+    def ts_at(self, x: int) -> float:
+        c = max(0, min(self.span_w - 1, x - LABEL_W))
+        return self.t0 + (self.t1 - self.t0) * c / max(1, self.span_w - 1)
+
+    def set_cursor(self, ts: float | None) -> None:
+        self.cursor_ts = self.t0 if ts is None else ts
+        self.refresh()
+
+    def _bars(self) -> list[Text]:
+        w, rows = self.span_w, self.bar_rows
+        cols: list[tuple | None] = [None] * w
+        top = max((s["prompt"] for s in self.spans), default=1) or 1
+        for s in self.spans:
+            c = self.col(s["queued"])
+            while c < w - 1 and cols[c] is not None:  # requests queued together sit side by side
+                c += 1
+            cols[c] = (s, s["queued"] is not None and s["queued"] <= self.cursor_ts)
+        lines = []
+        for r in range(rows):  # r = 0 is the top row
+            t = Text()
+            t.append(("reused " if r == 0 else "computed" if r == rows - 1 else "").ljust(LABEL_W), style=DIM)
+            for cell in cols:
+                if cell is None:
+                    t.append(" ")
+                    continue
+                s, past = cell
+                h = max(1, round(rows * s["prompt"] / top))
+                hit = round(h * s["cached"] / s["prompt"]) if s["prompt"] else 0
+                level = rows - 1 - r  # 0 = bottom row
+                look = self.looks.get(s["user"])
+                colour = look.colour if look else UNKNOWN_COLOUR
+                if level >= h:
+                    t.append(" ")
+                elif level < hit:
+                    t.append("█", style=Style(color=colour, dim=not past))
+                else:
+                    t.append("░", style=Style(color="#8a8a8a", dim=not past))
+            lines.append(t)
+        return lines
+
+    def _ttft(self) -> list[Text]:
+        w = self.span_w
+        top = max((s["ttft_ms"] or 0 for s in self.spans), default=1) or 1
+        lines = []
+        for u in self.users:
+            look = self.looks[u]
+            t = Text()
+            t.append(f"{look.glyph} TTFT".ljust(LABEL_W), style=look.style)
+            row = [" "] * w
+            for s in self.spans:
+                if s["user"] == u and s["ttft_ms"] is not None:
+                    row[self.col(s["first"] or s["queued"])] = SPARK[min(len(SPARK) - 1, int(s["ttft_ms"] / top * (len(SPARK) - 1)))]
+            t.append("".join(row), style=look.colour)
+            lines.append(t)
+        return lines
+
+    def _axis(self) -> Text:
+        w = self.span_w
+        c = self.col(self.cursor_ts)
+        t = Text()
+        t.append(f"{self.cursor_ts - self.t0:6.2f} s ".ljust(LABEL_W), style="bold")
+        t.append("─" * c, style=DIM)
+        t.append("▲", style="bold")
+        t.append("─" * (w - c - 1), style=DIM)
+        t.append(f" {self.t1 - self.t0:.1f} s", style=DIM)
+        return t
+
+    def render(self) -> Text:
+        lines = self._bars() + self._ttft() + [self._axis()]
+        return Text("\n").join(lines)
+
+    def on_click(self, event: events.Click) -> None:
+        if event.x >= LABEL_W:
+            self.post_message(self.Seek(self.ts_at(event.x)))
+
+
+class ScrubScreen(Screen):
+    """A recorded session, scrubbed: every view shows the state after the event at the cursor."""
+
+    DEFAULT_CSS = """
+    ScrubScreen { layout: vertical; }
+    #scrub-main { height: 1fr; }
+    #scrub-panes { width: 1fr; padding: 0 1; }
+    .scrub-pane { height: 1fr; border: round $accent; padding: 0 1; }
+    #scrub-side { width: 40%; max-width: 56; min-width: 36; border-left: vkey $panel-lighten-2; padding: 0 1; }
+    #scrub-side .section { text-style: bold; margin-top: 1; }
+    #scrub-map { height: auto; max-height: 18; min-height: 2; background: transparent; }
+    #scrub-detail { height: auto; min-height: 3; color: $text-muted; border-top: dashed $panel-lighten-2; }
+    #scrub-timeline { border-top: solid $panel-lighten-2; padding: 0 1; }
+    #scrub-event { height: 1; padding: 0 1; color: $text-muted; }
+    #scrub-goto { display: none; }
+    #scrub-goto.shown { display: block; }
+    """
+
+    BINDINGS = [
+        Binding("right,l", "step(1)", "Event →", id="scrub.next_event"),
+        Binding("left,h", "step(-1)", "Event ←", id="scrub.prev_event"),
+        Binding("right_square_bracket,shift+right", "turn(1)", "Turn →", id="scrub.next_turn"),
+        Binding("left_square_bracket,shift+left", "turn(-1)", "Turn ←", id="scrub.prev_turn"),
+        Binding("space", "play", "Play/pause", id="scrub.play"),
+        Binding("s", "speed", "Speed", id="scrub.speed"),
+        Binding("g", "goto", "Go to turn", id="scrub.goto"),
+        Binding("home", "seek(0)", "Start", show=False, id="scrub.start"),
+        Binding("end", "seek(-1)", "End", show=False, id="scrub.end"),
+        Binding("escape", "close", "Close", id="scrub.close"),
+    ]
+
+    def __init__(self, recording: Recording, cursor: int | None = None) -> None:
+        super().__init__()
+        self.rec = recording
+        self.history = History(recording.events, recording.num_blocks)
+        names = [u["name"] for u in recording.users]
+        names += [t["user"] for t in recording.turns if t["user"] not in names]
+        self.looks = assign_looks(names, {u["name"]: u.get("colour") for u in recording.users})
+        self.spans = request_spans(recording)
+        ts = [e.get("ts") or 0.0 for e in recording.events]
+        self.t0, self.t1 = (min(ts), max(ts)) if ts else (0.0, 1.0)
+        self._play_t = self._compressed(ts)
+        self.turn_ends = [i + 1 for i, e in enumerate(recording.events) if e.get("kind") == "RequestFinished"]
+        self.cursor = len(recording.events) if cursor is None else max(0, min(cursor, len(recording.events)))
+        self.playing = False
+        self.speed = 1
+        self._vt = 0.0
+        self._timer = None
+        self.state: PoolState | None = None
+        self._detail: int | None = None
+
+    @staticmethod
+    def _compressed(ts: list[float]) -> list[float]:
+        out, t = [], 0.0
+        for i, x in enumerate(ts):
+            if i:
+                t += max(0.0, min(MAX_GAP_S, x - ts[i - 1]))
+            out.append(t)
+        return out
+
+    # --- layout -------------------------------------------------------------------------------
+    def compose(self):
+        yield Header(show_clock=False)
+        with Horizontal(id="scrub-main"):
+            with Vertical(id="scrub-panes"):
+                for name, look in self.looks.items():
+                    box = VerticalScroll(Static("", classes="scrub-log"), classes="scrub-pane")
+                    box.border_title = f"{look.glyph} {name}"
+                    box.styles.border = ("round", look.colour)
+                    box.styles.border_title_color = look.colour
+                    yield box
+            with VerticalScroll(id="scrub-side"):
+                yield Static(id="scrub-status")
+                yield Static("Block pool", classes="section")
+                yield BlockMap(id="scrub-map")
+                yield Static(legend_text(self.looks), id="scrub-legend")
+                yield Static(Text("click a block (or focus the map and use the arrows) to see it"), id="scrub-detail")
+                yield Static("Stats", classes="section")
+                yield Static(id="scrub-stats")
+        yield Timeline(self.spans, self.looks, self.t0, self.t1, id="scrub-timeline")
+        yield Static(id="scrub-event")
+        yield Input(placeholder="go to turn number (Enter), escape cancels", id="scrub-goto")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        s = self.rec.session
+        self.title = f"kvplay scrub {s['id']}"
+        self.sub_title = f"{s.get('source')} · {s.get('model')} · {len(self.rec.turns)} turns · {len(self.rec.events)} events"
+        self.show()
+
+    # --- the cursor -----------------------------------------------------------------------------
+    def seek(self, n: int) -> None:
+        self.cursor = max(0, min(n, len(self.rec.events)))
+        self.show()
+
+    def show(self) -> None:
+        st = self.history.state(self.cursor)
+        self.state = st
+        self.query_one(BlockMap).update_blocks(st.blocks, self.looks, st.hit)
+        self.query_one("#scrub-stats", Static).update(stats_text(self._stats(st)))
+        self.query_one("#scrub-status", Static).update(self._status(st))
+        self.query_one(Timeline).set_cursor(st.ts)
+        self.query_one("#scrub-event", Static).update(self._event_text())
+        self._panes()
+        if self._detail is not None:
+            self._show_detail(self._detail)
+
+    def _status(self, st: PoolState) -> Text:
+        cfg = self.rec.session.get("engine_config") or {}
+        t = Text()
+        t.append("▶ playing" if self.playing else "❚❚ paused", style="bold")
+        t.append(f" {self.speed}x", style="bold")
+        t.append(f" · event {self.cursor}/{len(self.rec.events)}", style=DIM)
+        done = sum(1 for e in self.turn_ends if e <= self.cursor)
+        t.append(f" · turn {done}/{len(self.turn_ends)}", style=DIM)
+        t.append(f"\n{self.rec.num_blocks} blocks × {cfg.get('block_size', '?')} tokens · isolation ", style=DIM)
+        t.append(str(cfg.get("isolation", "?")), style="bold")
+        t.append(" · eviction ", style=DIM)
+        t.append(str(cfg.get("eviction", "?")), style="bold")
+        return t
+
+    def _stats(self, st: PoolState) -> dict:
+        bb = (self.rec.session.get("stats") or {}).get("block_bytes") or 0
+        resident = [b for b in st.blocks if b.state != "free"]
+        dedicated = sum(max(1, len(b.users)) for b in resident)
+        return {"hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "query_tokens": st.query_tokens,
+                "blocks_in_use": st.count("in_use"), "blocks_cached": st.count("cached"),
+                "blocks_free": st.count("free"), "blocks_total": len(st.blocks), "used_bytes": bb * len(resident),
+                "pool_bytes": bb * len(st.blocks), "bytes_saved": bb * (dedicated - len(resident)),
+                "evictions": st.evictions, "preemptions": st.preemptions, "running": st.running,
+                "waiting": st.waiting}
+
+    def _event_text(self) -> Text:
+        if self.cursor == 0:
+            return Text("before the first event (→ steps, space plays)", style=DIM)
+        from kvplay.engine.events import event_from_dict
+
+        d = {k: v for k, v in self.rec.events[self.cursor - 1].items() if k != "forwards"}
+        try:
+            line = event_line(event_from_dict(d), self.looks)
+        except (KeyError, TypeError):
+            line = None
+        return Text(line or f"{d.get('seq', ''):>5} {d.get('kind')} {d.get('user') or ''}")
+
+    def _panes(self) -> None:
+        finished = {e.get("request_id") for e in self.rec.events[:self.cursor] if e.get("kind") == "RequestFinished"}
+        queued = {e.get("request_id") for e in self.rec.events[:self.cursor] if e.get("kind") == "RequestQueued"}
+        for box, (name, look) in zip(self.query(".scrub-pane"), self.looks.items()):
+            t = Text()
+            for turn in (t_ for t_ in self.rec.turns if t_["user"] == name):
+                rid = turn.get("request_id")
+                if rid not in queued:
+                    continue
+                if t:
+                    t.append("\n")
+                t.append("› " + turn["text"] + "\n", style=look.style)
+                if rid in finished:
+                    t.append((turn.get("reply") or turn.get("error") or "")[:200] + "\n")
+                    st = SimpleNamespace(user=name, prompt_tokens=turn.get("prompt_tokens") or 0,
+                                         cached_tokens=turn.get("cached_tokens") or 0,
+                                         cached_from=turn.get("cached_from") or {}, ttft_ms=turn.get("ttft_ms"),
+                                         decode_tok_s=turn.get("decode_tok_s"), preemptions=turn.get("preemptions") or 0)
+                    t.append_text(badge(st, self.looks, timings=True))
+                else:
+                    t.append("…", style=DIM)
+            box.query_one(".scrub-log", Static).update(t if t else Text("(no turn yet)", style=DIM))
+            box.scroll_end(animate=False)
+
+    # --- details ------------------------------------------------------------------------------
+    @on(BlockMap.CellSelected)
+    def _on_cell(self, msg: BlockMap.CellSelected) -> None:
+        self._detail = msg.block_id
+        self._show_detail(msg.block_id)
+
+    def _show_detail(self, block_id: int) -> None:
+        if self.state is None or block_id >= len(self.state.blocks):
+            return
+        self.query_one("#scrub-detail", Static).update(
+            block_detail(self.state.blocks[block_id], self.looks, _IdsDecoder(), timings=False))
+
+    @on(Timeline.Seek)
+    def _on_seek(self, msg: Timeline.Seek) -> None:
+        ts = [e.get("ts") or 0.0 for e in self.rec.events]
+        n = sum(1 for x in ts if x <= msg.ts)
+        self.seek(n)
+
+    # --- actions ------------------------------------------------------------------------------
+    def action_step(self, d: int) -> None:
+        self.seek(self.cursor + d)
+
+    def action_turn(self, d: int) -> None:
+        if d > 0:
+            nxt = next((e for e in self.turn_ends if e > self.cursor), len(self.rec.events))
+        else:
+            nxt = next((e for e in reversed(self.turn_ends) if e < self.cursor), 0)
+        self.seek(nxt)
+
+    def action_seek(self, n: int) -> None:
+        self.seek(len(self.rec.events) if n < 0 else n)
+
+    def goto_turn(self, k: int) -> None:
+        """Put the cursor just after turn k (1-based, in the order turns finished) finished."""
+        if 1 <= k <= len(self.turn_ends):
+            self.seek(self.turn_ends[k - 1])
+        else:
+            self.notify(f"turns run from 1 to {len(self.turn_ends)}", severity="warning")
+
+    def action_goto(self) -> None:
+        box = self.query_one("#scrub-goto", Input)
+        box.add_class("shown")
+        box.value = ""
+        box.focus()
+
+    @on(Input.Submitted, "#scrub-goto")
+    def _on_goto(self, msg: Input.Submitted) -> None:
+        msg.input.remove_class("shown")
+        try:
+            self.goto_turn(int(msg.value.strip()))
+        except ValueError:
+            self.notify("give a turn number", severity="warning")
+        self.set_focus(None)
+
+    def action_speed(self) -> None:
+        self.speed = SPEEDS[(SPEEDS.index(self.speed) + 1) % len(SPEEDS)]
+        self.show()
+
+    def action_play(self) -> None:
+        self.playing = not self.playing
+        if self.playing:
+            if self.cursor >= len(self.rec.events):
+                self.cursor = 0
+            self._vt = self._play_t[self.cursor - 1] if self.cursor else 0.0
+            if self._timer is None:
+                self._timer = self.set_interval(TICK_S, self._tick)
+        self.show()
+
+    def _tick(self) -> None:
+        if not self.playing:
+            return
+        self._vt += TICK_S * self.speed
+        n = self.cursor
+        while n < len(self._play_t) and self._play_t[n] <= self._vt:
+            n += 1
+        if n >= len(self.rec.events):
+            self.playing = False
+        if n != self.cursor or not self.playing:
+            self.seek(n)
+
+    def action_close(self) -> None:
+        box = self.query_one("#scrub-goto", Input)
+        if box.has_class("shown"):
+            box.remove_class("shown")
+            self.set_focus(None)
+            return
+        if len(self.app.screen_stack) > 2 or not isinstance(self.app, ScrubApp):
+            self.app.pop_screen()
+        else:
+            self.app.exit()
+
+
+class ScrubApp(App):
+    """`kvplay scrub`: the scrubber on its own, no engine."""
+
+    TITLE = "kvplay scrub"
+    BINDINGS = [Binding("ctrl+q,q", "quit", "Quit", id="app.quit", priority=True)]
+
+    def __init__(self, recording: Recording, cursor: int | None = None) -> None:
+        super().__init__()
+        self.recording = recording
+        self.start_cursor = cursor
+
+    def on_mount(self) -> None:
+        self.push_screen(ScrubScreen(self.recording, self.start_cursor))
+
+
+def open_in_app(app) -> None:
+    """From the playground's palette: scrub the session it is recording, up to now."""
+    from kvplay.engine.errors import EngineError
+    from kvplay.sessions.history import load_recording
+    from kvplay.sessions.store import open_db
+
+    rec = getattr(app, "recorder", None)
+    if rec is None:
+        app.notify("This session is not recorded (--no-record), so there is nothing to scrub.", severity="warning")
+        return
+    try:
+        rec.flush()
+        db = open_db(app.db, create=False)
+        try:
+            recording = load_recording(db, rec.session_id)
+        finally:
+            db.close()
+    except EngineError as exc:
+        app.notify(str(exc), severity="warning")
+        return
+    app.push_screen(ScrubScreen(recording))

@@ -1,0 +1,65 @@
+"""`kvplay scrub SESSION_ID [--db PATH] [--at N] [--screenshot OUT.svg] [--size WxH]`: open a
+recorded session in the scrubber (no model is loaded). With --screenshot, render it headless
+at event N (default: the end) and save an SVG instead."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="session id (or a unique prefix)")
+    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    parser.add_argument("--at", type=int, default=None, metavar="N", help="start with the cursor after event N")
+    parser.add_argument("--turn", type=int, default=None, metavar="K", help="start with the cursor after turn K")
+    parser.add_argument("--screenshot", default=None, metavar="OUT.svg", help="save an SVG headless and exit")
+    parser.add_argument("--size", default="160x48", help="terminal size for --screenshot (default 160x48)")
+
+
+def load(db_path: str | None, ident: str):
+    from kvplay.sessions.history import load_recording
+    from kvplay.sessions.store import open_db
+
+    db = open_db(db_path, create=False)
+    try:
+        return load_recording(db, ident)
+    finally:
+        db.close()
+
+
+async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+        app.set_focus(None)
+        await pilot.pause(0.1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        app.save_screenshot(filename=out.name, path=str(out.parent))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import KvplayError, check_output_file
+
+    from .scrub import ScrubApp
+
+    rec = load(args.db, args.id)
+    cursor = args.at
+    if args.turn is not None:
+        ends = [i + 1 for i, e in enumerate(rec.events) if e.get("kind") == "RequestFinished"]
+        if not 1 <= args.turn <= len(ends):
+            raise KvplayError(f"--turn {args.turn}: session {rec.id} has turns 1 to {len(ends)}")
+        cursor = ends[args.turn - 1]
+    if cursor is not None and not 0 <= cursor <= len(rec.events):
+        raise KvplayError(f"--at {cursor}: session {rec.id} has events 0 to {len(rec.events)}")
+    app = ScrubApp(rec, cursor)
+    if args.screenshot:
+        from .screenshot import parse_size
+
+        check_output_file(args.screenshot, "--screenshot", ".svg")
+        out = asyncio.run(save_svg(app, Path(args.screenshot), parse_size(args.size)))
+        print(f"kvplay: saved {out}", file=sys.stderr)
+        return 0
+    app.run()
+    return 0
