@@ -23,6 +23,7 @@ from .errors import EngineError
 from .events import Event, RequestQueued, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
+from .observe import BlockArrays, BlockSummary, BlockView, Observer, block_view
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
@@ -33,22 +34,6 @@ from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
 
 Listener = Callable[[Event], None]
-
-
-@dataclass(frozen=True)
-class BlockView:
-    """An immutable picture of one block, for the block map."""
-    block_id: int
-    state: str  # free | cached | in_use
-    ref_count: int
-    hash: str | None
-    creator: str | None
-    creator_request: str | None
-    token_ids: tuple[int, ...]
-    hits: int
-    created_at: float
-    last_used: float
-    users: tuple[str, ...]
 
 
 def set_cpu_threads(threads: int | None) -> int:
@@ -84,12 +69,10 @@ class Engine:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._snapshot: tuple[BlockView, ...] = ()
-        self._stats: dict = {}
         self._closed = False  # set (under _submit_lock) by shutdown: no command gets in after
         self._submit_lock = threading.Lock()
         self.users = UserRegistry()
-        self._stats_at = 0.0
+        self._observer = Observer(self)  # snapshots, deltas and stats (engine/observe.py)
         self.failure: str | None = None
         self._build()
 
@@ -396,80 +379,42 @@ class Engine:
 
         return self.call(apply)
 
-    # --- observation --------------------------------------------------------------------------
+    # --- observation (engine/observe.py; its docstring is the block map API) --------------------
     def _view(self, b) -> BlockView:
-        return BlockView(b.block_id, b.state, b.ref_count, None if b.hash is None else self.hasher.fn.hex(b.hash),
-                         b.creator, b.creator_request, b.token_ids, b.hits, b.created_at, b.last_used,
-                         tuple(sorted(b.users_seen)))
+        return block_view(self.pool, b.block_id)
 
     def _publish_snapshot(self) -> None:
-        """Re-draw only the blocks that changed since the last step (a pool can hold 10^4+
-        blocks); refresh the published stats at most ~5 times a second while busy."""
-        dirty = self.pool.dirty
-        if dirty:
-            if len(self._snapshot) != self.pool.num_blocks:
-                views = [self._view(b) for b in self.pool.blocks]
-            else:
-                views = list(self._snapshot)
-                for bid in dirty:
-                    views[bid] = self._view(self.pool.blocks[bid])
-            dirty.clear()
-            self._snapshot = tuple(views)
-        now = time.monotonic()
-        if now - self._stats_at > 0.2 or not self.scheduler.has_work():
-            self._stats_at = now
-            self._stats = self._compute_stats()
+        """After each step or command (engine thread, under the lock): record which blocks
+        changed and refresh the published stats, O(changed blocks); then the step listeners."""
+        self._observer.publish()
         for fn in list(self._step_listeners):
             try:
                 fn()
             except Exception:  # a broken listener never stops the engine
                 pass
 
-    def snapshot(self) -> tuple[BlockView, ...]:
-        """The state of every block as of the last step (never blocks on the engine)."""
-        return self._snapshot
+    def snapshot(self, timeout: float = 1.0) -> tuple[BlockView, ...]:
+        """The state of every block as of the last step, built lazily (O(pool) when it changed:
+        at 10^5+ blocks use snapshot_changes / block_summary)."""
+        return self._observer.snapshot(timeout)
+
+    def snapshot_changes(self, since: int | None = None, timeout: float | None = None):
+        """(version, views of the blocks changed after version `since`; all when None)."""
+        return self._observer.changes(since, timeout)
+
+    def block_arrays(self, start: int = 0, stop: int | None = None) -> BlockArrays:
+        """Per-block state and creator codes for blocks [start, stop) (copies; never waits)."""
+        return self._observer.arrays(start, stop)
+
+    def block_summary(self, cells: int, start: int = 0, stop: int | None = None,
+                      user: str | None = None) -> BlockSummary:
+        """Blocks [start, stop) in `cells` equal ranges: counts, dominant state and creator."""
+        return self._observer.summary(cells, start, stop, user)
 
     def stats(self, timeout: float = 1.0) -> dict:
-        """Global counters, consistent (taken between steps). If the engine is busy in a step for
-        longer than `timeout` seconds, returns the copy published after the last step instead."""
-        if not self._lock.acquire(timeout=timeout):
-            return dict(self._stats)
-        try:
-            return self._compute_stats()
-        finally:
-            self._lock.release()
+        """Global counters, O(1), consistent (taken between steps). If the engine is busy in a
+        step for longer than `timeout` seconds, returns the copy published after the last step."""
+        return self._observer.stats(timeout)
 
     def _compute_stats(self) -> dict:
-        pool, sch = self.pool, self.scheduler
-        block_bytes = self.runner.store.block_bytes
-        free = set(pool.free)
-        resident = [b for b in pool.blocks if b.block_id not in free] if len(free) < pool.num_blocks else []
-        dedicated = sum(max(1, len(b.users_seen)) for b in resident)
-        return {
-            "model": self.model_name,
-            "blocks_total": pool.num_blocks,
-            "blocks_free": pool.num_free(),
-            "blocks_cached": pool.num_cached(),
-            "blocks_in_use": pool.num_in_use(),
-            "block_size": pool.block_size,
-            "block_bytes": block_bytes,
-            "pool_bytes": block_bytes * pool.num_blocks,
-            "used_bytes": block_bytes * len(resident),
-            "dedicated_bytes": block_bytes * dedicated,
-            "bytes_saved": block_bytes * (dedicated - len(resident)),
-            "query_tokens": sch.query_tokens,
-            "hit_tokens": sch.hit_tokens,
-            "hit_rate": sch.hit_tokens / sch.query_tokens if sch.query_tokens else 0.0,
-            "evictions": pool.evictions,
-            "preemptions": sch.preemptions,
-            "collisions_caught": sch.collisions_caught,
-            "requests_finished": sch.finished,
-            "running": len(sch.running),
-            "waiting": len(sch.waiting),
-            "forwards": self.runner.forwards,
-            "isolation": self.config.isolation,
-            "eviction": self.config.eviction,
-            "deterministic": self.config.deterministic,
-            "hash": self.config.hash,
-            "verify_on_hit": self.config.verify_on_hit,
-        }
+        return self._observer.compute_stats()

@@ -1,16 +1,25 @@
 """Eviction policies over *cached* blocks: unreferenced, hashed, still holding reusable K/V.
 
 Free (never-filled) blocks are always used first; a policy only picks which cached block gives
-up its contents when none is free.
+up its contents when none is free. Every operation costs O(1) (LRU) or O(log cached) amortised
+(LFU, FIFO), whatever the pool size.
 
-- ``lru``  (default): least recently used first. Like vLLM, when a request releases its chain
-  the blocks are touched tail-first, so among blocks released together the deepest (least
-  shareable) one goes before its parents.
-- ``lfu``: fewest hits first, ties broken by LRU.
-- ``fifo``: oldest created first, whatever its use.
+Eviction order (tests/test_pool_scale.py checks each against a brute-force reference):
+
+- ``lru``  (default): least recently used first, i.e. the block that became evictable earliest.
+  Like vLLM, when a request releases its chain the blocks are released tail-first, so among
+  blocks released together the deepest (least shareable) one goes before its parents.
+- ``lfu``: fewest hits first; ties go to the block that became evictable earliest (LRU).
+- ``fifo``: oldest created first (smallest ``created_seq``), whatever its use.
+
+A block's ``hits`` and ``created_seq`` cannot change while it is evictable (a hit takes it out of
+the set first), so LFU and FIFO keep a heap keyed at ``add`` time; a removal only forgets the
+block, and its stale heap entry is skipped when it reaches the top (the heap is rebuilt when
+stale entries outnumber live ones).
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -24,8 +33,8 @@ class EvictionPolicy:
     name = "base"
 
     def __init__(self) -> None:
-        # block_id -> None, in the order blocks became evictable (OrderedDict = O(1) remove).
-        self._evictable: "OrderedDict[int, None]" = OrderedDict()
+        # block_id -> entry, in the order blocks became evictable (OrderedDict = O(1) remove).
+        self._evictable: "OrderedDict[int, object]" = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._evictable)
@@ -42,9 +51,10 @@ class EvictionPolicy:
         self._evictable.pop(block_id, None)
 
     def ids(self) -> list[int]:
+        """The evictable blocks, in the order they became evictable."""
         return list(self._evictable)
 
-    def pick(self, blocks: list["Block"]) -> int:
+    def pick(self, blocks) -> int:
         """Return the id of the block to evict next (and forget it)."""
         raise NotImplementedError
 
@@ -52,28 +62,55 @@ class EvictionPolicy:
 class LRU(EvictionPolicy):
     name = "lru"
 
-    def pick(self, blocks):
+    def pick(self, blocks=None):
         block_id, _ = self._evictable.popitem(last=False)
         return block_id
 
 
-class LFU(EvictionPolicy):
+class _HeapPolicy(EvictionPolicy):
+    """Evicts the block with the smallest key(block); entries: [key..., tick, block_id]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[list] = []
+        self._tick = 0  # counts adds: the order blocks became evictable
+
+    def key(self, block: "Block") -> int:
+        raise NotImplementedError
+
+    def add(self, block: "Block") -> None:
+        self._tick += 1
+        entry = [self.key(block), self._tick, block.block_id]
+        self._evictable.pop(block.block_id, None)
+        self._evictable[block.block_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    def remove(self, block_id: int) -> None:
+        if self._evictable.pop(block_id, None) is not None and len(self._heap) > 2 * len(self._evictable) + 64:
+            self._heap = list(self._evictable.values())  # drop stale entries
+            heapq.heapify(self._heap)
+
+    def pick(self, blocks=None) -> int:
+        while True:
+            entry = heapq.heappop(self._heap)  # IndexError when empty, like popitem on {}
+            block_id = entry[2]
+            if self._evictable.get(block_id) is entry:
+                del self._evictable[block_id]
+                return block_id
+
+
+class LFU(_HeapPolicy):
     name = "lfu"
 
-    def pick(self, blocks):
-        # Insertion order is LRU order, and min() keeps the first of equals: LFU, ties by LRU.
-        block_id = min(self._evictable, key=lambda b: blocks[b].hits)
-        del self._evictable[block_id]
-        return block_id
+    def key(self, block):
+        return block.hits  # ties: smaller tick = became evictable earlier (LRU)
 
 
-class FIFO(EvictionPolicy):
+class FIFO(_HeapPolicy):
     name = "fifo"
 
-    def pick(self, blocks):
-        block_id = min(self._evictable, key=lambda b: blocks[b].created_seq)
-        del self._evictable[block_id]
-        return block_id
+    def key(self, block):
+        return block.created_seq  # unique per allocation
 
 
 POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO)}

@@ -1,6 +1,7 @@
-"""The block pool: one pre-allocated K/V tensor for all layers, plus per-block metadata.
+"""The block pool: per-block metadata, the free queue, the prefix (hash -> block) index, eviction.
 
-A block holds ``block_size`` token slots of K and V for every layer. Its state is
+A block holds ``block_size`` token slots of K and V for every layer (the tensor is the runner's
+``KVStore``). Its state is
 
 - **free**: holds nothing reusable (never filled, or its contents were dropped);
 - **cached**: unreferenced but hashed, so a later request with the same prefix can reuse it;
@@ -9,93 +10,173 @@ A block holds ``block_size`` token slots of K and V for every layer. Its state i
 
 The pool never grows: when neither free nor cached blocks remain, allocation fails and the
 scheduler preempts. Events are emitted here, where state changes (vLLM's block_pool style).
+
+Scale: a GPU workstation's pool holds 10^5-10^6 blocks, so nothing here costs O(pool) per step.
+Numeric metadata lives in flat arrays (``array.array``, readable as numpy without a copy), one
+slot per block; rich data (hash, token ids, extra keys, request id, users seen) lives in dicts
+holding only the blocks that have it. ``pool.blocks[i]`` is a light view (``Block``) made on
+access, with the attribute names of the old one-object-per-block pool. Never-used blocks are not
+queued: they are handed out in id order from a watermark before any recycled block (the order a
+queue of every block would give). Counts the app reads 15 times a second (free, cached, in use,
+the users-per-block sum behind "dedicated bytes") are kept as counters.
 """
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence, Set
 from typing import Callable
+
+import numpy as np
 
 from .errors import EngineError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from .eviction import EvictionPolicy, make_policy
 
 FREE, CACHED, IN_USE = "free", "cached", "in_use"
+STATES = (FREE, CACHED, IN_USE)  # state codes 0, 1, 2 (BlockPool.state_codes)
+_FREE, _CACHED, _IN_USE = 0, 1, 2
+_BULK = 32  # allocations at least this big set the arrays through numpy
 
 
-@dataclass
+def _zeros(typecode: str, n: int, fill: int = 0) -> array:
+    a = array(typecode, bytes(array(typecode).itemsize * n))
+    if fill:
+        np.frombuffer(a, dtype=a.typecode)[:] = fill
+    return a
+
+
 class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered
-    indexed: bool = False  # True when the prefix index maps `hash` to this block
-    parent_id: int | None = None
-    token_ids: tuple[int, ...] = ()
-    extra: tuple = ()
-    creator: str | None = None
-    creator_request: str | None = None
-    created_at: float = 0.0
-    created_seq: int = 0
-    last_used: float = 0.0
-    hits: int = 0
-    users_seen: set = field(default_factory=set)  # creator + every user that hit it
+    """A live view of one block's metadata, made on access (``pool.blocks[i]``)."""
+    __slots__ = ("_pool", "block_id")
+
+    def __init__(self, pool: "BlockPool", block_id: int):
+        self._pool = pool
+        self.block_id = block_id
+
+    @property
+    def ref_count(self) -> int:
+        return self._pool._ref[self.block_id]
 
     @property
     def state(self) -> str:
-        if self.ref_count > 0:
-            return IN_USE
-        return CACHED if self.indexed else FREE
+        return STATES[self._pool._state[self.block_id]]
 
-    def reset(self) -> None:
-        self.hash = None
-        self.indexed = False
-        self.parent_id = None
-        self.token_ids = ()
-        self.extra = ()
-        self.creator = None
-        self.creator_request = None
-        self.hits = 0
-        self.users_seen = set()
+    @property
+    def hash(self) -> int | None:  # set once the block is full and registered
+        return self._pool._hash.get(self.block_id)
+
+    @property
+    def indexed(self) -> bool:  # True when the prefix index maps `hash` to this block
+        return bool(self._pool._indexed[self.block_id])
+
+    @property
+    def parent_id(self) -> int | None:
+        p = self._pool._parent[self.block_id]
+        return None if p < 0 else p
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self._pool._tokens.get(self.block_id, ())
+
+    @property
+    def extra(self) -> tuple:
+        return self._pool._extra.get(self.block_id, ())
+
+    @property
+    def creator(self) -> str | None:
+        c = self._pool._creator[self.block_id]
+        return None if c < 0 else self._pool.users[c]
+
+    @property
+    def creator_request(self) -> str | None:
+        return self._pool._request.get(self.block_id)
+
+    @property
+    def created_at(self) -> float:
+        return self._pool._created_at[self.block_id]
+
+    @property
+    def created_seq(self) -> int:
+        return self._pool._created_seq[self.block_id]
+
+    @property
+    def last_used(self) -> float:
+        return self._pool._last_used[self.block_id]
+
+    @property
+    def hits(self) -> int:
+        return self._pool._hits[self.block_id]
+
+    @property
+    def users_seen(self) -> "UsersSeen":  # creator + every user that hit it
+        return UsersSeen(self._pool, self.block_id)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Block) and other._pool is self._pool and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash((id(self._pool), self.block_id))
+
+    def __repr__(self) -> str:
+        return (f"Block({self.block_id}, {self.state}, ref={self.ref_count}, indexed={self.indexed}, "
+                f"parent={self.parent_id}, creator={self.creator!r}, hits={self.hits})")
+
+
+class UsersSeen(Set):
+    """The users a block has served (a live set; ``add`` goes through ``BlockPool.add_user``)."""
+    __slots__ = ("_pool", "_bid")
+
+    def __init__(self, pool: "BlockPool", block_id: int):
+        self._pool, self._bid = pool, block_id
+
+    def _set(self):
+        return self._pool._users.get(self._bid, ())
+
+    def __contains__(self, user) -> bool:
+        return user in self._set()
+
+    def __iter__(self):
+        return iter(tuple(self._set()))
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+    def add(self, user: str) -> None:
+        self._pool.add_user(self._bid, user)
+
+    def __repr__(self) -> str:
+        return repr(set(self._set()))
+
+
+class _Blocks(Sequence):
+    """``pool.blocks``: a sequence of views, one made per access."""
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: "BlockPool"):
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __getitem__(self, i):
+        n = self._pool.num_blocks
+        if isinstance(i, slice):
+            return [Block(self._pool, b) for b in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return Block(self._pool, i)
+
+    def __iter__(self):
+        pool = self._pool
+        return (Block(pool, b) for b in range(pool.num_blocks))
 
 
 class NoFreeBlocks(Exception):
     """Internal: allocation needs more blocks than free + evictable."""
-
-
-@dataclass
-class KVStore:
-    """K/V storage for every layer: tensor [layers, 2, num_blocks * block_size, kv_heads, head_dim]."""
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: object
-    device: object
-    data: object = field(init=False)
-
-    def __post_init__(self):
-        import torch
-
-        slots = self.num_blocks * self.block_size
-        self.data = torch.zeros((self.num_layers, 2, slots, self.kv_heads, self.head_dim),
-                                dtype=self.dtype, device=self.device)
-
-    @staticmethod
-    def bytes_per_block(block_size, num_layers, kv_heads, head_dim, dtype) -> int:
-        import torch
-
-        elt = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * kv_heads * head_dim * elt
-
-    @property
-    def block_bytes(self) -> int:
-        return self.bytes_per_block(self.block_size, self.num_layers, self.kv_heads, self.head_dim, self.dtype)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.block_bytes * self.num_blocks
 
 
 class BlockPool:
@@ -105,25 +186,43 @@ class BlockPool:
                  emit: Callable[[Event], None] | None = None, hex_fn: Callable[[int], str] = hex):
         if num_blocks <= 0:
             raise EngineError("the pool needs at least one block")
+        n = self.num_blocks = int(num_blocks)
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: deque[int] = deque(range(num_blocks))
+        # Per-block numbers, one slot per block (numpy views: state_codes / creator_codes).
+        self._ref = _zeros("i", n)
+        self._state = _zeros("b", n)  # _FREE / _CACHED / _IN_USE, kept with ref and indexed
+        self._indexed = _zeros("b", n)
+        self._parent = _zeros("i", n, -1)
+        self._creator = _zeros("i", n, -1)  # index into self.users
+        self._hits = _zeros("i", n)
+        self._created_seq = _zeros("q", n)
+        self._created_at = _zeros("d", n)
+        self._last_used = _zeros("d", n)
+        # Rich data, only for blocks that have it.
+        self._hash: dict[int, int] = {}
+        self._tokens: dict[int, tuple] = {}
+        self._extra: dict[int, tuple] = {}
+        self._request: dict[int, str] = {}
+        self._users: dict[int, set] = {}
+        self.users: list[str] = []  # creator names, by creator code (append-only)
+        self._user_code: dict[str, int] = {}
+        # Free blocks: ids >= _fresh were never used; recycled ones queue after them.
+        self._fresh = 0
+        self._free: deque[int] = deque()
+        self.blocks = _Blocks(self)
         self.index: dict[int, int] = {}
         self.policy = make_policy(eviction) if isinstance(eviction, str) else eviction
         self.emit = emit or (lambda e: None)
         self.hex = hex_fn
         self.evictions = 0
+        self.extra_users = 0  # sum over blocks of max(0, len(users_seen) - 1)
         self._seq = 0
-        self.dirty: set[int] = set(range(num_blocks))  # blocks changed since the last snapshot
+        self.dirty: set[int] = set()  # blocks changed since the last publish (engine/observe.py)
         self.children: dict[int, set[int]] = {}  # indexed parent -> its indexed children
 
     # --- queries ----------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
     def num_free(self) -> int:
-        return len(self.free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     def num_cached(self) -> int:
         return len(self.policy)
@@ -131,13 +230,41 @@ class BlockPool:
     def num_in_use(self) -> int:
         return self.num_blocks - self.num_free() - self.num_cached()
 
+    def num_resident(self) -> int:
+        """Blocks holding something (cached or in use)."""
+        return self.num_blocks - self.num_free()
+
+    def num_dedicated(self) -> int:
+        """Blocks a cache without sharing would hold: sum over resident blocks of
+        max(1, len(users_seen)) (free blocks have no users)."""
+        return self.num_resident() + self.extra_users
+
     def available(self) -> int:
         """Blocks an allocation can get: free ones plus evictable cached ones."""
-        return len(self.free) + len(self.policy)
+        return self.num_free() + len(self.policy)
+
+    def free_ids(self) -> list[int]:
+        """The free queue in allocation order (O(free): for tests and tools, not per step)."""
+        return [*range(self._fresh, self.num_blocks), *self._free]
 
     def lookup(self, block_hash: int) -> Block | None:
         bid = self.index.get(block_hash)
-        return None if bid is None else self.blocks[bid]
+        return None if bid is None else Block(self, bid)
+
+    def state_codes(self) -> np.ndarray:
+        """Per-block state codes (index into STATES), a numpy view of the live array: copy it."""
+        return np.frombuffer(self._state, dtype=np.int8)
+
+    def creator_codes(self) -> np.ndarray:
+        """Per-block creator codes (index into `users`, -1 none), a live numpy view: copy it."""
+        return np.frombuffer(self._creator, dtype=np.int32)
+
+    def user_code(self, user: str) -> int:
+        code = self._user_code.get(user)
+        if code is None:
+            code = self._user_code[user] = len(self.users)
+            self.users.append(user)
+        return code
 
     # --- state changes ------------------------------------------------------------------------
     def allocate(self, n: int, now: float | None = None) -> list[int]:
@@ -145,27 +272,54 @@ class BlockPool:
         if n > self.available():
             raise NoFreeBlocks(n)
         now = time.time() if now is None else now
-        out, evicted = [], []
-        for _ in range(n):
-            if not self.free:
+        fresh = min(n, self.num_blocks - self._fresh)
+        out = list(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        evicted: list = []
+        for _ in range(n - fresh):
+            if not self._free:
                 self._unindex(self.policy.pick(self.blocks), evicted)  # -> the free queue
-            bid = self.free.popleft()
-            blk = self.blocks[bid]
-            self.dirty.add(bid)
-            blk.reset()
-            blk.ref_count = 1
-            blk.created_at = blk.last_used = now
-            self._seq += 1
-            blk.created_seq = self._seq
-            out.append(bid)
+            out.append(self._free.popleft())
+        # Free blocks are already reset (when freed); set what an allocation sets.
+        if n >= _BULK:
+            idx = np.asarray(out, dtype=np.int64)
+            np.frombuffer(self._ref, np.int32)[idx] = 1
+            np.frombuffer(self._state, np.int8)[idx] = _IN_USE
+            np.frombuffer(self._created_at, np.float64)[idx] = now
+            np.frombuffer(self._last_used, np.float64)[idx] = now
+            np.frombuffer(self._created_seq, np.int64)[idx] = np.arange(self._seq + 1, self._seq + 1 + n)
+            self._seq += n
+        else:
+            ref, state, cat, lu, cseq = self._ref, self._state, self._created_at, self._last_used, self._created_seq
+            for bid in out:
+                ref[bid] = 1
+                state[bid] = _IN_USE
+                cat[bid] = lu[bid] = now
+                self._seq += 1
+                cseq[bid] = self._seq
+        self.dirty.update(out)
         if evicted:
             self.evictions += len(evicted)
             self._emit_removed(evicted, "evicted")
         return out
 
+    def _reset(self, bid: int) -> None:
+        """Forget what an unreferenced block held (it is about to join the free queue)."""
+        self._hash.pop(bid, None)
+        self._tokens.pop(bid, None)
+        self._extra.pop(bid, None)
+        self._request.pop(bid, None)
+        users = self._users.pop(bid, None)
+        if users:
+            self.extra_users -= len(users) - 1
+        self._indexed[bid] = 0
+        self._parent[bid] = -1
+        self._creator[bid] = -1
+        self._hits[bid] = 0
+        self._state[bid] = _FREE
+
     def _is_index_holder(self, bid: int) -> bool:
-        blk = self.blocks[bid]
-        return blk.indexed and self.index.get(blk.hash) == bid
+        return bool(self._indexed[bid]) and self.index.get(self._hash.get(bid)) == bid
 
     def _unindex(self, bid: int, dropped: list) -> None:
         """Take `bid` and every indexed descendant out of the prefix index.
@@ -177,21 +331,23 @@ class BlockPool:
         stack = [bid]
         while stack:
             b = stack.pop()
-            blk = self.blocks[b]
-            if not blk.indexed:
+            if not self._indexed[b]:
                 continue
-            dropped.append((self.hex(blk.hash), b, blk.creator or ""))
-            if self.index.get(blk.hash) == b:
-                del self.index[blk.hash]
-            blk.indexed = False
+            h = self._hash[b]
+            c = self._creator[b]
+            dropped.append((self.hex(h), b, self.users[c] if c >= 0 else ""))
+            if self.index.get(h) == b:
+                del self.index[h]
+            self._indexed[b] = 0
             self.dirty.add(b)
-            if blk.parent_id is not None:
-                self.children.get(blk.parent_id, set()).discard(b)
+            p = self._parent[b]
+            if p >= 0:
+                self.children.get(p, set()).discard(b)
             stack.extend(self.children.pop(b, ()))
-            if blk.ref_count == 0:
+            if self._ref[b] == 0:
                 self.policy.remove(b)
-                blk.reset()
-                self.free.append(b)
+                self._reset(b)
+                self._free.append(b)
 
     def _emit_removed(self, dropped: list, reason: str) -> None:
         self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
@@ -202,14 +358,31 @@ class BlockPool:
         False (a preempted request re-admitted re-references its blocks without a new hit)."""
         now = time.time() if now is None else now
         self.dirty.update(block_ids)
+        ref, hits = self._ref, self._hits
         for bid in block_ids:
-            blk = self.blocks[bid]
-            if blk.ref_count == 0:
+            if ref[bid] == 0:
                 self.policy.remove(bid)
-            blk.ref_count += 1
+                self._state[bid] = _IN_USE
+            ref[bid] += 1
             if hit:
-                blk.hits += 1
-            blk.last_used = now
+                hits[bid] += 1
+            self._last_used[bid] = now
+
+    def add_user(self, bid: int, user: str) -> None:
+        """`user` is served by block `bid` (its creator, or a request that hit it)."""
+        users = self._users.get(bid)
+        if users is None:
+            self._users[bid] = {user}
+        elif user not in users:
+            users.add(user)
+            self.extra_users += 1
+        else:
+            return
+        self.dirty.add(bid)
+
+    def add_users(self, block_ids, user: str) -> None:
+        for bid in block_ids:
+            self.add_user(bid, user)
 
     def register(self, bid: int, block_hash: int, parent_id: int | None, tokens, extra,
                  user: str, request_id: str) -> bool:
@@ -221,18 +394,25 @@ class BlockPool:
         indexed holder of the parent's hash (after a clear, or a duplicate's child): then no
         lookup could reach it with the parent verify-on-hit expects.
         """
-        blk = self.blocks[bid]
         self.dirty.add(bid)
-        blk.hash, blk.parent_id = block_hash, parent_id
-        blk.token_ids, blk.extra = tuple(tokens), tuple(extra)
-        blk.creator, blk.creator_request = user, request_id
+        tokens = tuple(tokens)
+        self._hash[bid] = block_hash
+        self._parent[bid] = -1 if parent_id is None else parent_id
+        self._tokens[bid] = tokens
+        extra = tuple(extra)
+        if extra:
+            self._extra[bid] = extra
+        else:
+            self._extra.pop(bid, None)
+        self._creator[bid] = self.user_code(user) if user is not None else -1
+        self._request[bid] = request_id
         if block_hash in self.index or (parent_id is not None and not self._is_index_holder(parent_id)):
             return False
         self.index[block_hash] = bid
-        blk.indexed = True
+        self._indexed[bid] = 1
         if parent_id is not None:
             self.children.setdefault(parent_id, set()).add(bid)
-        parent_hash = self.blocks[parent_id].hash if parent_id is not None else None
+        parent_hash = self._hash.get(parent_id) if parent_id is not None else None
         self.emit(BlockStored(block_hashes=[self.hex(block_hash)],
                               parent_block_hash=None if parent_hash is None else self.hex(parent_hash),
                               token_ids=list(tokens), block_size=self.block_size, block_ids=[bid],
@@ -243,56 +423,69 @@ class BlockPool:
         """Drop one reference from each block, tail first (so LRU evicts a chain's tail first)."""
         now = time.time() if now is None else now
         self.dirty.update(block_ids)
+        ref = self._ref
         for bid in reversed(block_ids):
-            blk = self.blocks[bid]
-            if blk.ref_count <= 0:
+            if ref[bid] <= 0:
                 raise AssertionError(f"double free of block {bid}")
-            blk.ref_count -= 1
-            blk.last_used = now
-            if blk.ref_count == 0:
-                if blk.indexed:
-                    self.policy.add(blk)
+            ref[bid] -= 1
+            self._last_used[bid] = now
+            if ref[bid] == 0:
+                if self._indexed[bid]:
+                    self._state[bid] = _CACHED
+                    self.policy.add(Block(self, bid))
                 else:
-                    blk.reset()
-                    self.free.append(bid)
+                    self._reset(bid)
+                    self._free.append(bid)
 
     def clear(self, reason: str = "cleared") -> int:
         """Empty the prefix index: cached blocks become free; blocks in use keep their contents
-        for their request but can no longer be hit. Returns how many cached blocks were dropped."""
+        for their request but can no longer be hit. Returns how many cached blocks were dropped.
+        Costs O(indexed blocks), not O(pool)."""
         dropped: list = []
-        for bid in [b for b, blk in enumerate(self.blocks) if blk.indexed and blk.parent_id is None]:
+        for bid in sorted(b for b in self.index.values() if self._parent[b] < 0):
             self._unindex(bid, dropped)
-        for blk in self.blocks:  # anything left (should be nothing): unindex it too
-            if blk.indexed:
-                self._unindex(blk.block_id, dropped)
+        for bid in sorted(self.index.values()):  # anything left (should be nothing): unindex it too
+            self._unindex(bid, dropped)
         if dropped:
             self._emit_removed(dropped, reason)
         self.emit(AllBlocksCleared(reason=reason))
-        return sum(1 for _, b, _ in dropped if self.blocks[b].ref_count == 0)
+        return sum(1 for _, b, _ in dropped if self._ref[b] == 0)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         for bid in self.policy.ids():
-            policy.add(self.blocks[bid])
+            policy.add(Block(self, bid))
         self.policy = policy
 
     def check(self) -> None:
-        """Invariants (used by tests): every block is in exactly one place, counts agree."""
-        free = set(self.free)
-        assert len(free) == len(self.free), "duplicate in free queue"
+        """Invariants (used by tests, O(pool)): every block is in exactly one place, the state
+        codes and counters agree with a recount."""
+        free_list = self.free_ids()
+        free = set(free_list)
+        assert len(free) == len(free_list), "duplicate in free queue"
+        assert all(b < self._fresh for b in self._free), "a never-used block in the recycled queue"
         evictable = set(self.policy.ids())
+        assert len(evictable) == len(self.policy)
         assert not (free & evictable), "block both free and evictable"
+        extra = 0
         for blk in self.blocks:
+            b = blk.block_id
             if blk.ref_count > 0:
-                assert blk.block_id not in free and blk.block_id not in evictable, blk
+                assert b not in free and b not in evictable, blk
+                assert self._state[b] == _IN_USE, blk
             elif blk.indexed:
-                assert blk.block_id in evictable, blk
+                assert b in evictable, blk
+                assert self._state[b] == _CACHED, blk
             else:
-                assert blk.block_id in free, blk
+                assert b in free, blk
+                assert self._state[b] == _FREE, blk
+                assert blk.hash is None and not blk.token_ids and not blk.users_seen and blk.hits == 0, blk
             if blk.indexed:
-                assert self.index.get(blk.hash) == blk.block_id, blk
+                assert self.index.get(blk.hash) == b, blk
+            extra += max(0, len(blk.users_seen) - 1)
+        assert extra == self.extra_users, (extra, self.extra_users)
         for h, bid in self.index.items():
-            assert self.blocks[bid].hash == h and self.blocks[bid].indexed
-            parent = self.blocks[bid].parent_id
+            assert self._hash.get(bid) == h and self._indexed[bid]
+            parent = Block(self, bid).parent_id
             # an indexed block is reachable: its parent holds the parent's hash in the index
-            assert parent is None or self._is_index_holder(parent), self.blocks[bid]
-            assert parent is None or bid in self.children.get(parent, ()), self.blocks[bid]
+            assert parent is None or self._is_index_holder(parent), Block(self, bid)
+            assert parent is None or bid in self.children.get(parent, ()), Block(self, bid)

@@ -1,0 +1,247 @@
+"""The pool at GPU-workstation sizes: array metadata, O(1) counters, heap eviction, snapshot deltas.
+
+No timing assertions (speed lives in `kvplay bench`, bench/scale.py): these check structure and
+compare every incremental structure with a brute-force recount.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvplay.engine import observe
+from kvplay.engine.pool import STATES, BlockPool, NoFreeBlocks
+from kvplay.engine.sampling import SamplingParams
+
+
+def test_a_million_block_pool_builds_allocates_and_releases():
+    n = 1_000_000
+    pool = BlockPool(n, 16, "lru")
+    assert pool.num_free() == n and pool.num_cached() == 0 and pool.num_in_use() == 0
+    assert len(pool.blocks) == n and pool.blocks[-1].block_id == n - 1 and pool.blocks[n - 1].state == "free"
+    chain = pool.allocate(4)
+    assert chain == [0, 1, 2, 3]  # never-used blocks go out in id order
+    for j, bid in enumerate(chain):
+        assert pool.register(bid, 1000 + j, chain[j - 1] if j else None, [j] * 16, (), "alice", "r1")
+    pool.add_users(chain, "alice")
+    pool.add_users(chain[:2], "bob")
+    pool.release(chain)
+    assert pool.num_cached() == 4 and pool.num_free() == n - 4
+    rest = pool.allocate(n - 4)  # numpy bulk path
+    assert len(rest) == n - 4 and rest[0] == 4 and rest[-1] == n - 1
+    assert pool.num_free() == 0 and pool.num_in_use() == n - 4
+    state = pool.state_codes()
+    assert int((state == STATES.index("in_use")).sum()) == n - 4
+    assert int((state == STATES.index("cached")).sum()) == 4
+    assert pool.num_dedicated() == n + 2  # two blocks served two users
+    got = pool.allocate(1)  # LRU: the chain's tail was released first
+    assert got == [chain[3]] and pool.evictions == 1
+    assert pool.blocks[chain[3]].creator is None and pool.blocks[chain[3]].state == "in_use"
+    pool.release(rest[-10:])
+    assert pool.num_free() == 10 and pool.free_ids() == rest[-10:][::-1]  # released tail first
+    assert pool.allocate(2) == [rest[-1], rest[-2]]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(12)
+    assert pool.clear() == 3  # the three cached blocks left of the chain
+    assert pool.num_cached() == 0 and pool.num_free() == 11 and not pool.index
+
+
+# --- a brute-force reference ----------------------------------------------------------------------
+class Reference:
+    """Tracks, from the outside, the order blocks became evictable; recounts everything from
+    the views; picks victims the way the O(cached) scan did."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.order: list[int] = []  # became-evictable order
+
+    def sync(self, released=()):
+        cached = {b.block_id for b in self.pool.blocks if b.state == "cached"}
+        self.order = [b for b in self.order if b in cached]
+        for b in reversed(released):
+            if b in cached and b not in self.order:
+                self.order.append(b)
+        assert set(self.order) == cached
+
+    def victim(self) -> int:
+        blocks, name = self.pool.blocks, self.pool.policy.name
+        if name == "lru":
+            return self.order[0]
+        if name == "lfu":
+            return min(self.order, key=lambda b: blocks[b].hits)
+        return min(self.order, key=lambda b: blocks[b].created_seq)
+
+    def counts(self) -> dict:
+        views = list(self.pool.blocks)
+        resident = [b for b in views if b.state != "free"]
+        return {"free": sum(b.state == "free" for b in views), "cached": sum(b.state == "cached" for b in views),
+                "in_use": sum(b.state == "in_use" for b in views), "resident": len(resident),
+                "dedicated": sum(max(1, len(b.users_seen)) for b in resident)}
+
+
+def pool_counts(pool: BlockPool) -> dict:
+    return {"free": pool.num_free(), "cached": pool.num_cached(), "in_use": pool.num_in_use(),
+            "resident": pool.num_resident(), "dedicated": pool.num_dedicated()}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ops_keep_counters_and_eviction_order_equal_to_brute_force(policy, seed):
+    rng = random.Random(seed)
+    pool = BlockPool(24, 2, policy)
+    ref = Reference(pool)
+    held: list[list[int]] = []
+    users = ["alice", "bob", "carol"]
+    n = 0
+    checked_victims = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.45:
+            table = []
+            if pool.index and rng.random() < 0.5:  # reuse a prefix: touch an indexed chain root
+                bid = rng.choice(sorted(pool.index.values()))
+                pool.touch([bid], hit=rng.random() < 0.8)
+                pool.add_user(bid, rng.choice(users))
+                table.append(bid)
+                ref.sync()
+            k = rng.randint(1, 4)
+            if k > pool.available():
+                if table:
+                    pool.release(table)
+                ref.sync(table)
+                continue
+            new = []
+            while len(new) < k:  # one block at a time: each eviction is checked
+                if pool.num_free() == 0:
+                    want = ref.victim()
+                    got = pool.allocate(1)
+                    assert got == [want], (pool.policy.name, got, want)
+                    checked_victims += 1
+                    ref.sync()
+                else:
+                    got = pool.allocate(1)
+                new += got
+            user = rng.choice(users)
+            for j, bid in enumerate(new):
+                n += 1
+                if rng.random() < 0.8:
+                    parent = new[j - 1] if j else None
+                    pool.register(bid, n % 11, parent, [n, 0], (), user, f"r{n}")
+                    pool.add_user(bid, user)
+            table += new
+            held.append(table)
+            ref.sync()
+        elif op < 0.85 and held:
+            table = held.pop(rng.randrange(len(held)))
+            pool.release(table)
+            ref.sync(table)
+        elif op < 0.9:
+            pool.clear()
+            ref.sync()
+        elif op < 0.92 and pool.num_cached():
+            other = {"lru": "lfu", "lfu": "fifo", "fifo": "lru"}[pool.policy.name]
+            from kvplay.engine.eviction import make_policy
+
+            pool.set_policy(make_policy(other))
+            assert pool.policy.ids() == ref.order  # the became-evictable order carries over
+        assert pool_counts(pool) == ref.counts()
+        pool.check()
+    assert checked_victims > 0
+
+
+def test_lfu_and_fifo_heaps_forget_removed_blocks():
+    for policy in ("lfu", "fifo"):
+        pool = BlockPool(200, 1, policy)
+        ids = pool.allocate(200)
+        for j, bid in enumerate(ids):
+            pool.register(bid, j, None, [j], (), "u", "r")
+        pool.release(ids)
+        for _ in range(5):  # many hits and releases: stale heap entries pile up, then get dropped
+            pool.touch(ids[:150])
+            pool.release(ids[:150])
+        assert len(pool.policy._heap) <= 2 * len(pool.policy) + 64
+        order = [pool.allocate(1)[0] for _ in range(200)]
+        if policy == "lfu":  # never-hit blocks first, then by the order they became evictable
+            assert order[:50] == sorted(ids[150:], reverse=True)
+        else:
+            assert order == ids  # created first, evicted first
+        pool.check()
+
+
+# --- the engine's observation API on a real tiny model --------------------------------------------
+def full_views(eng):
+    return eng.call(lambda: [observe.block_view(eng.pool, b) for b in range(eng.pool.num_blocks)])
+
+
+def brute_stats(eng):
+    views = full_views(eng)
+    bb = eng.runner.store.block_bytes
+    resident = [v for v in views if v.state != "free"]
+    dedicated = sum(max(1, len(v.users)) for v in resident)
+    return {"blocks_free": sum(v.state == "free" for v in views),
+            "blocks_cached": sum(v.state == "cached" for v in views),
+            "blocks_in_use": sum(v.state == "in_use" for v in views),
+            "used_bytes": bb * len(resident), "dedicated_bytes": bb * dedicated,
+            "bytes_saved": bb * (dedicated - len(resident))}
+
+
+SYSTEM = {"role": "system", "content": "A shared system prompt for every user here. " * 3}
+
+
+def test_snapshot_deltas_stats_and_summary_match_a_full_recount(make_engine, monkeypatch):
+    eng = make_engine(num_blocks=48, eviction="lfu")
+    version, views = eng.snapshot_changes(None)
+    mirror = {v.block_id: v for v in views}
+    assert len(mirror) == 48 and all(v.state == "free" for v in views)
+    assert eng.snapshot_changes(version) == (version, [])
+    old_version = version
+    for i, user in enumerate(["alice", "bob", "carol", "alice", "dave", "bob"]):
+        msgs = [SYSTEM, {"role": "user", "content": f"question {i % 3} from someone " * (1 + i % 2)}]
+        eng.generate(user, msgs, SamplingParams(max_tokens=4), timeout=60)
+        if i == 3:
+            monkeypatch.setattr(observe, "LOG_MAX_IDS", 2)  # later deltas fall back to the version scan
+        version, changed = eng.snapshot_changes(version)
+        for v in changed:
+            mirror[v.block_id] = v
+        truth = full_views(eng)
+        assert [mirror[b] for b in range(48)] == truth
+        assert list(eng.snapshot()) == truth
+        stats = eng.stats()
+        assert {k: stats[k] for k in brute_stats(eng)} == brute_stats(eng)
+    v2, since_start = eng.snapshot_changes(old_version)  # older than the log: the version scan
+    start = dict(enumerate(views))
+    start.update({v.block_id: v for v in since_start})
+    assert v2 == version and [start[b] for b in range(48)] == truth
+
+    arrays = eng.block_arrays()
+    assert [STATES[c] for c in arrays.state] == [v.state for v in truth]
+    assert [arrays.users[c] if c >= 0 else None for c in arrays.creator] == [v.creator for v in truth]
+    summary = eng.block_summary(5, user="alice")
+    assert summary.cells == 5 and summary.bounds[0] == 0 and summary.bounds[-1] == 48
+    for k in range(5):
+        cell = truth[summary.bounds[k]:summary.bounds[k + 1]]
+        counts = {s: sum(v.state == s for v in cell) for s in STATES}
+        assert (summary.free[k], summary.cached[k], summary.in_use[k]) == tuple(counts[s] for s in STATES)
+        assert counts[STATES[summary.state[k]]] == max(counts.values())
+        owners = [v.creator for v in cell if v.state != "free" and v.creator]
+        if owners:
+            top = summary.users[summary.creator[k]]
+            assert owners.count(top) == max(owners.count(u) for u in owners)
+        else:
+            assert summary.creator[k] == -1
+        assert summary.mine[k] == owners.count("alice")
+    zoom = eng.block_summary(100, start=10, stop=20)
+    assert zoom.cells == 10 and list(zoom.bounds) == list(range(10, 21))
+    assert [STATES[s] for s in zoom.state] == [v.state for v in truth[10:20]]
+
+
+def test_stats_never_wait_with_timeout_zero_and_are_o1_counters(make_engine):
+    eng = make_engine(num_blocks=32)
+    eng.generate("alice", [SYSTEM, {"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), timeout=60)
+    with eng._lock:  # the engine busy in a step: the published copy comes back at once
+        published = eng.stats(timeout=0)
+    assert published == eng.stats()
+    assert published["blocks_cached"] > 0
+    arr = eng.block_arrays()
+    assert isinstance(arr.state, np.ndarray) and arr.state.dtype == np.int8
