@@ -34,6 +34,7 @@ class EngineEventPublisher:
         self.report_full_default = report_full
         self.as_int = int_hashes() if as_int is None else as_int
         self._pending: list = []
+        self._open = None  # the BlockStored that consecutive stores of one chain extend
         self._modes: dict[str, bool] = {}  # request id -> report reuse ("full")
         self._unsubs = [engine.subscribe(self._on_event), engine.on_step_end(self._flush)]
 
@@ -50,12 +51,13 @@ class EngineEventPublisher:
     # --- on the engine thread -----------------------------------------------------------------
     def _add_stored(self, ev: BlockStored) -> None:
         last = self._pending[-1] if self._pending else None
-        if (isinstance(last, BlockStored) and last.session_id == ev.session_id and last.block_size == ev.block_size
-                and last.block_hashes and ev.parent_block_hash == last.block_hashes[-1]):
+        if (last is not None and last is self._open and last.session_id == ev.session_id
+                and last.block_size == ev.block_size and ev.parent_block_hash == last.block_hashes[-1]):
             last.block_hashes.extend(ev.block_hashes)
             last.token_ids.extend(ev.token_ids)
         else:
             self._pending.append(ev)
+            self._open = ev  # later blocks of the same chain join it (a re-announcement never does)
 
     def _on_event(self, ev) -> None:
         kind = type(ev).__name__
