@@ -49,6 +49,20 @@ def test_fifo_evicts_oldest_created():
     assert pool.allocate(1) == first
 
 
+def test_touch_without_a_hit_re_references_only():
+    pool = BlockPool(4, 4, "lfu")
+    a = fill(pool, 2, "a")
+    pool.release(a)
+    pool.touch(a, hit=False)  # a preempted request re-admitted: no new hit, no new user
+    assert [pool.blocks[b].ref_count for b in a] == [1, 1] and [pool.blocks[b].hits for b in a] == [0, 0]
+    assert pool.num_cached() == 0 and pool.num_in_use() == 2
+    pool.touch(a[:1])
+    assert pool.blocks[a[0]].hits == 1 and pool.blocks[a[0]].ref_count == 2
+    pool.release(a)
+    pool.release(a[:1])
+    pool.check()
+
+
 def test_free_blocks_are_used_before_evicting():
     pool = BlockPool(4, 4)
     a = fill(pool, 2, "a")
@@ -85,9 +99,11 @@ class PoolMachine(RuleBasedStateMachine):
     """Random allocate / share / register / release / evict / clear / preempt sequences keep
     ref counts, the free queue and the hash index consistent."""
 
+    policy = "lru"
+
     def __init__(self):
         super().__init__()
-        self.pool = BlockPool(12, 2, "lru")
+        self.pool = BlockPool(12, 2, self.policy)
         self.held: list[list[int]] = []  # block tables of live "requests"
         self.n = 0
 
@@ -96,7 +112,8 @@ class PoolMachine(RuleBasedStateMachine):
         table = []
         if share and self.pool.index:
             bid = next(iter(self.pool.index.values()))
-            self.pool.touch([bid])
+            self.pool.touch([bid], hit=self.n % 2 == 0)
+            self.pool.add_user(bid, f"user{self.n % 3}")
             table.append(bid)
         try:
             new = self.pool.allocate(n)
@@ -136,8 +153,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_free() + self.pool.num_cached() + self.pool.num_in_use() == 12
 
 
+class LFUPoolMachine(PoolMachine):
+    policy = "lfu"
+
+
+class FIFOPoolMachine(PoolMachine):
+    policy = "fifo"
+
+
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestLFUPoolMachine = LFUPoolMachine.TestCase
+TestLFUPoolMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+TestFIFOPoolMachine = FIFOPoolMachine.TestCase
+TestFIFOPoolMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 
 
 def test_hash_names_and_widths():
