@@ -141,7 +141,10 @@ def summarize(arrays: BlockArrays, cells: int, user: str | None = None) -> Block
     by_pref = np.stack([in_use, cached, free])  # argmax keeps the first of equals
     dominant = np.array([2, 1, 0], np.int8)[np.argmax(by_pref, axis=0)]
     owners = table[:, 1:, 1:].sum(axis=1)  # non-free blocks per creator code, per cell
-    dom_creator = np.where(owners.sum(axis=1) > 0, np.argmax(owners, axis=1), -1).astype(np.int32)
+    if owners.shape[1]:
+        dom_creator = np.where(owners.sum(axis=1) > 0, np.argmax(owners, axis=1), -1).astype(np.int32)
+    else:  # no creator yet (a fresh pool): argmax of nothing would raise
+        dom_creator = np.full(cells, -1, np.int32)
     mine = None
     if user is not None:
         code = arrays.users.index(user) if user in arrays.users else -1
