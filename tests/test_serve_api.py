@@ -308,3 +308,52 @@ def test_cli_refuses_unsafe_setups(tmp_path, capsys):
     assert "8 characters" in capsys.readouterr().err
     assert main(["serve", "--kv-events-config", "{nope", "--no-record"]) == 2
     assert "JSON" in capsys.readouterr().err
+
+
+def test_one_users_errors_never_disturb_anothers_stream(serve):
+    srv, _ = serve(num_blocks=24)
+    box: dict = {}
+
+    def streamer():
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", srv.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "a long story please"}], "max_tokens": 60,
+                    "ignore_eos": True, "stream": True, "user": "steady"}) as s:
+                box["events"] = sse_events(s)
+
+    t = threading.Thread(target=streamer)
+    t.start()
+    with httpx.Client(timeout=30) as c:
+        bad_requests = [{"messages": []}, {"messages": [{"role": "user", "content": "x" * 600}]},
+                        {"messages": [{"role": "user", "content": "hi"}], "top_k": "many"}, "not an object"]
+        for body in bad_requests * 3:
+            r = c.post(srv.url + "/v1/chat/completions", json=body)
+            assert r.status_code in (400, 413) and r.json()["error"]["message"]
+    t.join(60)
+    events = box["events"]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for e in events[1:-2] if e["choices"][0]["delta"].get("content") is not None) >= 1
+
+
+@pytest.mark.slow
+def test_two_people_chat_through_the_openai_sdk_on_the_embedded_model(serve, smollm, tmp_path):
+    """The README's demo: two keys, the embedded model, the openai SDK; the second person's
+    prompt reuses the first one's system prompt, and says from whom."""
+    openai = pytest.importorskip("openai")
+    srv, state = serve(loaded=smollm, model="default", num_blocks=None, cache_mb=64, keys=keys(tmp_path))
+    system = "You are a concise assistant for the kvplay team. " * 6
+    replies = {}
+    for key, user in ((ALICE, "alice"), (BOB, "bob")):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=state.model_name, stream=True, stream_options={"include_usage": True}, max_tokens=8,
+            temperature=0, messages=[{"role": "system", "content": system},
+                                     {"role": "user", "content": f"Say hello to {user}."}])
+        chunks = list(stream)
+        replies[user] = ("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks[-1])
+    alice_text, _ = replies["alice"]
+    _, last = replies["bob"]
+    assert alice_text.strip()
+    cached = last.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64
+    assert last.model_extra["kvplay"]["cached_from"] == {"alice": cached}

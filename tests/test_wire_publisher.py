@@ -245,3 +245,24 @@ print(n, checked, ",".join(sorted(sessions)))
     n, checked, sessions = out.stdout.split()[-3:]
     assert int(checked) >= 8 and int(n) >= 2 and sessions == "ann,ben"
     sub.close()
+
+
+def test_full_report_mode_as_the_server_default(serve):
+    srv, state = serve(kv_events=events_config(), report_full=True)
+    sub = Sub(state.events.publisher.endpoint)
+    time.sleep(0.3)
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, user="ann")
+        chat(c, srv.url, content="other", user="ben")  # the default: reuse re-announced
+        chat(c, srv.url, content="third", user="cid", vllm_xargs={"kv_cache_report_mode": "incremental"})
+        chat(c, srv.url, content="fourth", user="dan")
+    sub.drain(until=lambda s: any(e.get("session_id") == "dan" for e in s.events()))
+    first = {}
+    for e in sub.events():
+        if e["type"] == "BlockStored":
+            first.setdefault(e["session_id"], e)
+    ann = [h for e in sub.events() if e.get("session_id") == "ann" for h in e["block_hashes"]]
+    assert first["ben"]["parent_block_hash"] is None and first["ben"]["block_hashes"] == ann[:len(first["ben"]["block_hashes"])]
+    assert first["dan"]["parent_block_hash"] is None
+    assert first["cid"]["parent_block_hash"] is not None  # only cid's new blocks, chained on the reused prefix
+    sub.close()
