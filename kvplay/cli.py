@@ -21,6 +21,7 @@ COMMANDS = {
     "replay": ("kvplay.sessions.cli_replay", "replay a recorded session and compare outputs"),
     "simulate": ("kvplay.sessions.cli_simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
     "scrub": ("kvplay.tui.scrub_cli", "step, play and seek through a recorded session's cache, no model loaded"),
+    "import": ("kvplay.sessions.cli_trace", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
     "lab": ("kvplay.labs.cli", "measure a claim about shared KV caches"),
     "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
     "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),

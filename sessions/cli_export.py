@@ -1,7 +1,10 @@
-"""`kvplay export ID --format jsonl|md|toml [-o FILE] [--db PATH]`.
+"""`kvplay export ID --format jsonl|md|toml|vllm-jsonl|vllm-msgpack|mooncake [-o FILE] [--db PATH]`.
 
 jsonl: the session, then one object per turn, then one per event; md: a readable transcript;
-toml: a `kvplay run` script that reproduces the session.
+toml: a `kvplay run` script that reproduces the session. The trace formats (sessions/traces.py):
+vllm-jsonl / vllm-msgpack: the cache events as vLLM KV-event batches (one JSON object per line,
+or the msgpack payloads back to back); mooncake: one request per line {timestamp,
+input_length, output_length, hash_ids}. `kvplay import` and `kvplay simulate` read all three.
 """
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ from .query import resolve_session, session_script
 from .report import attribution
 from .script import dump_script
 from .store import open_db
+from .traces import TRACE_FORMATS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="session id (or a unique prefix)")
-    parser.add_argument("--format", choices=("jsonl", "md", "toml"), default="jsonl")
+    parser.add_argument("--format", choices=("jsonl", "md", "toml") + TRACE_FORMATS, default="jsonl")
     parser.add_argument("-o", "--output", default=None, help="write to FILE instead of stdout")
     parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
 
@@ -51,9 +55,15 @@ def to_md(s: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.format == "vllm-msgpack" and not args.output and sys.stdout.isatty():
+        from kvplay.cli import KvplayError
+
+        raise KvplayError("--format vllm-msgpack is binary: give -o FILE (or redirect stdout)")
     db = open_db(args.db, create=False)
     try:
-        if args.format == "toml":
+        if args.format in TRACE_FORMATS:
+            text = trace_export(db, args.id, args.format)
+        elif args.format == "toml":
             session = resolve_session(db, args.id)
             text = f"# kvplay session {session['id']} ({session['source']}, {session['model']})\n" + \
                 dump_script(session_script(db, session))
@@ -64,13 +74,25 @@ def main(args: argparse.Namespace) -> int:
         db.close()
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as f:
+            with open(args.output, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else {"encoding": "utf-8"})) as f:
                 f.write(text)
         except OSError as exc:
             from kvplay.cli import KvplayError
 
             raise KvplayError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"wrote {args.output}", file=sys.stderr)
+    elif isinstance(text, bytes):
+        sys.stdout.buffer.write(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def trace_export(db, ident: str, fmt: str):
+    from .history import session_events
+    from .traces import to_mooncake, to_vllm_jsonl, to_vllm_msgpack
+
+    if fmt == "mooncake":
+        return to_mooncake(db, ident)
+    events = session_events(db, resolve_session(db, ident)["id"])
+    return to_vllm_jsonl(events) if fmt == "vllm-jsonl" else to_vllm_msgpack(events)

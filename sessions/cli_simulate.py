@@ -59,18 +59,20 @@ def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
     return sorted(set(out))
 
 
-def load_source(source: str, db_path: str | None) -> Trace:
-    """A trace file when `source` names a file, else a session in the sessions DB."""
+def load_source(source: str, db_path: str | None) -> tuple[Trace, str | None]:
+    """A trace file when `source` names a file, else a session in the sessions DB; with the
+    line naming a trace file's first bad record (its good records are still simulated)."""
     if os.path.isfile(source):
         from .traces import read_trace_file
 
-        return read_trace_file(source).trace
+        read = read_trace_file(source)
+        return read.trace, read.error
     from .store import open_db
     from .traces import session_trace
 
     db = open_db(db_path, create=False)
     try:
-        return session_trace(db, source)
+        return session_trace(db, source), None
     finally:
         db.close()
 
@@ -110,7 +112,15 @@ def main(args: argparse.Namespace) -> int:
 
     policies = _list(args.policy, SIM_POLICIES, "--policy")
     check_output_file(args.plot, "--plot", ".png")
-    trace = load_source(args.source, args.db)
+    trace, bad = load_source(args.source, args.db)
+    rc = _report(args, trace, policies)
+    if bad:
+        print(f"kvplay: error: {bad} (simulated the records before it)", file=sys.stderr)
+        return 2
+    return rc
+
+
+def _report(args, trace: Trace, policies: list[str]) -> int:
     c = trace.config
     isolations = _list(args.isolation, ISOLATION_MODES, "--isolation") if args.isolation else [c.isolation]
     sizes = _sizes(args.num_blocks, trace)
@@ -137,7 +147,11 @@ def main(args: argparse.Namespace) -> int:
     n = len(trace.requests)
     con.print(f"[bold]{trace.source}[/bold]: {n} requests, {trace.prompt_tokens()} prompt tokens; recorded "
               f"{c.eviction} on {c.num_blocks} blocks of {c.block_size} tokens, isolation {c.isolation}", highlight=False)
-    if recorded is not None:
+    if recorded is not None and not trace.source.startswith("session "):
+        con.print(f"the trace itself shows {recorded:.1%} of prompt tokens reused ({trace.recorded_hit_tokens}/"
+                  f"{trace.recorded_query_tokens}: blocks stored under a parent that was cached); replayed in "
+                  f"kvplay's pool as set here: {own.hit_rate:.1%}", highlight=False)
+    elif recorded is not None:
         same = own.hit_tokens == trace.recorded_hit_tokens and own.query_tokens == trace.recorded_query_tokens
         verdict = "[green]reproduces[/green]" if same else "[yellow]differs[/yellow]"
         con.print(f"replayed under its recorded settings: {own.hit_rate:.1%} ({own.hit_tokens}/{own.query_tokens}); "

@@ -227,15 +227,17 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     position = {r.request_id: i for i, r in enumerate(requests)}
     future = _future(trace, config, hasher) if policy == "belady" else None
     evict = Belady(future) if future is not None else make_policy(policy)
-    vocab = 2 + max((t for r in requests for t in (*r.prompt_ids, *r.output_ids)), default=0)
+    vocab = 2 + max((t for r in requests for t in r.output_ids), default=0)  # only outputs go through logits
     runner = ReplayRunner(vocab, eos=vocab - 1)
     finished: set[str] = set()
     events: list = []
     seq = [0]
+    now = [0.0]  # the wall clock of the latest arrival (imported traces keep their timestamps)
 
     def emit(ev) -> None:
         seq[0] += 1
         ev.seq = seq[0]
+        ev.ts = now[0] + seq[0] * 1e-6
         if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
             future.admitted(position[ev.request_id])
         elif isinstance(ev, RequestFinished):
@@ -256,6 +258,8 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
         return runner.forwards >= item.clock and item.after <= finished
 
     def enter(item) -> None:
+        if getattr(item, "ts", None) is not None:
+            now[0] = max(now[0], item.ts)
         if isinstance(item, Clear):
             pool.clear(item.reason)
             return

@@ -3,6 +3,8 @@ import them as files other tools read (vLLM KV events, Mooncake-style request tr
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 
 from kvplay.engine.config import EngineConfig
 
@@ -64,3 +66,362 @@ def session_trace(db, ident: str) -> Trace:
         query = sum(t["prompt_tokens"] for t in done if t.get("error") is None)
     return Trace(session_config(session, events), session.get("model") or "", items,
                  source=f"session {sid}", recorded_hit_tokens=hit, recorded_query_tokens=query)
+
+
+# --- export -----------------------------------------------------------------------------------
+TRACE_FORMATS = ("vllm-jsonl", "vllm-msgpack", "mooncake")
+
+
+def _engine_event(d: dict):
+    from kvplay.engine.events import event_from_dict
+
+    return event_from_dict({k: v for k, v in d.items() if k != "forwards"})
+
+
+def vllm_batches(events: list[dict]) -> list:
+    """A session's cache events as vLLM EventBatches: the events of one engine step (same
+    forward count) in one batch, one BlockRemoved per block as vLLM sends them, the creating
+    user as each BlockStored's session_id."""
+    from kvplay.wire.codec import EventBatch, from_engine_event
+
+    batches: list = []
+    key = object()
+    for d in events:
+        kind = d.get("kind")
+        if kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            continue
+        if kind == "BlockRemoved":
+            parts = [dict(d, block_hashes=[h], block_ids=d["block_ids"][i:i + 1], creators=d.get("creators", [])[i:i + 1])
+                     for i, h in enumerate(d.get("block_hashes") or [])]
+        else:
+            parts = [d]
+        k = d.get("forwards") if d.get("forwards") is not None else d.get("seq")
+        if k != key or not batches:
+            batches.append(EventBatch(d.get("ts") or 0.0, []))
+            key = k
+        for p in parts:
+            ev = from_engine_event(_engine_event(p), session_id=d.get("user") or None)
+            if ev is not None:
+                batches[-1].events.append(ev)
+    return [b for b in batches if b.events]
+
+
+def _json_hash(h):
+    return h.hex() if isinstance(h, (bytes, bytearray)) else h
+
+
+def to_vllm_jsonl(events: list[dict]) -> str:
+    """One EventBatch per line, {"ts", "events"}, each event the map vLLM sends (uint64 hashes)."""
+    from kvplay.wire.codec import event_to_wire
+
+    lines = []
+    for b in vllm_batches(events):
+        evs = []
+        for e in (event_to_wire(ev) for ev in b.events):
+            if "block_hashes" in e:
+                e["block_hashes"] = [_json_hash(h) for h in e["block_hashes"]]
+            if e.get("parent_block_hash") is not None:
+                e["parent_block_hash"] = _json_hash(e["parent_block_hash"])
+            evs.append(e)
+        lines.append(json.dumps({"ts": b.ts, "events": evs}, separators=(",", ":")))
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def to_vllm_msgpack(events: list[dict]) -> bytes:
+    """The EventBatch payloads, back to back (exactly the third frame of each ZMQ message)."""
+    from kvplay.wire.codec import encode_batch
+
+    return b"".join(encode_batch(b) for b in vllm_batches(events))
+
+
+def _chain_ids(tokens: list[int], bs: int, ids: dict) -> list[int]:
+    """Mooncake hash ids: one per block (the last one may be partial), numbered in order of first
+    appearance, equal exactly when the whole prefix up to that block is equal."""
+    import hashlib
+
+    out, parent = [], b""
+    for i in range(0, len(tokens), bs):
+        h = hashlib.sha256(parent + json.dumps(tokens[i:i + bs]).encode()).digest()
+        out.append(ids.setdefault(h, len(ids)))
+        parent = h
+    return out
+
+
+def to_mooncake(db, ident: str) -> str:
+    """One JSON line per request, in arrival order: {timestamp (ms), input_length, output_length,
+    hash_ids} with the session's block size (Mooncake's and aiperf's replay format)."""
+    trace = session_trace(db, ident)
+    bs = trace.config.block_size
+    reqs = trace.requests
+    t0 = min((r.ts for r in reqs if r.ts is not None), default=0.0)
+    ids: dict = {}
+    lines = []
+    for r in reqs:
+        lines.append(json.dumps({"timestamp": int(round(((r.ts or t0) - t0) * 1000)), "input_length": len(r.prompt_ids),
+                                 "output_length": len(r.output_ids), "hash_ids": _chain_ids(r.prompt_ids, bs, ids)}))
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+# --- import -----------------------------------------------------------------------------------
+class TraceError(StoreError):
+    """A trace file that cannot be read (one line naming the record and field)."""
+
+
+@dataclass
+class ReadTrace:
+    trace: Trace | None
+    format: str
+    records: int  # good records read
+    error: str | None = None  # the first bad record, when the file is partial
+
+
+TOKEN_BASE = 1 << 20  # synthesized prompt tokens live above every output token id
+
+
+def _mooncake_records(lines, path: str, bs: int):
+    """Yields (record number, dict) and raises TraceError naming the first bad one."""
+    parent_of: dict[int, tuple] = {}
+    for n, line in lines:
+        where = f"{path} record {n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not JSON ({exc.msg}; truncated?)") from None
+        if not isinstance(d, dict):
+            raise TraceError(f"{where}: a Mooncake record is an object")
+        for f in ("timestamp", "input_length", "output_length", "hash_ids"):
+            if f not in d:
+                raise TraceError(f"{where}: field {f!r} is missing (a Mooncake record has timestamp, "
+                                 "input_length, output_length, hash_ids)")
+        for f in ("timestamp", "input_length", "output_length"):
+            if not isinstance(d[f], (int, float)) or isinstance(d[f], bool) or d[f] < 0:
+                raise TraceError(f"{where}: field {f!r} must be a non-negative number, got {d[f]!r}")
+        hs = d["hash_ids"]
+        if not isinstance(hs, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs):
+            raise TraceError(f"{where}: field 'hash_ids' must be a list of non-negative integers")
+        need = -(-int(d["input_length"]) // bs)
+        if len(hs) != need or not hs:
+            raise TraceError(f"{where}: field 'hash_ids' has {len(hs)} ids but input_length {d['input_length']} "
+                             f"needs {need} blocks of {bs} tokens (give --block-size)")
+        for k, h in enumerate(hs):
+            link = (hs[k - 1] if k else None, k)
+            if parent_of.setdefault(h, link) != link:
+                raise TraceError(f"{where}: field 'hash_ids[{k}]': id {h} follows {link[0]} at block {k} here but "
+                                 f"{parent_of[h][0]} at block {parent_of[h][1]} earlier (hashes do not chain)")
+        yield n, d
+
+
+def _mooncake_trace(recs: list[tuple[int, dict]], bs: int, source: str) -> list[TraceRequest]:
+    out = []
+    for n, d in recs:
+        length = int(d["input_length"])
+        toks: list[int] = []
+        for h in d["hash_ids"]:
+            toks += [TOKEN_BASE + h * bs + j for j in range(bs)]
+        out.append(TraceRequest(f"r{n}", "trace", toks[:length], [7] * int(d["output_length"]),
+                                stop=False, ts=float(d["timestamp"]) / 1000.0))
+    return out
+
+
+def _vllm_batches_in(path: str, data: bytes):
+    """Yields (record number, EventBatch) from msgpack payloads back to back or JSONL batches."""
+    import msgpack
+
+    from kvplay.wire.codec import EventBatch, WireError, decode_batch, decode_event
+
+    if data.lstrip()[:1] == b"{":
+        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path} record {n}: not JSON ({exc.msg}; truncated?)") from None
+            if not isinstance(d, dict) or "events" not in d or "ts" not in d:
+                raise TraceError(f"{path} record {n}: field 'events' or 'ts' is missing (not a vLLM EventBatch)")
+            if not isinstance(d["events"], list) or not isinstance(d["ts"], (int, float)):
+                raise TraceError(f"{path} record {n}: field 'events' must be a list and 'ts' a number")
+            evs = []
+            for k, e in enumerate(d["events"]):
+                try:
+                    ev = decode_event(e)
+                except WireError as exc:
+                    raise TraceError(f"{path} record {n}: field 'events[{k}]': {exc}") from None
+                if ev is not None:
+                    evs.append(ev)
+            yield n, EventBatch(float(d["ts"]), evs, d.get("data_parallel_rank"))
+        return
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True)
+    unpacker.feed(data)
+    n = 0
+    while True:
+        n += 1
+        try:
+            obj = unpacker.unpack()
+        except msgpack.OutOfData:
+            if unpacker.tell() < len(data):
+                raise TraceError(f"{path} record {n}: truncated msgpack ({len(data) - unpacker.tell()} bytes left)") from None
+            return
+        except Exception as exc:
+            raise TraceError(f"{path} record {n}: not msgpack ({exc})") from None
+        try:
+            yield n, decode_batch(msgpack.packb(obj, use_bin_type=True))
+        except WireError as exc:
+            raise TraceError(f"{path} record {n}: {exc}") from None
+
+
+def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
+    """Requests rebuilt from BlockStored events: each one's prompt is its parent's chain plus its
+    own blocks (plus one token, the one a server always computes); an event continuing the chain
+    the previous one ended is the same request (chunked prefill, decode blocks). Returns the
+    items, the hits the server got (the reused chain), the prompt tokens and the peak of blocks
+    resident (a lower bound of its pool)."""
+    from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored
+
+    chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
+    items: list = []
+    resident: set = set()
+    peak = hits = 0
+    open_: dict = {}  # session id (user) -> (its latest request, the hash its chain ends with)
+    for n, b in batches:
+        for k, ev in enumerate(b.events):
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size
+                if not bs or len(ev.token_ids) != bs * len(ev.block_hashes):
+                    raise TraceError(f"{path} record {n}: field 'events[{k}].token_ids' has {len(ev.token_ids)} tokens "
+                                     f"for {len(ev.block_hashes)} blocks of {bs}")
+                p = ev.parent_block_hash
+                if p is not None and p not in chain:
+                    raise TraceError(f"{path} record {n}: field 'events[{k}].parent_block_hash': {p!r} was never "
+                                     "stored (hashes do not chain)")
+                prefix = [] if p is None else chain[p]
+                for i, h in enumerate(ev.block_hashes):
+                    prefix = prefix + list(ev.token_ids[i * bs:(i + 1) * bs])
+                    chain[h] = prefix
+                    resident.add(h)
+                peak = max(peak, len(resident))
+                uid = ev.session_id if isinstance(ev.session_id, str) and ev.session_id else "vllm"
+                cur, tail = open_.get(uid, (None, None))
+                if cur is not None and p is not None and p == tail:
+                    cur.prompt_ids = prefix + [cur.prompt_ids[-1]]
+                else:
+                    cur = TraceRequest(f"r{len(items) + 1}", uid, prefix + [TOKEN_BASE - 1 - len(items) % 1000],
+                                       [], stop=True, ts=b.ts)
+                    cur.cached_tokens = 0 if p is None else len(chain[p])
+                    hits += cur.cached_tokens
+                    items.append(cur)
+                open_[uid] = (cur, ev.block_hashes[-1] if ev.block_hashes else tail)
+            elif isinstance(ev, BlockRemoved):
+                resident.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                resident.clear()
+                items.append(Clear(None, frozenset(), "cleared"))
+                open_.clear()
+    query = sum(len(r.prompt_ids) for r in items if isinstance(r, TraceRequest))
+    return items, hits, query, peak
+
+
+def detect_format(data: bytes) -> str:
+    head = data.lstrip()[:1]
+    if head != b"{":
+        return "vllm"
+    first = data.lstrip().split(b"\n", 1)[0]
+    try:
+        d = json.loads(first)
+    except json.JSONDecodeError:
+        return "vllm"
+    return "mooncake" if isinstance(d, dict) and "hash_ids" in d else "vllm"
+
+
+def read_trace_file(path: str, fmt: str = "auto", block_size: int = 16, num_blocks: int | None = None,
+                    policy: str = "lru", isolation: str = "shared") -> ReadTrace:
+    """A trace file (vLLM KV events as JSONL or msgpack payloads, or a Mooncake JSONL trace) as a
+    Trace for the simulator. A bad record stops the reading: what came before it is kept and
+    `error` names the record and the field."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise TraceError(f"{path} is empty")
+    fmt = detect_format(data) if fmt == "auto" else fmt
+    error = None
+    good: list = []
+    try:
+        if fmt == "mooncake":
+            lines = [(n, line) for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1) if line.strip()]
+            for rec in _mooncake_records(lines, path, block_size):
+                good.append(rec)
+        else:
+            for rec in _vllm_batches_in(path, data):
+                good.append(rec)
+    except TraceError as exc:
+        error = str(exc)
+    if not good:
+        raise TraceError(error or f"{path}: no records")
+    if fmt == "mooncake":
+        items = _mooncake_trace(good, block_size, path)
+        hits = query = None
+        bs = block_size
+        peak = 0
+    else:
+        items, hits, query, peak = _vllm_trace(good, path)
+        bs = next((ev.block_size for _, b in good for ev in b.events if getattr(ev, "block_size", 0)), block_size)
+        if not any(isinstance(i, TraceRequest) for i in items):
+            raise TraceError(error or f"{path}: no BlockStored events, so no requests to rebuild")
+    trace = Trace(EngineConfig(model="trace", block_size=bs, num_blocks=1, isolation=isolation, eviction=policy),
+                  "trace", items, source=path, recorded_hit_tokens=hits, recorded_query_tokens=query)
+    n = num_blocks or max(peak, 2 * trace.max_blocks_needed())
+    trace.config = trace.config.replace(num_blocks=n)
+    return ReadTrace(trace, fmt, len(good), error)
+
+
+def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
+    """Record a trace as a session (source "import"): its requests as turns, and the cache events
+    of replaying it through the real scheduler and pool under the trace's settings, so the
+    scrubber and the simulator open it like any recorded session."""
+    from .ids import new_ulid
+    from .recorder import _dumps, event_row, versions
+    from .simulate import simulate
+    from .store import write_txn
+
+    trace = read.trace
+    res = simulate(trace, keep_events=True)
+    sid = new_ulid()
+    reqs = trace.requests
+    users = list(dict.fromkeys(r.user for r in reqs))
+    cached = res.cached
+    stats = {"hit_tokens": res.hit_tokens, "query_tokens": res.query_tokens, "hit_rate": res.hit_rate,
+             "blocks_total": trace.config.num_blocks, "evictions": res.evictions, "preemptions": res.preemptions,
+             "block_size": trace.config.block_size}
+    finish = {ev.request_id: ev for ev, _ in res.events if type(ev).__name__ == "RequestFinished"}
+    with write_txn(db):
+        db["sessions"].insert({
+            "id": sid, "created": time.time(), "ended": time.time(), "source": "import", "model": trace.model_key,
+            "engine_config": _dumps(trace.config.to_dict()), "versions": _dumps(versions()), "system_prompt": "",
+            "script_path": trace.source, "replay_of": None, "title": title or f"{read.format} trace {trace.source}",
+            "stats": _dumps(stats)})
+        for u in users:
+            db["users"].upsert({"session_id": sid, "name": u}, pk=("session_id", "name"))
+        rows = []
+        for i, r in enumerate(reqs, 1):
+            fin = finish.get(r.request_id)
+            rows.append({
+                "id": new_ulid(), "session_id": sid, "seq": i, "user": r.user, "text": f"request {i}", "reply": "",
+                "messages": "[]", "sampling": _dumps({"max_tokens": max(1, len(r.output_ids))}), "seed": None,
+                "at": None, "started": r.ts, "ended": r.ts, "request_id": r.request_id, "ttft_ms": None,
+                "decode_tok_s": None, "prompt_tokens": len(r.prompt_ids), "cached_tokens": cached.get(r.request_id, 0),
+                "computed_tokens": len(r.prompt_ids) - cached.get(r.request_id, 0), "output_tokens": len(r.output_ids),
+                "cached_from": "{}", "preemptions": 0, "finish_reason": fin.finish_reason if fin else "stop",
+                "error": fin.error if fin else None, "token_ids": _dumps(r.output_ids),
+                "prompt_ids": _dumps(r.prompt_ids), "system_tokens": 0})
+        db["turns"].insert_all(rows)
+        evs = []
+        for ev, forwards in res.events:
+            row = event_row(sid, ev)
+            row["forwards"] = forwards
+            evs.append(row)
+        if evs:
+            db["cache_events"].insert_all(evs)
+    return sid

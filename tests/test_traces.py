@@ -1,0 +1,171 @@
+"""Traces out and in: a recorded session as vLLM KV events (JSONL, msgpack) and as a Mooncake
+trace; each imports as a session that the scrubber and the simulator open; bad files get one
+line naming the record and field (exit 2) and keep what came before."""
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvplay.cli import main as cli
+from kvplay.sessions.history import load_recording, pool_state
+from kvplay.sessions.simulate import simulate
+from kvplay.sessions.store import open_db
+from kvplay.sessions.traces import read_trace_file, session_trace
+from kvplay.wire.codec import BlockStored, decode_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def _no_default_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A recorded `kvplay run` (tiny model, shared isolation so users reuse each other) exported
+    in the three trace formats."""
+    d = tmp_path_factory.mktemp("traces")
+    db = str(d / "s.db")
+    script = ROOT / "examples" / "eviction-pressure.toml"
+    assert cli(["run", str(script), "--model", "tiny:llama", "--num-blocks", "80", "--isolation", "shared",
+                "--db", db, "--json"]) == 0
+    sid = next(open_db(db).query("select id from sessions"))["id"]
+    files = {}
+    for fmt in ("vllm-jsonl", "vllm-msgpack", "mooncake"):
+        files[fmt] = d / f"trace.{fmt}"
+        assert cli(["export", sid, "--db", db, "--format", fmt, "-o", str(files[fmt])]) == 0
+    return {"db": db, "sid": sid, "files": files, "dir": d}
+
+
+def _recorded(exported):
+    d = open_db(exported["db"])
+    try:
+        return load_recording(d, exported["sid"])
+    finally:
+        d.close()
+
+
+def test_vllm_exports_decode_with_the_wire_codec(exported):
+    rec = _recorded(exported)
+    stored = [e for e in rec.events if e["kind"] == "BlockStored"]
+    removed = sum(len(e["block_hashes"]) for e in rec.events if e["kind"] == "BlockRemoved")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(exported["files"]["vllm-msgpack"].read_bytes())
+    batches = [decode_batch(msgpack.packb(o, use_bin_type=True)) for o in unpacker]
+    evs = [ev for b in batches for ev in b.events]
+    assert sum(isinstance(ev, BlockStored) for ev in evs) == len(stored)
+    assert len(evs) - len(stored) == removed  # one BlockRemoved per evicted block, as vLLM sends
+    first = next(ev for ev in evs if isinstance(ev, BlockStored))
+    assert isinstance(first.block_hashes[0], int) and first.medium == "GPU"
+    assert first.token_ids == stored[0]["token_ids"] and first.session_id == stored[0]["user"]
+    lines = exported["files"]["vllm-jsonl"].read_text().splitlines()
+    assert len(lines) == len(batches)
+    assert json.loads(lines[0])["events"][0]["block_hashes"] == batches[0].events[0].block_hashes
+
+
+def test_mooncake_export(exported):
+    lines = [json.loads(x) for x in exported["files"]["mooncake"].read_text().splitlines()]
+    rec = _recorded(exported)
+    assert len(lines) == len(rec.turns)
+    for r in lines:
+        assert set(r) == {"timestamp", "input_length", "output_length", "hash_ids"}
+        assert len(r["hash_ids"]) == -(-r["input_length"] // 16)
+    # everyone starts with the same system prompt: the leading ids are shared
+    assert len({tuple(r["hash_ids"][:5]) for r in lines}) == 1
+    assert lines == sorted(lines, key=lambda r: r["timestamp"])
+
+
+@pytest.mark.parametrize("fmt", ["vllm-jsonl", "vllm-msgpack", "mooncake"])
+def test_import_opens_in_scrubber_and_simulator(exported, fmt, tmp_path, capsys):
+    db = str(tmp_path / "imp.db")
+    assert cli(["import", str(exported["files"][fmt]), "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "imported" in out
+    sid = out.split("as session ")[1].split(":")[0]
+    d = open_db(db)
+    try:
+        rec = load_recording(d, sid)
+        trace = session_trace(d, sid)
+    finally:
+        d.close()
+    assert rec.session["source"] == "import" and rec.turns
+    end = pool_state(rec.events, len(rec.events), rec.num_blocks)
+    assert end.count("cached") > 0 and end.hit_tokens > 0  # the users' shared system prompt is reused
+    res = simulate(trace)  # the imported session replays to its own hits
+    assert (res.hit_tokens, res.query_tokens) == (trace.recorded_hit_tokens, trace.recorded_query_tokens)
+    assert cli(["simulate", str(exported["files"][fmt]), "--json", "--num-blocks", "40", "80"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    opt = {r["num_blocks"]: r["hit_rate"] for r in j["results"] if r["policy"] == "belady"}
+    assert all(r["hit_rate"] <= opt[r["num_blocks"]] for r in j["results"])
+    assert cli(["scrub", sid, "--db", db, "--screenshot", str(tmp_path / "s.svg")]) == 0
+
+
+def _one_line_exit_2(capsys, argv, *needles):
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_truncated_file_imports_up_to_its_last_good_record(exported, tmp_path, capsys):
+    text = exported["files"]["vllm-jsonl"].read_text()
+    lines = text.splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    db = str(tmp_path / "imp.db")
+    _one_line_exit_2(capsys, ["import", str(cut), "--db", db], f"record {len(lines)}", "truncated")
+    good = read_trace_file(str(cut))
+    assert good.records == len(lines) - 1 and good.error
+    d = open_db(db)
+    assert next(d.query("select count(*) as n from sessions"))["n"] == 1  # the good part is there
+    d.close()
+    raw = exported["files"]["vllm-msgpack"].read_bytes()
+    (tmp_path / "cut.msgpack").write_bytes(raw[:-7])
+    _one_line_exit_2(capsys, ["import", str(tmp_path / "cut.msgpack"), "--db", db], "truncated msgpack")
+    moon = exported["files"]["mooncake"].read_text().splitlines()
+    (tmp_path / "cut.mooncake").write_text("\n".join(moon[:-1]) + "\n" + moon[-1][:20])
+    _one_line_exit_2(capsys, ["simulate", str(tmp_path / "cut.mooncake"), "--json"], f"record {len(moon)}")
+
+
+def test_other_formats_and_broken_chains(exported, tmp_path, capsys):
+    db = str(tmp_path / "imp.db")
+    toml = ROOT / "examples" / "eviction-pressure.toml"
+    _one_line_exit_2(capsys, ["import", str(toml), "--db", db], "record 1")
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "hello", "model": "x"}\n')
+    _one_line_exit_2(capsys, ["import", str(other), "--db", db], "record 1", "events")
+    # a Mooncake id that follows another parent than before: the hashes do not chain
+    moon = [json.loads(x) for x in exported["files"]["mooncake"].read_text().splitlines()]
+    moon[1]["hash_ids"][3] = moon[0]["hash_ids"][5]
+    bad = tmp_path / "bad.mooncake"
+    bad.write_text("\n".join(json.dumps(r) for r in moon) + "\n")
+    _one_line_exit_2(capsys, ["import", str(bad), "--db", db], "record 2", "hash_ids[3]", "do not chain")
+    # a vLLM BlockStored whose parent was never stored
+    lines = exported["files"]["vllm-jsonl"].read_text().splitlines()
+    b = json.loads(lines[2])
+    ev = next(e for e in b["events"] if e["type"] == "BlockStored" and e["parent_block_hash"] is not None)
+    ev["parent_block_hash"] = 12345
+    lines[2] = json.dumps(b)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    _one_line_exit_2(capsys, ["import", str(broken), "--db", db], "record 3", "parent_block_hash", "do not chain")
+    # a Mooncake trace read with the wrong block size
+    _one_line_exit_2(capsys, ["import", str(exported["files"]["mooncake"]), "--db", db, "--block-size", "32"],
+                     "record 1", "hash_ids", "--block-size")
+
+
+def test_a_real_vllm_capture_imports_and_simulates(tmp_path, capsys):
+    caps = sorted(p for p in FIXTURES.glob("*") if "vllm" in p.name and p.suffix in (".jsonl", ".msgpack", ".bin"))
+    if not caps:
+        pytest.skip("no vLLM capture in tests/fixtures")
+    for cap in caps:
+        read = read_trace_file(str(cap))
+        assert read.trace.requests
+        assert cli(["import", str(cap), "--db", str(tmp_path / "v.db")]) in (0, 2)
+        assert cli(["simulate", str(cap), "--json", "--policy", "lru,belady"]) in (0, 2)
+        capsys.readouterr()
