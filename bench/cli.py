@@ -17,8 +17,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="shared-system only, 2 turns (under two minutes on a 2-core CPU)")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a bar chart (matplotlib)")
-    parser.add_argument("--workload", choices=WORKLOADS + ("all",), default=None,
-                        help="which workload (default: all; shared-system with --quick)")
+    parser.add_argument("--workload", choices=WORKLOADS + ("all", "scale"), default=None,
+                        help="which workload (default: all; shared-system with --quick). `scale`: the engine "
+                             "alone at pool sizes of a GPU workstation (step cost at 500,000 vs 512 blocks, "
+                             "stats() cost, ready time and RSS at 1,000,000 blocks; tiny model, a few minutes)")
     parser.add_argument("--users", type=int, default=None, help="users per round (default 4; pressure 8)")
     parser.add_argument("--turns", type=int, default=None,
                         help="turns per user (default 3, 2 with --quick; conversation 6)")
@@ -53,6 +55,20 @@ def main(args: argparse.Namespace) -> int:
     check_output_file(args.plot, "--plot", ".png")
     if args.peer_model and not args.peer_url:
         raise KvplayError("--peer-model needs --peer-url")
+    if args.workload == "scale":
+        for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
+            if v:
+                raise KvplayError(f"--workload scale measures the engine alone: drop {flag}")
+        from .report import print_scale_report
+        from .run import run_scale_report
+
+        report = run_scale_report(progress=_progress(time.perf_counter()))
+        if args.json:
+            json.dump(report, sys.stdout, indent=2, default=str)
+            print()
+        else:
+            print_scale_report(report)
+        return 0
     if args.script and not Path(args.script).is_file():
         raise KvplayError(f"--script {args.script}: no such file")
     if args.workload is None and args.script:

@@ -71,7 +71,9 @@ def targets_table(report: dict) -> Table:
     for tg in report["targets"]:
         goal = ("≤ " if tg["smaller_is_better"] else "≥ ") + f"{tg['threshold']:g}"
         met = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[tg["met"]]
-        t.add_row(tg["name"] + (f" ({tg['detail']})" if tg["detail"] else ""), _ratio(tg["value"]), goal, met)
+        v = tg["value"]
+        shown = _ratio(v) if v is None or abs(v) >= 0.1 else f"{v:.3g}"  # e.g. a stats() cost of 0.004 ms
+        t.add_row(tg["name"] + (f" ({tg['detail']})" if tg["detail"] else ""), shown, goal, met)
     return t
 
 
@@ -113,6 +115,22 @@ def print_report(report: dict, console: Console | None = None) -> None:
                       f"HF generate + DynamicCache 1 user {_f(probe['hf_1_user_tok_s'])} tok/s")
     if report.get("targets"):
         console.print(targets_table(report))
+
+
+def print_scale_report(report: dict, console: Console | None = None) -> None:
+    """The `scale` workload: bench/scale.py's lines, then its targets."""
+    from .scale import scale_lines
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    console.print(f"[bold]kvplay bench --workload scale[/] · {report['cpu_count']} CPUs, torch threads "
+                  f"{report['torch_threads']} · load avg {report['load_avg_start']} → {report.get('load_avg_end')} · "
+                  f"{report['elapsed_s']:.0f} s")
+    for line in scale_lines(report["scale"]):
+        console.print(line, markup=False, highlight=False)
+    console.print(targets_table(report))
 
 
 def plot_report(report: dict, path: str) -> None:

@@ -136,6 +136,19 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
     return report
 
 
+def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> dict:
+    """The `scale` workload (bench/scale.py): the engine alone at GPU-workstation pool sizes, on
+    the tiny model (metadata-heavy: its steps are cheap, so per-block costs show)."""
+    from .scale import run_scale, scale_targets
+
+    t0 = time.perf_counter()
+    load_avg_start = _load_avg()
+    result = run_scale(progress=progress, **kwargs)
+    return {"workload": "scale", "cpu_count": os.cpu_count(), "torch_threads": _torch_threads(),
+            "load_avg_start": load_avg_start, "load_avg_end": _load_avg(), "scale": result,
+            "targets": [t.to_dict() for t in scale_targets(result)], "elapsed_s": time.perf_counter() - t0}
+
+
 def _torch_threads() -> int:
     import torch
 

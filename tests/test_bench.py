@@ -2,6 +2,7 @@
 checks the report's structure (no timing assertions)."""
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -255,6 +256,43 @@ def test_cli_peer_and_script_errors_are_one_line(argv, needle, capsys):
     assert main(["bench", "--model", "tiny:llama", "--no-probe", "--peers", "kvplay"] + argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_scale_workload_report_and_print(monkeypatch, tiny_llama):
+    from rich.console import Console
+
+    from kvplay.bench import scale
+    from kvplay.bench.report import print_scale_report
+    from kvplay.bench.run import run_scale_report
+
+    # the same step and stats() measurements on a shorter workload, so the test takes seconds; the
+    # fresh-interpreter ready-time probe (~20 s of imports) is left to `kvplay bench --workload scale`
+    monkeypatch.setattr(scale, "_workload", lambda tok: build_workload("shared-system", tok, users=2, turns=2,
+                                                                       new_tokens=4, system_prompt=SHORT_SYSTEM))
+    monkeypatch.setattr(scale, "ready_at", lambda blocks, progress: {"blocks": blocks, "error": "not run here"})
+    report = run_scale_report(loaded=tiny_llama, small=64, large=4096, huge=8192, reps=1)
+    assert json.loads(json.dumps(report, default=str))
+    step = report["scale"]["step"]
+    assert step["small_blocks"] == 64 and step["large_blocks"] == 4096 and step["step_ratio"] > 0
+    assert step["stats_us"] > 0 and step["delta_blocks"] > 0
+    names = [t["name"] for t in report["targets"]]
+    assert names == ["step cost at 4,096 vs 64 blocks", "stats() at 4,096 blocks (ms)"]
+    assert report["targets"][1]["value"] == pytest.approx(step["stats_us"] / 1000)
+    console = Console(record=True, width=200, file=io.StringIO())
+    print_scale_report(report, console)
+    text = console.export_text()
+    assert "step cost" in text and "stats() at 4,096 blocks" in text and "targets" in text
+    assert "ready at 8,192 blocks: failed: not run here" in text
+
+
+@pytest.mark.parametrize("flag", [["--plot", "x.png"], ["--script", "examples/shared-system.toml"],
+                                  ["--peer-url", "http://127.0.0.1:9"]])
+def test_scale_workload_refuses_what_it_does_not_use(flag, capsys):
+    from kvplay.cli import main
+
+    assert main(["bench", "--workload", "scale"] + flag) == 2
+    err = capsys.readouterr().err.strip()
+    assert "measures the engine alone" in err and len(err.splitlines()) == 1
 
 
 def test_print_and_plot(tiny_report, tmp_path):
