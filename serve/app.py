@@ -209,13 +209,18 @@ class Turn:
 
     async def pieces(self, request: Request | None = None):
         """Yield released text; ends with self.result set. Cancels the request if abandoned."""
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     item = await self.stream.next(timeout=None if request is None else 0.5)
                 except asyncio.TimeoutError:
+                    item = None
+                if request is not None and time.monotonic() - checked >= 0.5:  # tokens may never pause
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if item is None:
                     continue
                 if not hasattr(item, "token_id"):
                     self.result = item

@@ -213,6 +213,7 @@ class StopMatcher:
         cut = min((i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
+            cut = max(cut, self.sent)  # released text never held a whole stop string
             self.stopped = True
             out, self.sent = self.text[self.sent:cut], cut
             return out

@@ -357,3 +357,18 @@ def test_two_people_chat_through_the_openai_sdk_on_the_embedded_model(serve, smo
     cached = last.usage.prompt_tokens_details.cached_tokens
     assert cached >= 64
     assert last.model_extra["kvplay"]["cached_from"] == {"alice": cached}
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
+    srv, state = serve()
+    eng = state.engine
+    finished: dict = {}
+    eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)
+    with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(srv.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000, "ignore_eos": True,
+                "user": "impatient"})
+    assert wait_until(lambda: "impatient" in finished)
+    assert finished["impatient"].finish_reason == "cancelled"
+    assert wait_until(lambda: eng.stats()["blocks_in_use"] == 0)
