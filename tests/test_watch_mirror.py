@@ -1,0 +1,97 @@
+"""The per-pod mirror: creators, holders, counts, attribution by session_id and by token chain."""
+from __future__ import annotations
+
+from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvplay.wire.mirror import SOMEONE_ELSE, Fleet, Mirror
+
+BS = 4
+
+
+def st(hashes, parent, tokens, session=None, **kw):
+    return BlockStored(list(hashes), parent, list(tokens), BS, None, kw.pop("medium", "GPU"), None,
+                       session_id=session, **kw)
+
+
+def batch(*events):
+    return EventBatch(0.0, list(events))
+
+
+def test_store_reuse_evict_counts():
+    m = Mirror("p")
+    sys_tokens = list(range(8))
+    # alice stores a 2-block system prompt and 1 own block
+    assert m.apply(batch(st([1, 2, 3], None, sys_tokens + [50, 51, 52, 53], "alice")), 0) == (3, 0, 0)
+    # bob reuses the system prompt (report mode "full" re-announces it with bob's session) + 1 own
+    m.apply(batch(st([1, 2], None, sys_tokens, "bob"), st([4], 2, [60, 61, 62, 63], "bob")), 1)
+    assert m.blocks[1].creator == "alice" and m.blocks[1].holders == ("alice", "bob")
+    assert m.blocks[4].tokens == [60, 61, 62, 63] and m.blocks[4].parent == 2
+    assert m.blocks[3].tokens == [50, 51, 52, 53] and m.blocks[3].parent == 2
+    s = m.summary()
+    assert s["blocks"] == 4 and s["stored"] == 6 and m.new_blocks == 4 and m.reannounced == 2
+    assert s["by_session"] == {"alice": 3, "bob": 3}
+    assert s["stored_by_session"] == {"alice": 3, "bob": 3}
+    assert m.creators() == {"alice": 3, "bob": 1}
+    # eviction: one BlockRemoved per block, as vLLM sends them
+    assert m.apply(batch(BlockRemoved([3], "GPU"), BlockRemoved([1], "GPU")), 2) == (0, 2, 0)
+    assert m.summary()["by_session"] == {"alice": 1, "bob": 2} and m.removed == 2
+    m.apply(batch(BlockRemoved([999], "GPU")), 3)  # never seen: tolerated, counted
+    assert m.removed_unknown == 1 and m.removed == 2
+    assert m.apply(batch(AllBlocksCleared()), 4) == (0, 0, 1)
+    assert m.blocks == {} and m.summary()["by_session"] == {} and m.cleared == 1
+    assert m.summary()["stored_by_session"] == {"alice": 3, "bob": 3}  # in all, kept
+    assert m.last_seq == 4 and m.batches == 5
+
+
+def test_attribution_by_registered_prompt_then_someone_else():
+    fleet = Fleet()
+    m = fleet.pod("p")
+    fleet.register_prompt("carol", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    # no session_id on the wire: carol's prompt chain matches both full blocks
+    m.apply(batch(st([10, 11], None, [1, 2, 3, 4, 5, 6, 7, 8])), 0)
+    assert m.blocks[10].creator == "carol" and m.blocks[11].creator == "carol"
+    # same second block's tokens under another parent: not carol's chain
+    m.apply(batch(st([20, 21], None, [9, 9, 9, 9, 5, 6, 7, 8])), 1)
+    assert m.blocks[20].creator == SOMEONE_ELSE and m.blocks[21].creator == SOMEONE_ELSE
+    # a child of carol's block, stored in a later batch with tokens she sent later
+    fleet.register_prompt("carol", [1, 2, 3, 4, 5, 6, 7, 8, 42, 42, 42, 42])
+    m.apply(batch(st([12], 11, [42, 42, 42, 42])), 2)
+    assert m.blocks[12].creator == "carol"
+    # a parent we never saw: no chain, no guess
+    m.apply(batch(st([30], 777, [1, 2, 3, 4])), 3)
+    assert m.blocks[30].creator == SOMEONE_ELSE
+    assert m.summary()["by_session"] == {"carol": 3, SOMEONE_ELSE: 3}
+
+
+def test_deep_chain_attribution_is_iterative():
+    fleet = Fleet()
+    m = fleet.pod("p")
+    n = 3000  # deeper than Python's recursion limit
+    toks = [i % 97 for i in range(n * BS)]
+    m.apply(batch(st(range(1, n + 1), None, toks, "x")), 0)
+    fleet.register_prompt("y", toks + [1, 2, 3, 4])
+    m.apply(batch(st([n + 1], n, [1, 2, 3, 4])), 1)
+    assert m.blocks[n + 1].creator == "y"
+
+
+def test_other_medium_and_groups():
+    m = Mirror("p")
+    m.apply(batch(st([1], None, [1, 2, 3, 4], "a", medium="CPU")), 0)
+    assert m.blocks == {} and m.other_medium == 1
+    m.apply(batch(st([1], None, [1, 2, 3, 4], "a", group_idx=1), st([1], None, [1, 2, 3, 4], "a")), 1)
+    assert len(m.blocks) == 2  # group 1's hash 1 is not group 0's hash 1
+    m.apply(batch(BlockRemoved([1], "GPU", group_idx=1)), 2)
+    assert list(m.blocks) == [1]
+
+
+def test_restart_reset_and_fleet_totals():
+    fleet = Fleet()
+    a, b = fleet.pod("a"), fleet.pod("b")
+    a.apply(batch(st([1, 2], None, list(range(8)), "u")), 0)
+    b.apply(batch(st([3], None, list(range(4)), "v")), 0)
+    assert fleet.totals()["blocks"] == 3 and fleet.totals()["by_session"] == {"u": 2, "v": 1}
+    a.reset_for_restart()
+    assert a.blocks == {} and a.restarts == 1 and a.last_seq == -1
+    s = fleet.summary()
+    assert s["summary"] is True and set(s["pods"]) == {"a", "b"}
+    assert set(s["pods"]["a"]) == {"blocks", "by_session", "stored_by_session", "stored", "removed", "gaps",
+                                  "replayed", "restarts"}

@@ -1,0 +1,245 @@
+"""The KV-event subscriber against a real ZMQ publisher (vLLM's semantics, wire/publisher.py) on
+loopback: late join, gaps filled by replay in seq order, restarts, bind mode, lost batches."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError
+from kvplay.wire.mirror import SOMEONE_ELSE, Fleet
+from kvplay.wire.publisher import ZmqEventPublisher
+from kvplay.wire.subscriber import PodSource, Subscriber
+
+BS = 4
+
+
+def stored(hashes, parent=None, session="alice"):
+    return BlockStored(list(hashes), parent, list(range(BS * len(hashes))), BS, None, "GPU", None,
+                       session_id=session)
+
+
+def pump(sub, until, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sub.poll(20)
+        if until():
+            return
+    raise AssertionError(f"timed out; states={sub.states()}")
+
+
+def publish(pub, *events):
+    pub.publish(EventBatch(time.time(), list(events)))
+
+
+@pytest.fixture
+def publisher():
+    pubs = []
+
+    def make(endpoint="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*", topic="kv-events"):
+        p = ZmqEventPublisher(endpoint, replay, topic=topic)
+        pubs.append(p)
+        return p
+
+    yield make
+    for p in pubs:
+        p.shutdown()
+
+
+def connect(pub, replay=True, **kw):
+    src = PodSource("p", pub.endpoint, replay=pub.replay_endpoint if replay else None, topic="kv-events")
+    return Subscriber([src], Fleet(), **kw).open()
+
+
+def test_late_join_replays_from_zero(publisher):
+    pub = publisher()
+    for i in range(5):  # published before anyone listens: only a replay can bring them
+        publish(pub, stored([100 + i], parent=None if i == 0 else 99 + i))
+    while pub.next_seq < 5:  # sent (to nobody) before we connect
+        time.sleep(0.01)
+    with connect(pub) as sub:
+        m = sub.fleet.pod("p")
+        # keep publishing until the subscription is up; the first live seq > 0 triggers a replay
+        n = 5
+        while m.last_seq < 0:
+            publish(pub, stored([100 + n], parent=99 + n))
+            n += 1
+            pump_for(sub, 0.05)
+        pump(sub, lambda: m.last_seq == n - 1 and sub.states()["p"] == "live")
+        assert set(m.blocks) == {100 + i for i in range(n)}
+        assert m.replayed >= 5 and m.gaps == 0 and m.stored == n
+
+
+def restart(publisher, ep, rep):
+    """A new publisher on the same endpoints (ZeroMQ frees a closed socket's port asynchronously)."""
+    from kvplay.engine.errors import EngineError
+
+    end = time.monotonic() + 5
+    while True:
+        try:
+            return publisher(ep, rep)
+        except EngineError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pump_for(sub, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sub.poll(10)
+
+
+def _sync(pub, sub, m):
+    """Publish markers until the subscriber applies one (slow-joiner safe)."""
+    k = 0
+    while m.last_seq < 0:
+        publish(pub, stored([10_000 + k]))
+        k += 1
+        pump_for(sub, 0.05)
+    target = pub.next_seq - 1
+    pump(sub, lambda: m.last_seq >= target and sub.states()["p"] == "live")
+
+
+def test_gap_replay_never_resurrects_a_removed_block(publisher):
+    pub = publisher()
+    applied = []
+    with connect(pub, on_batch=lambda pod, seq, b, c, r: applied.append((seq, r))) as sub:
+        m = sub.fleet.pod("p")
+        _sync(pub, sub, m)
+        s0 = pub.next_seq
+        # Stored(A) is lost in transit; the live Removed(A) after it reveals the gap. A consumer
+        # that applied the live Removed(A) first and the replayed Stored(A) after would keep A.
+        sub.drop_live("p", [s0])
+        publish(pub, stored([7]))
+        publish(pub, BlockRemoved([7], "GPU"))
+        publish(pub, stored([8]))
+        pump(sub, lambda: m.last_seq == s0 + 2 and sub.states()["p"] == "live")
+        assert 7 not in m.blocks and 8 in m.blocks
+        assert m.gaps == 1 and m.replayed >= 2
+        seqs = [s for s, _ in applied]
+        assert seqs == sorted(seqs) and len(seqs) == len(set(seqs))  # in order, no duplicates
+        assert m.by_session["alice"] == len(m.blocks)
+
+
+@pytest.mark.parametrize("mode", ["bind", "connect"])
+def test_restart_clears_the_pod(publisher, mode, tmp_path):
+    restarts = []
+    fleet = Fleet()
+    rep = f"tcp://127.0.0.1:{free_port()}"
+    if mode == "bind":  # vLLM with a non-wildcard endpoint connects to us
+        sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet,
+                         on_restart=restarts.append).open()
+        ep = sub.endpoint("p")
+        pub = publisher(ep, rep)
+    else:  # the publisher binds (ipc: a fixed address the restarted publisher binds again)
+        ep = f"ipc://{tmp_path}/kv.sock"
+        pub = publisher(ep, rep)
+        sub = Subscriber([PodSource("p", ep, replay=rep, topic="kv-events")], fleet,
+                         on_restart=restarts.append).open()
+    try:
+        m = fleet.pod("p")
+        _sync(pub, sub, m)
+        for i in range(5):
+            publish(pub, stored([200 + i]))
+        pump(sub, lambda: m.last_seq == pub.next_seq - 1)
+        assert 204 in m.blocks
+        pub.shutdown()
+        pump(sub, lambda: sub.states()["p"] == "stale")  # the monitor saw the peer leave
+        pub2 = restart(publisher, ep, rep)
+        end = time.monotonic() + 10
+        while m.restarts == 0 and time.monotonic() < end:
+            publish(pub2, stored([300]))
+            pump_for(sub, 0.05)
+        assert m.restarts == 1, sub.pod_info("p")
+        pump(sub, lambda: sub.states()["p"] == "live" and 300 in m.blocks and m.last_seq == pub2.next_seq - 1)
+        assert restarts == ["p"]
+        assert set(m.blocks) == {300}  # the old publisher's cache is gone, the new one's is whole
+    finally:
+        sub.close()
+
+
+def test_bind_mode_publisher_connects(publisher):
+    fleet = Fleet()
+    with Subscriber([PodSource("b", "tcp://127.0.0.1:*", bind=True, topic="kv-events")], fleet) as sub:
+        ep = sub.endpoint("b")
+        assert ep.startswith("tcp://127.0.0.1:") and not ep.endswith("*")
+        pub = publisher(ep, None)  # not a wildcard: vLLM's PUB connects
+        assert not pub.binds
+        m = fleet.pod("b")
+        while m.last_seq < 0:
+            publish(pub, stored([1]))
+            pump_for(sub, 0.05)
+        publish(pub, AllBlocksCleared())
+        pump(sub, lambda: m.cleared >= 1)
+        assert m.blocks == {}
+
+
+def test_gap_without_replay_counts_lost_and_goes_stale_until_cleared(publisher):
+    pub = publisher(replay=None)
+    with connect(pub, replay=False) as sub:
+        m = sub.fleet.pod("p")
+        k = 0
+        while m.last_seq < 0:
+            publish(pub, stored([10_000 + k]))
+            k += 1
+            pump_for(sub, 0.05)
+        pump(sub, lambda: m.last_seq == pub.next_seq - 1)
+        was_incomplete = sub.states()["p"]  # may be stale already if the first batches were missed
+        s0 = pub.next_seq
+        sub.drop_live("p", [s0, s0 + 1])
+        for i in range(3):
+            publish(pub, stored([500 + i]))
+        pump(sub, lambda: m.last_seq == s0 + 2)
+        assert m.gaps == 1 and m.lost >= 2 and sub.states()["p"] == "stale"
+        publish(pub, AllBlocksCleared())
+        pump(sub, lambda: m.last_seq == s0 + 3)
+        assert sub.states()["p"] == "live" and m.blocks == {}
+        assert was_incomplete in ("live", "stale")
+
+
+def test_topic_filter(publisher):
+    pub = publisher(topic="other")
+    src = PodSource("p", pub.endpoint, topic="kv-events")
+    with Subscriber([src], Fleet()) as sub:
+        for _ in range(20):
+            publish(pub, stored([1]))
+            pump_for(sub, 0.02)
+        assert sub.fleet.pod("p").batches == 0 and sub.states()["p"] == "waiting"
+
+
+@pytest.mark.parametrize("ep", ["localhost:5557", "tcp://127.0.0.1", "tcp://127.0.0.1:99999", "http://x:1"])
+def test_bad_endpoints_are_one_line(ep):
+    with pytest.raises(WireError) as exc:
+        Subscriber([PodSource("p", ep)]).open()
+    assert "\n" not in str(exc.value) and "--events" in str(exc.value)
+
+
+def test_bind_conflict_is_one_line():
+    with Subscriber([PodSource("a", "tcp://127.0.0.1:*", bind=True)]) as a:
+        ep = a.endpoint("a")
+        with pytest.raises(WireError, match="--events-bind"):
+            Subscriber([PodSource("b", ep, bind=True)]).open()
+
+
+def test_two_pods_keep_their_own_seq(publisher):
+    p1, p2 = publisher(), publisher()
+    srcs = [PodSource("one", p1.endpoint, replay=p1.replay_endpoint, topic="kv-events"),
+            PodSource("two", p2.endpoint, replay=p2.replay_endpoint, topic="kv-events")]
+    with Subscriber(srcs, Fleet()) as sub:
+        m1, m2 = sub.fleet.pod("one"), sub.fleet.pod("two")
+        while m1.last_seq < 0 or m2.last_seq < 0:
+            publish(p1, stored([1], session="a"))
+            publish(p2, stored([2], session=None))
+            pump_for(sub, 0.05)
+        pump(sub, lambda: m1.last_seq == p1.next_seq - 1 and m2.last_seq == p2.next_seq - 1)
+        assert set(m1.blocks) == {1} and set(m2.blocks) == {2}
+        assert m2.blocks[2].creator == SOMEONE_ELSE
+        assert sub.fleet.summary()["pods"]["one"]["by_session"] == {"a": 1}

@@ -1,0 +1,461 @@
+"""Subscribe to vLLM-format KV events from one or more pods and keep their mirrors exact.
+
+One SUB socket per pod: `connect` to a publisher that binds (``--events``), or `bind` for a
+publisher that connects (``--events-bind``; vLLM connects whenever its endpoint is not a wildcard).
+Per pod the subscriber tracks the last applied seq and the last live seq and handles what the
+ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
+
+- **gap** (a live seq beyond last applied + 1): ask the pod's replay ROUTER through a DEALER for
+  every batch from last applied + 1 (``[b"", seq8]``), read until the end marker (seq -1), and
+  meanwhile *buffer* live batches; then apply the buffer in seq order, dropping what the replay
+  already applied — so a replayed ``Stored(A)`` never resurrects a block a later live
+  ``Removed(A)`` took away. Without a replay endpoint, or when the publisher no longer holds the
+  missed batches, the batches are counted as lost and the pod shows *stale*.
+- **late join**: the first batch seen has seq > 0 and a replay endpoint is known: replay from 0.
+- **restart** (a live seq going backwards, or equal to the last one after the peer disconnected):
+  the publisher's cache went with it: clear that pod's mirror and start again from its seq 0.
+- **reconnect**: ZeroMQ reconnects by itself (a short reconnect interval is set); a socket
+  monitor notices the peer leaving, so the pod shows *stale* until it speaks again.
+
+Pod state: ``waiting`` (nothing yet), ``live``, ``replaying``, ``stale`` (peer gone, or the mirror
+may miss batches; an ``AllBlocksCleared`` makes it exact again).
+
+Nothing here blocks for long: `poll(timeout_ms)` handles what is ready and returns, so a CLI loop
+or an app worker thread can drive it; `fleet.lock` is held while a batch is applied, so a view on
+another thread can read a consistent mirror by taking it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .codec import WireError, decode_batch, parse_frames, replay_request, topic_bytes
+from .mirror import Fleet, Mirror
+
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_endpoint(ep: str, flag: str = "--events") -> str:
+    """Refuse an endpoint ZeroMQ would not take, with one line."""
+    if not isinstance(ep, str) or not ep.startswith(SCHEMES):
+        raise WireError(f"{flag} {ep!r}: give a ZeroMQ endpoint like tcp://127.0.0.1:5557")
+    if ep.startswith("tcp://"):
+        host, _, port = ep[len("tcp://"):].rpartition(":")
+        if not host or not (port.isdigit() or port == "*"):
+            raise WireError(f"{flag} {ep!r}: give host:port, like tcp://127.0.0.1:5557")
+        if port.isdigit() and not 0 < int(port) < 65536:
+            raise WireError(f"{flag} {ep!r}: port out of range")
+    return ep
+
+
+def default_pod_name(ep: str) -> str:
+    for s in SCHEMES:
+        if ep.startswith(s):
+            return ep[len(s):]
+    return ep
+
+
+@dataclass
+class PodSource:
+    """Where one pod's events come from."""
+    name: str
+    endpoint: str
+    bind: bool = False
+    replay: str | None = None
+    topic: str = ""
+
+
+@dataclass
+class _Pod:
+    src: PodSource
+    mirror: Mirror
+    sub: object = None
+    dealer: object = None
+    monitor: object = None
+    last_applied: int = -1
+    last_live: int = -1
+    seen: bool = False
+    connected: bool = False
+    peer_left: bool = False     # a disconnect since the last live batch (a restart may follow)
+    incomplete: bool = False    # batches were lost: the mirror may be wrong until a clear/restart
+    replaying: bool = False
+    replay_deadline: float = 0.0
+    buffer: list = field(default_factory=list)
+    drop: set = field(default_factory=set)  # test hook: live seqs to treat as lost in transit
+    bad_payloads: int = 0
+
+    @property
+    def state(self) -> str:
+        if self.replaying:
+            return "replaying"
+        if not self.seen:
+            return "waiting"
+        if self.incomplete or self.peer_left:
+            return "stale"
+        return "live"
+
+
+class Subscriber:
+    """Drives the pods' sockets and applies their batches to `fleet` in seq order.
+
+    on_batch(pod, seq, batch, (stored, removed, cleared), replayed) is called after each applied
+    batch (the CLI prints it, the recorder writes it); on_state(pod, state) when a pod changes
+    state; on_restart(pod) when a pod's publisher restarted (its mirror was cleared).
+    """
+
+    def __init__(self, sources: list[PodSource], fleet: Fleet | None = None, on_batch=None,
+                 on_state=None, on_restart=None, replay_timeout: float = 3.0, context=None):
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise WireError(f"pod names must differ: {names}")
+        self.sources = sources
+        self.fleet = fleet if fleet is not None else Fleet()
+        self.on_batch = on_batch
+        self.on_state = on_state
+        self.on_restart = on_restart
+        self.replay_timeout = replay_timeout
+        self._ctx = context or zmq.Context.instance()
+        self._pods: dict[str, _Pod] = {}
+        self._by_socket: dict = {}
+        self._poller = zmq.Poller()
+        self._stop = threading.Event()
+        self._opened = False
+
+    # --- sockets ------------------------------------------------------------------------------
+    def open(self) -> "Subscriber":
+        if self._opened:
+            return self
+        try:
+            for src in self.sources:
+                check_endpoint(src.endpoint, "--events-bind" if src.bind else "--events")
+                if src.replay:
+                    check_endpoint(src.replay, "--replay")
+                pod = _Pod(src, self.fleet.pod(src.name))
+                self._pods[src.name] = pod
+                self._open_sub(pod)
+                if src.replay:
+                    self._open_dealer(pod)
+        except BaseException:
+            self.close()
+            raise
+        self._opened = True
+        return self
+
+    def _zmq_call(self, fn, ep: str, flag: str) -> None:
+        try:
+            fn(ep)
+        except zmq.ZMQError as exc:
+            raise WireError(f"{flag} {ep}: {exc.strerror or exc}") from None
+
+    def _open_sub(self, pod: _Pod) -> None:
+        src = pod.src
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: a slow apply only queues
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sub.setsockopt(zmq.SUBSCRIBE, topic_bytes(src.topic))
+        pod.sub = sub
+        self._by_socket[sub] = (pod, "sub")
+        pod.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._by_socket[pod.monitor] = (pod, "monitor")
+        if src.bind:
+            self._zmq_call(sub.bind, src.endpoint, "--events-bind")
+        else:
+            self._zmq_call(sub.connect, src.endpoint, "--events")
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(pod.monitor, zmq.POLLIN)
+
+    def _open_dealer(self, pod: _Pod) -> None:
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVHWM, 0)
+        d.setsockopt(zmq.RECONNECT_IVL, 100)
+        d.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._zmq_call(d.connect, pod.src.replay, "--replay")
+        pod.dealer = d
+        self._by_socket[d] = (pod, "dealer")
+        self._poller.register(d, zmq.POLLIN)
+
+    def _reset_dealer(self, pod: _Pod) -> None:
+        """A fresh DEALER, so a late answer to an abandoned replay cannot be taken for a new one."""
+        if pod.dealer is not None:
+            self._poller.unregister(pod.dealer)
+            self._by_socket.pop(pod.dealer, None)
+            pod.dealer.close(0)
+            pod.dealer = None
+        self._open_dealer(pod)
+
+    def close(self) -> None:
+        for pod in self._pods.values():
+            for name in ("monitor", "sub", "dealer"):
+                s = getattr(pod, name)
+                if s is None:
+                    continue
+                try:
+                    if name == "sub":
+                        s.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                s.close(0)
+                setattr(pod, name, None)
+        self._by_socket.clear()
+        self._poller = zmq.Poller()
+        self._opened = False
+
+    def __enter__(self) -> "Subscriber":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- public view --------------------------------------------------------------------------
+    def states(self) -> dict[str, str]:
+        return {name: p.state for name, p in self._pods.items()}
+
+    def pod_info(self, name: str) -> dict:
+        p = self._pods[name]
+        return {"state": p.state, "last_applied": p.last_applied, "last_live": p.last_live,
+                "buffered": len(p.buffer), "bad_payloads": p.bad_payloads, "lost": p.mirror.lost}
+
+    def endpoint(self, pod: str) -> str:
+        """The pod's SUB endpoint as bound or connected (a wildcard port resolved)."""
+        p = self._pods[pod]
+        ep = p.sub.getsockopt_string(zmq.LAST_ENDPOINT) if p.src.bind else ""
+        return ep or p.src.endpoint
+
+    def drop_live(self, pod: str, seqs) -> None:
+        """Test hook: treat these live seqs of `pod` as lost in transit (forces a gap)."""
+        self._pods[pod].drop.update(int(s) for s in seqs)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self, duration: float | None = None, tick=None, tick_every: float = 1.0) -> None:
+        """Poll until `stop()` or `duration` seconds; `tick()` is called about every `tick_every` s."""
+        self.open()
+        end = None if duration is None else time.monotonic() + duration
+        next_tick = time.monotonic() + tick_every
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if end is not None and now >= end:
+                break
+            wait = 100 if end is None else max(0, min(100, int((end - now) * 1000)))
+            self.poll(wait)
+            if tick is not None and time.monotonic() >= next_tick:
+                tick()
+                next_tick = time.monotonic() + tick_every
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        """Handle whatever is ready (waiting up to timeout_ms); returns how many batches applied."""
+        applied = 0
+        try:
+            ready = self._poller.poll(timeout_ms)
+        except zmq.ZMQError:
+            ready = []
+        for sock, _ in ready:
+            entry = self._by_socket.get(sock)
+            if entry is None:
+                continue
+            pod, kind = entry
+            if kind == "monitor":
+                self._on_monitor(pod)
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    break
+                if kind == "sub":
+                    applied += self._on_live(pod, frames)
+                else:
+                    applied += self._on_replay(pod, frames)
+                    if pod.dealer is not sock:  # the replay finished and the DEALER was replaced
+                        break
+        now = time.monotonic()
+        for pod in self._pods.values():
+            if pod.replaying and now >= pod.replay_deadline:
+                applied += self._finish_replay(pod, complete=False)
+        return applied
+
+    # --- handlers -----------------------------------------------------------------------------
+    def _set_state(self, pod: _Pod, before: str) -> None:
+        after = pod.mirror.state = pod.state
+        if after != before and self.on_state is not None:
+            self.on_state(pod.src.name, after)
+
+    def _on_monitor(self, pod: _Pod) -> None:
+        while True:
+            try:
+                msg = recv_monitor_message(pod.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            before = pod.state
+            ev = msg["event"]
+            if ev in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                pod.connected = True
+            elif ev == zmq.EVENT_DISCONNECTED:
+                pod.connected = False
+                if pod.seen:
+                    pod.peer_left = True
+            self._set_state(pod, before)
+
+    def _decode(self, pod: _Pod, payload: bytes):
+        try:
+            return decode_batch(payload)
+        except WireError:
+            pod.bad_payloads += 1
+            return None
+
+    def _apply(self, pod: _Pod, seq: int, batch, replayed: bool) -> int:
+        m = pod.mirror
+        with self.fleet.lock:
+            counts = m.apply(batch, seq)
+            if replayed:
+                m.replayed += 1
+        pod.last_applied = seq
+        if counts[2] and pod.incomplete and not pod.replaying:
+            pod.incomplete = False  # the cache was reset: the mirror is exact again
+        if self.on_batch is not None:
+            self.on_batch(pod.src.name, seq, batch, counts, replayed)
+        return 1
+
+    def _on_live(self, pod: _Pod, frames) -> int:
+        try:
+            _topic, seq, payload = parse_frames(frames)
+        except WireError:
+            pod.bad_payloads += 1
+            return 0
+        if pod.drop and seq in pod.drop:
+            pod.drop.discard(seq)
+            return 0
+        if (seq == pod.last_applied + 1 and seq > pod.last_live and pod.seen and not pod.replaying
+                and not pod.peer_left):
+            # the steady state: the next batch, in order (no state can change except via a clear)
+            pod.last_live = seq
+            batch = self._decode(pod, payload)
+            if batch is not None:
+                before = pod.state
+                self._apply(pod, seq, batch, False)
+                if pod.state != before:
+                    self._set_state(pod, before)
+                return 1
+            before = pod.state
+            self._apply_or_skip(pod, seq, None, False)
+            self._set_state(pod, before)
+            return 0
+        if seq < 0:
+            return 0
+        before = pod.state
+        applied = 0
+        if pod.last_live >= 0 and (seq < pod.last_live or (seq == pod.last_live and pod.peer_left)):
+            self._restart(pod)
+        elif seq == pod.last_live:
+            return 0  # a duplicate
+        pod.last_live = seq
+        pod.seen = True
+        pod.peer_left = False
+        batch = self._decode(pod, payload)
+        if pod.replaying:
+            pod.buffer.append((seq, batch))
+        elif pod.last_applied < 0 and seq > 0 and pod.dealer is not None:
+            pod.buffer.append((seq, batch))   # joined late: catch up from the publisher's start
+            self._start_replay(pod, 0)
+        elif pod.last_applied < 0:
+            if seq > 0:
+                pod.incomplete = True  # joined late with no replay: earlier blocks are unknown
+            applied += self._apply_or_skip(pod, seq, batch, False)
+        elif seq <= pod.last_applied:
+            pass  # already applied (a replay got ahead of the live stream)
+        elif seq == pod.last_applied + 1:
+            applied += self._apply_or_skip(pod, seq, batch, False)
+        else:
+            pod.mirror.gaps += 1
+            if pod.dealer is not None:
+                pod.buffer.append((seq, batch))
+                self._start_replay(pod, pod.last_applied + 1)
+            else:
+                pod.mirror.lost += seq - pod.last_applied - 1
+                pod.incomplete = True
+                applied += self._apply_or_skip(pod, seq, batch, False)
+        self._set_state(pod, before)
+        return applied
+
+    def _apply_or_skip(self, pod: _Pod, seq: int, batch, replayed: bool) -> int:
+        if batch is None:  # undecodable: its events are lost, later seqs still apply in order
+            pod.last_applied = seq
+            pod.mirror.lost += 1
+            pod.incomplete = True
+            return 0
+        return self._apply(pod, seq, batch, replayed)
+
+    def _restart(self, pod: _Pod) -> None:
+        with self.fleet.lock:
+            pod.mirror.reset_for_restart()
+        pod.last_applied = -1
+        pod.last_live = -1
+        pod.incomplete = False
+        pod.buffer.clear()
+        if pod.replaying:
+            pod.replaying = False
+            self._reset_dealer(pod)
+        if self.on_restart is not None:
+            self.on_restart(pod.src.name)
+
+    def _start_replay(self, pod: _Pod, start: int) -> None:
+        pod.replaying = True
+        pod.replay_deadline = time.monotonic() + self.replay_timeout
+        try:
+            pod.dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not connected yet: the deadline ends the attempt
+
+    def _on_replay(self, pod: _Pod, frames) -> int:
+        if not pod.replaying:
+            return 0  # an answer nobody waits for
+        try:
+            _topic, seq, payload = parse_frames(frames)
+        except WireError:
+            pod.bad_payloads += 1
+            return 0
+        if seq < 0:
+            return self._finish_replay(pod, complete=True)
+        pod.replay_deadline = time.monotonic() + self.replay_timeout  # it is answering
+        if seq <= pod.last_applied:
+            return 0
+        batch = self._decode(pod, payload)
+        if seq > pod.last_applied + 1:
+            # The publisher no longer holds what we missed (it keeps the last 10,000 batches).
+            pod.mirror.lost += seq - pod.last_applied - 1
+            pod.incomplete = True
+        return self._apply_or_skip(pod, seq, batch, True)
+
+    def _finish_replay(self, pod: _Pod, complete: bool) -> int:
+        before = pod.state
+        pod.replaying = False
+        if not complete:
+            pod.incomplete = True
+            self._reset_dealer(pod)
+        applied = 0
+        buffered = sorted(pod.buffer, key=lambda sb: sb[0])
+        pod.buffer.clear()
+        for seq, batch in buffered:
+            if seq <= pod.last_applied:
+                continue  # the replay already applied it
+            if pod.last_applied >= 0 and seq > pod.last_applied + 1:
+                pod.mirror.lost += seq - pod.last_applied - 1
+                pod.incomplete = True
+            elif pod.last_applied < 0 and seq > 0:
+                pod.incomplete = True
+            applied += self._apply_or_skip(pod, seq, batch, False)
+        self._set_state(pod, before)
+        return applied
