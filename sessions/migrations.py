@@ -60,6 +60,14 @@ def m003_replay_clock(db: sqlite_utils.Database) -> None:
     db["cache_events"].add_column("forwards", int)
 
 
+@migration
+def m004_watched_pods(db: sqlite_utils.Database) -> None:
+    """Events of a watched server (`kvplay watch`/`attach`): which pod sent them and the seq of
+    their batch on that pod's wire (`seq` stays the order they were applied in)."""
+    db["cache_events"].add_column("pod", str)
+    db["cache_events"].add_column("wire_seq", int)
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 

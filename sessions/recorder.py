@@ -26,7 +26,7 @@ from kvplay.engine.sampling import SamplingParams
 from .ids import new_ulid
 from .store import StoreError, open_db, resolve_path, write_txn
 
-SOURCES = ("run", "app", "replay")
+SOURCES = ("run", "app", "replay", "watch")
 
 
 def versions() -> dict:
@@ -79,7 +79,7 @@ class Recorder:
         with write_txn(db):
             db["sessions"].insert({
                 "id": sid, "created": time.time(), "ended": None, "source": source, "model": model_name,
-                "engine_config": _dumps(config.to_dict()), "versions": _dumps(versions()),
+                "engine_config": None if config is None else _dumps(config.to_dict()), "versions": _dumps(versions()),
                 "system_prompt": system_prompt, "script_path": script_path, "replay_of": replay_of,
                 "title": title,
             })
@@ -174,6 +174,20 @@ class Recorder:
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot record turn {self._seq} in {self.path}: {exc}") from None
         return tid
+
+    def record_events(self, events, columns: list[dict] | None = None) -> None:
+        """Write events that did not come from an attached engine (a watched server's KV events,
+        as engine events), in one transaction; `columns[i]` adds to event i's row (pod, wire_seq)."""
+        rows = [event_row(self.session_id, ev) for ev in events]
+        for row, extra in zip(rows, columns or ()):
+            row.update(extra)
+        if rows:
+            with self._lock:
+                try:
+                    with write_txn(self.db):
+                        self.db["cache_events"].insert_all(rows)
+                except sqlite3.Error as exc:
+                    raise StoreError(f"cannot record {len(rows)} events in {self.path}: {exc}") from None
 
     def flush(self) -> None:
         with self._lock:
