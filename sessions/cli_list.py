@@ -31,11 +31,14 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"no sessions recorded yet ({path} does not exist)")
         return 0
-    db = open_db(path)
+    db = open_db(path, create=False)
     try:
         rows = list_sessions(db, args.limit)
     finally:
         db.close()
+    # an app opened and closed without a turn recorded nothing worth listing (older kvplay wrote them)
+    empty = sum(1 for r in rows if r["source"] == "app" and not r["turns"])
+    rows = [r for r in rows if not (r["source"] == "app" and not r["turns"])]
     if args.json:
         for r in rows:
             print_json({"id": r["id"], "created": r["created"], "ended": r["ended"], "source": r["source"],
@@ -45,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no sessions recorded yet in {path}")
         return 0
-    table = Table(title=f"sessions in {path}", header_style="bold")
+    hidden = f" ({empty} app session{'s' if empty != 1 else ''} without turns not shown)" if empty else ""
+    table = Table(title=f"sessions in {path}{hidden}", header_style="bold")
     for name, kw in [("id", {"no_wrap": True}), ("when", {"no_wrap": True}), ("source", {}), ("model", {"no_wrap": True}),
                      ("users", {"justify": "right"}), ("turns", {"justify": "right"}),
                      ("hit rate", {"justify": "right"}), ("note", {"no_wrap": True})]:

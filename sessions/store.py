@@ -5,7 +5,8 @@ Default path: `<XDG data dir>/kvplay/sessions.db` (platformdirs); env `KVPLAY_DB
 
 A file that is not SQLite, a DB written by a newer kvplay, a locked DB or an unwritable path
 is refused with one clear line (KvplayError) — and such a file is never modified: every check
-runs before the first write (WAL mode and migrations are written only after they pass).
+runs before the first write (WAL mode and migrations are written only after they pass). Readers
+(`create=False`) refuse an empty file too; writers treat it as a new database.
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
     p = resolve_path(path)
     if p.exists():
         _check_file(p)
+        if not create and p.is_file() and p.stat().st_size == 0:
+            # A reader never writes a schema into someone's empty file. (A writer may: SQLite
+            # treats an empty file as an empty database, and `touch x.db; kvplay run --db x.db`
+            # clearly asks for a new one.)
+            raise StoreError(f"{p} is an empty file, not a sessions database (left unchanged)")
     elif not create:
         raise StoreError(f"no sessions database at {p} (record one with `kvplay run` or the app)")
     else:

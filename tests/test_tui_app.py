@@ -55,10 +55,35 @@ async def test_second_user_reuses_first_users_blocks(tiny_llama):
         assert f"cached {stats.cached_tokens} (alice {stats.cached_from['alice']})" in badge
         bm = app.query_one(BlockMap)
         # the map marks the blocks bob reused, and they are alice's
-        assert bm.hit and all(bm.views[i].creator == "alice" for i in bm.hit)
-        assert all("bob" in bm.views[i].users for i in bm.hit)
+        assert bm.hit and all(app.backend.block(i).creator == "alice" for i in bm.hit)
+        assert all("bob" in app.backend.block(i).users for i in bm.hit)
+        assert bm.bpc == 1
         row = bm.render_line(0).text
         assert "+" in row and "a" in row
+
+
+async def test_map_marks_exactly_the_reused_blocks(tiny_llama):
+    """As many marked cells as the badge's cached blocks, each on a band spanning its cell (the
+    issue saw 8 cells for 7 blocks: `a+a+a+…a` reads as one more cell than it marks)."""
+    from kvplay.tui.blockmap import HIT_BG
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
+        stats = app._requests[-1]
+        bm = app.query_one(BlockMap)
+        banded = 0
+        for y in range(bm.size.height):
+            segs = list(bm.render_line(y))
+            for glyph, mark in zip(segs[0::2], segs[1::2]):
+                if mark.text == "+":
+                    banded += 1
+                    assert glyph.style.bgcolor.name == HIT_BG and mark.style.bgcolor.name == HIT_BG
+                else:
+                    assert glyph.style.bgcolor is None or glyph.style.bgcolor.name != HIT_BG
+        assert banded == stats.cached_tokens // app.engine.config.block_size == len(bm.hit)
 
 
 async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
@@ -91,8 +116,9 @@ async def test_map_refreshes_only_changed_rows(tiny_llama):
     app = make_app(tiny_llama, num_blocks=200)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.query_one(BlockMap).cell_count == 200)
+        await pilot.pause(0.1)
         bm = app.query_one(BlockMap)
-        views = list(bm.views)
+        views = [app.backend.block(i) for i in range(200)]
         bm.update_blocks(views, app.looks)
         assert bm.rows_refreshed == 0
         import dataclasses
@@ -308,3 +334,74 @@ async def test_lab_runs_from_the_app_and_shows_its_verdict(tiny_llama):
         verdicts = [p for p in app.screen.parts if isinstance(p, Panel)]
         assert verdicts and "response-cache" in str(verdicts[0].title) and "response cache" in str(verdicts[0].renderable)
         assert app.engine.config.isolation == "shared"  # the lab restored the mode it found
+
+
+async def test_a_lab_leaves_no_blocks_and_none_of_its_requests_in_the_apps_numbers(tiny_llama):
+    from kvplay.tui.screens import LabScreen
+
+    app = make_app(tiny_llama, num_blocks=128)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        own = app._requests[-1]
+        app._run_lab("response-cache")
+        await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
+        app._dirty = True
+        await wait_until(pilot, lambda: not app._dirty and not app._refreshing)
+        await pilot.pause(0.2)
+        st = app._stats
+        assert app.engine.stats()["query_tokens"] > own.prompt_tokens  # the lab did run requests
+        assert (st["query_tokens"], st["hit_tokens"]) == (own.prompt_tokens, own.cached_tokens)
+        assert st["blocks_free"] == st["blocks_total"]  # its blocks went with it
+        assert "hit rate 0%" in str(app.query_one("#stats").render())
+
+
+async def test_an_app_session_without_turns_is_not_recorded(tiny_llama, tmp_path):
+    import sqlite3
+
+    db = tmp_path / "sessions.db"
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
+                    loaded=tiny_llama, record=True, db=str(db), timings=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.pause(0.3)
+    assert not db.exists() or sqlite3.connect(db).execute("select count(*) from sessions").fetchone()[0] == 0
+
+
+def test_listing_an_empty_file_says_so_and_leaves_it_empty(tmp_path, capsys):
+    from kvplay.cli import main
+
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    assert main(["sessions", "--db", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty file" in err[0] and "left unchanged" in err[0]
+    assert empty.stat().st_size == 0
+
+
+async def test_map_of_a_big_pool_shows_its_scale_zooms_jumps_and_filters(tiny_llama):
+    from kvplay.tui.blockmap import BlockMap
+
+    app = make_app(tiny_llama, num_blocks=100_000)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
+        bm = app.query_one(BlockMap)
+        await wait_until(pilot, lambda: bm._row_keys)
+        rows = bm.virtual_size.height
+        assert rows <= 12 and bm.bpc > 1 and bm.cell_count <= bm.cols * 12  # the whole pool at a glance
+        title = str(app.query_one("#map-title").render())
+        assert f"1 cell = {bm.bpc:,} blocks · 100,000 blocks · whole pool" in title
+        bm.focus()
+        await pilot.press("plus")
+        assert bm.bpc == bm.overview_bpc // 4 and bm.zoomed
+        await pilot.press("j")  # the last request's blocks, one cell each
+        await wait_until(pilot, lambda: bm.bpc == 1)
+        first = min(app._last_blocks)
+        assert bm.cursor == first and "1 cell = 1 block ·" in str(app.query_one("#map-title").render())
+        assert f"block #{first} " in str(app.query_one("#detail").render())
+        await pilot.press("slash")  # alice's blocks only
+        assert bm.user_filter == "alice" and "only alice's" in str(app.query_one("#map-title").render())
+        await pilot.press("0")
+        assert not bm.zoomed and bm.bpc == bm.overview_bpc

@@ -25,9 +25,10 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
 from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec, sampling_for
 
+from .backend import LocalEngineBackend
 from .blockmap import BlockMap
 from .controls import ControlsMixin
-from .format import block_detail, event_line, legend_text, mode_line, requests_text, stats_text, ttft_text
+from .format import block_detail, event_line, range_detail, legend_text, mode_line, requests_text, stats_text, ttft_text
 from .messages import (EngineEvent, EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
                        ReplyFailed)
 from .panes import ChatPane
@@ -132,6 +133,7 @@ class KvplayApp(ControlsMixin, App):
             self.sub_title = title
         self.looks = assign_looks([u.name for u in self.users], {u.name: u.colour for u in self.users})
         self.engine = None
+        self.backend = None  # the ChatBackend the panes and the map use (tui/backend.py)
         self.ready = asyncio.Event()
         self.autoplay_done = asyncio.Event()
         self.paused = False
@@ -146,7 +148,9 @@ class KvplayApp(ControlsMixin, App):
         self._ttft: dict[str, list[float]] = {}
         self._inflight: dict[int, tuple[ChatPane, str]] = {}
         self._pending: list = []  # messages typed while the model was loading
-        self._views: tuple = ()
+        self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
+        self._last_blocks: set[int] = set()  # ... of the last request that finished
+        self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)
         self._stats: dict | None = None
         self._detail_block: int | None = None
         self._unsubscribe = None
@@ -165,7 +169,7 @@ class KvplayApp(ControlsMixin, App):
                     yield ChatPane(u, self.looks[u.name], self._hint(i, u.name))
             with VerticalScroll(id="side"):
                 yield Static(Text(f"loading the model ({self.config.model}) …", style="bold"), id="status")
-                yield Static("Block pool", classes="section")
+                yield Static("Block pool", classes="section", id="map-title")
                 yield BlockMap(id="map")
                 yield Static(id="legend")
                 yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
@@ -254,6 +258,8 @@ class KvplayApp(ControlsMixin, App):
 
     def on_engine_ready(self, msg: EngineReady) -> None:
         self.engine = msg.engine
+        self.backend = LocalEngineBackend(msg.engine)
+        self.query_one(BlockMap).set_source(self.backend, self.looks)
         for u in self.users:  # each pane's identity is bound in the engine, not per message
             self.engine.register_user(u.name, u.group)
         for p in self.panes:
@@ -347,7 +353,7 @@ class KvplayApp(ControlsMixin, App):
             opened.result()  # the recorder listens before the first request is submitted
         started = time.time()
         try:
-            handle = self.engine.submit(user, messages, sampling)  # the group: the engine's registry
+            handle = self.backend.submit(user, messages, sampling)  # the group: the engine's registry
         except EngineError as exc:
             self.post_message(ReplyFailed(turn_id, user, str(exc)))
             return
@@ -407,6 +413,11 @@ class KvplayApp(ControlsMixin, App):
             self._hit = set()
         elif ev.kind in ("AllBlocksCleared",):
             self._hit = set()
+            self._last_blocks = set()
+        if ev.kind in ("BlockHit", "BlockStored"):
+            self._request_blocks.setdefault(ev.request_id, set()).update(ev.block_ids)
+        elif ev.kind == "RequestFinished":
+            self._last_blocks = self._request_blocks.pop(ev.request_id, set()) or self._last_blocks
         line = event_line(ev, self.looks)
         if line:
             self.query_one("#events", Log).write_line(line)
@@ -426,29 +437,46 @@ class KvplayApp(ControlsMixin, App):
             self._refreshing = True
             self._fetch_state()
 
-    @work(thread=True, exit_on_error=False, group="refresh", description="Reading the pool")
+    @work(thread=True, exit_on_error=False, group="refresh", description="Reading the counters")
     def _fetch_state(self) -> None:
-        # stats() waits for the engine's lock (between steps); do it off the UI thread.
+        # stats() waits for the engine's lock (between steps): off the UI thread, and never long.
+        # The map reads the pool itself, in ranges (BlockMap.set_source).
         try:
-            views, stats = self.engine.snapshot(), self.engine.stats()
+            stats = self.backend.stats(timeout=0.2)
         except Exception:
-            views, stats = self.engine.snapshot(), None
-        self.call_from_thread(self._apply_state, views, stats)
+            stats = None
+        self.call_from_thread(self._apply_state, stats)
 
-    def _apply_state(self, views, stats) -> None:
+    def _apply_state(self, stats) -> None:
+        from .controls import without_labs
+
         self._refreshing = False
-        self._views = views
         if stats is not None:
+            stats = without_labs(stats, self._excluded)
             self._stats = stats
             self.query_one("#stats", Static).update(stats_text(stats))
-            self.query_one("#status", Static).update(
-                mode_line(stats, self.engine.model_name, str(getattr(self.engine.loaded, "device", ""))))
+            self.query_one("#status", Static).update(mode_line(stats, self.backend.model_name, self.backend.device))
         self._redraw_map()
         if self._detail_block is not None:
-            self._show_detail(self._detail_block)
+            self._show_detail(*self._detail_block)
 
     def _redraw_map(self) -> None:
-        self.query_one(BlockMap).update_blocks(self._views, self.looks, self._hit, self._flash)
+        bm = self.query_one(BlockMap)
+        bm.looks, bm.hit, bm.flash = self.looks, frozenset(self._hit), frozenset(self._flash)
+        bm._rebuild()
+
+    @on(BlockMap.ViewChanged, "#map")
+    def _on_map_view(self, msg: BlockMap.ViewChanged) -> None:
+        if isinstance(msg, BlockMap.JumpRequested):
+            return self._on_map_jump(msg)
+        for title in self.query("#map-title"):
+            title.update(Text.assemble(("Block pool", "bold"), ("  " + msg.blockmap.scale_text(), "")))
+
+    def _on_map_jump(self, msg: BlockMap.JumpRequested) -> None:
+        if self._last_blocks:
+            msg.blockmap.show_blocks(self._last_blocks)
+        else:
+            self.notify("No request has finished yet: nothing to jump to.")
 
     def _update_legend(self) -> None:
         self.query_one("#legend", Static).update(legend_text(self.looks))
@@ -460,27 +488,29 @@ class KvplayApp(ControlsMixin, App):
 
     @on(BlockMap.CellSelected)
     def _on_cell(self, msg: BlockMap.CellSelected) -> None:
-        self._detail_block = msg.block_id
-        self._show_detail(msg.block_id)
+        self._detail_block = (msg.block_id, msg.blocks)
+        self._show_detail(msg.block_id, msg.blocks)
 
-    def block_detail(self, block_id: int) -> Text:
-        if not self._views or block_id >= len(self._views):
+    def block_detail(self, block_id: int, blocks: int = 1) -> Text:
+        if self.backend is None or not 0 <= block_id < self.backend.num_blocks:
             return Text("")
-        tok = self.engine.tokenizer if self.engine is not None else None
-        return block_detail(self._views[block_id], self.looks, tok, self.timings)
+        if blocks > 1:
+            return range_detail(block_id, self.backend.arrays(block_id, block_id + blocks), self.looks)
+        view = self.backend.block(block_id)
+        if view is None:
+            return Text("")
+        return block_detail(view, self.looks, self.backend, self.timings)
 
     def select_block(self, block_id: int) -> None:
-        """Put the map's cursor on a block and show its details."""
+        """Show single blocks with the map's cursor on `block_id`, and its details."""
         bm = self.query_one(BlockMap)
         bm.focus()
-        bm.cursor_visible = True
-        bm.cursor = max(0, min(block_id, max(0, bm.cell_count - 1)))
-        bm._rebuild()
-        self._detail_block = bm.cursor
+        bm.set_scale(1, max(0, min(block_id, max(0, bm.num_blocks - 1))))
+        self._detail_block = (bm.cursor, 1)
         self._show_detail(bm.cursor)
 
-    def _show_detail(self, block_id: int) -> None:
-        self.query_one("#detail", Static).update(self.block_detail(block_id))
+    def _show_detail(self, block_id: int, blocks: int = 1) -> None:
+        self.query_one("#detail", Static).update(self.block_detail(block_id, blocks))
 
     # --- autoplay (scripts and replays) --------------------------------------------------------
     @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")
@@ -550,11 +580,13 @@ class KvplayApp(ControlsMixin, App):
     def on_unmount(self) -> None:
         if self._unsubscribe:
             self._unsubscribe()
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.backend is not None:  # in-flight replies end now ("engine shut down"), not when done
+            self.backend.close(timeout=1.0)
+        elif self.engine is not None:
+            self.engine.shutdown(timeout=1.0)
         if self.recorder is not None:
             self._recorder_call(self.recorder.close)
-        self._rec_pool.shutdown(wait=True)
+        self._rec_pool.shutdown(wait=True)  # every finished turn is written before we go
 
 
 def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
@@ -564,8 +596,12 @@ def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
     recorded pace × `speed` (F11 pauses, F12 steps). `replay_of` records the run as a replay."""
     app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title, replay_of=replay_of)
     app.run()
-    if app.recorder_error:
-        import sys
+    import sys
 
+    if app.recorder_error:
         print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
-    return 0
+    # Quit at once: the session is written (on_unmount waited for the recorder); what is left is
+    # a model still loading or a step in flight, and torch's slow teardown. Nothing to keep.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -29,6 +29,22 @@ APP_LABS = {
 }
 from .theme import assign_looks
 
+# Counters a lab's own requests add to the engine's; the app subtracts them (without_labs).
+LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
+
+
+def without_labs(stats: dict, excluded: dict[str, int]) -> dict:
+    """The engine's stats minus what labs run from the app added: the app's numbers describe
+    the app's own requests (as its request bars and its recorded session do)."""
+    if not excluded:
+        return stats
+    out = dict(stats)
+    for k, v in excluded.items():
+        if k in out:
+            out[k] = max(0, out[k] - v)
+    out["hit_rate"] = out["hit_tokens"] / out["query_tokens"] if out.get("query_tokens") else 0.0
+    return out
+
 
 class ControlsMixin:
     """Actions bound in KvplayApp.BINDINGS and listed in the command palette."""
@@ -73,7 +89,8 @@ class ControlsMixin:
                 self._apply_reconfigure(changes, what)
 
         if self.engine.needs_fresh_cache(**changes):
-            n = sum(1 for b in self.engine.snapshot() if b.state != "free")
+            st = self.engine.stats()
+            n = st["blocks_total"] - st["blocks_free"]
             self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} blocks in the "
                                            "pool will be dropped. Continue?"), apply)
         else:
@@ -221,7 +238,8 @@ class ControlsMixin:
 
         self.push_screen(ConfirmScreen(
             f"The {name} lab runs on this engine: it clears the cache and switches modes while it runs "
-            "(restoring them after), and typing meanwhile disturbs its measurements. Run it?"), done)
+            "(restoring them after), and empties the cache when done; its requests do not count in "
+            "the app's numbers. Typing meanwhile disturbs its measurements. Run it?"), done)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="lab", description="Running a lab")
     def _run_lab(self, name: str) -> None:
@@ -231,12 +249,20 @@ class ControlsMixin:
 
         module, params_cls, sizes = APP_LABS[name]
         mod = importlib.import_module(module)
+        before = self.engine.stats(timeout=60)
         try:
             result = mod.run(self.engine, getattr(mod, params_cls)(**sizes), LabContext())
         except Exception as exc:  # a lab failure is a notice, never a crash of the app
             self.call_from_thread(self.notify, f"{name} lab failed: {exc}", severity="error")
             return
-        self._dirty = True
+        finally:
+            # The lab leaves nothing behind: its blocks go (it cleared the app's at its start),
+            # and its requests leave the app's counters.
+            self.engine.clear_cache()
+            after = self.engine.stats(timeout=60)
+            for k in LAB_COUNTERS:
+                self._excluded[k] = self._excluded.get(k, 0) + after.get(k, 0) - before.get(k, 0)
+            self._dirty = True
         parts = renderables(result)  # tables..., verdict, footer: show the verdict first
         self.call_from_thread(self.push_screen, LabScreen(f"lab: {name}", [parts[-2], *parts[:-2], parts[-1]]))
 

@@ -142,10 +142,38 @@ def legend_text(looks: dict[str, UserLook]) -> Text:
     t.append(" in use · ")
     t.append("a", style="#bbbbbb")
     t.append(" cached · ")
+    t.append("a", style="dim #bbbbbb")
+    t.append(" under half full · ")
     t.append("·", style=FREE_STYLE)
     t.append(" free · ")
-    t.append("+", style="bold")
-    t.append(" reused by last request")
+    t.append("a+", style="bold #ffffff on #5a5a5a")
+    t.append(" reused by last request\n")
+    t.append("colour: who created most of a cell · map keys: +/- zoom, 0 whole pool, j last request, / user",
+             style=DIM)
+    return t
+
+
+def range_detail(first: int, arrays, looks: dict[str, UserLook]) -> Text:
+    """What a run of blocks holds: `blocks #4,096–#8,191: 120 in use · 800 cached · 3,176 free`
+    and who created them (from the state and creator codes of engine.observe.BlockArrays)."""
+    import numpy as np
+
+    n = len(arrays.state)
+    t = Text()
+    t.append(f"blocks #{first:,}–#{first + n - 1:,} ", style="bold")
+    counts = np.bincount(arrays.state.astype(np.int64), minlength=3)
+    t.append(f"{int(counts[2]):,} in use · {int(counts[1]):,} cached · {int(counts[0]):,} free")
+    owned = arrays.creator[(arrays.state != 0) & (arrays.creator >= 0)]
+    if len(owned):
+        by = np.bincount(owned.astype(np.int64))
+        order = [int(c) for c in np.argsort(-by) if by[c]]
+        t.append("\ncreated by ")
+        for i, code in enumerate(order[:6]):
+            name = arrays.users[code] if code < len(arrays.users) else "?"
+            if i:
+                t.append(", ")
+            t.append(f"{name} {int(by[code]):,}", style=_look(looks, name).style)
+    t.append("\n+ zooms in; single blocks show their tokens", style=DIM)
     return t
 
 
