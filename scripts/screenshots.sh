@@ -12,4 +12,9 @@ SIZE=${SIZE:-160x48}
     --model default --size "$SIZE" --title "isolation = user: no sharing across users"
 "$KVPLAY" screenshot screenshots/eviction.svg --script screenshots/eviction.toml \
     --model default --size "$SIZE" --show-events --title "eviction pressure: 24 blocks, four users"
+# the scrubber: record the eviction-pressure run, then open it at event 40 (mid-run, four users queued)
+DB=$(mktemp -d)/scrub.db
+"$KVPLAY" run examples/eviction-pressure.toml --model default --db "$DB" --json > /dev/null
+SID=$("$KVPLAY" sessions --db "$DB" --json | head -1 | python3 -c 'import json, sys; print(json.load(sys.stdin)["id"])')
+"$KVPLAY" scrub "$SID" --db "$DB" --at 40 --screenshot screenshots/scrubber.svg --size "$SIZE"
 echo "screenshots/*.svg regenerated"

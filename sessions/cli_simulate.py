@@ -26,6 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--isolation", default=None, help=f"comma list of {', '.join(ISOLATION_MODES)} (default: recorded)")
     parser.add_argument("--json", action="store_true", help='{"recorded": …, "results": […]} on stdout')
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="save hit rate vs pool size per policy")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per hash id of a Mooncake trace file (default 16)")
     parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
 
 
@@ -59,13 +60,13 @@ def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
     return sorted(set(out))
 
 
-def load_source(source: str, db_path: str | None) -> tuple[Trace, str | None]:
+def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple[Trace, str | None]:
     """A trace file when `source` names a file, else a session in the sessions DB; with the
     line naming a trace file's first bad record (its good records are still simulated)."""
     if os.path.isfile(source):
         from .traces import read_trace_file
 
-        read = read_trace_file(source)
+        read = read_trace_file(source, block_size=block_size)
         return read.trace, read.error
     from .store import open_db
     from .traces import session_trace
@@ -84,11 +85,11 @@ def plot(results, trace: Trace, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     isos = sorted({r.isolation for r in results})
     styles = ["-", "--", ":", "-."]
-    for p in dict.fromkeys(r.policy for r in results):
+    for i, p in enumerate(dict.fromkeys(r.policy for r in results)):
         for k, iso in enumerate(isos):
             pts = sorted((r.num_blocks, r.hit_rate * 100) for r in results if r.policy == p and r.isolation == iso)
             label = p if len(isos) == 1 else f"{p} ({iso})"
-            ax.plot([x for x, _ in pts], [y for _, y in pts], styles[k % len(styles)], marker="o",
+            ax.plot([x for x, _ in pts], [y for _, y in pts], styles[k % len(styles)], marker="o", color=f"C{i}",
                     label=label, linewidth=2.4 if p == "belady" else 1.4)
     c = trace.config
     if trace.recorded_hit_rate is not None:
@@ -112,7 +113,11 @@ def main(args: argparse.Namespace) -> int:
 
     policies = _list(args.policy, SIM_POLICIES, "--policy")
     check_output_file(args.plot, "--plot", ".png")
-    trace, bad = load_source(args.source, args.db)
+    if args.block_size <= 0:
+        from kvplay.cli import KvplayError
+
+        raise KvplayError(f"--block-size must be positive (got {args.block_size})")
+    trace, bad = load_source(args.source, args.db, args.block_size)
     rc = _report(args, trace, policies)
     if bad:
         print(f"kvplay: error: {bad} (simulated the records before it)", file=sys.stderr)

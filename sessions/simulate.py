@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
-from kvplay.engine.events import AllBlocksCleared, RequestFinished, RequestStarted
+from kvplay.engine.events import RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.prefix import BlockHasher, block_extras
@@ -294,8 +294,6 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
 
 
 def _queued(item: TraceRequest):
-    from kvplay.engine.events import RequestQueued
-
     return RequestQueued(request_id=item.request_id, user=item.user, prompt_tokens=len(item.prompt_ids))
 
 
