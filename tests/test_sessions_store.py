@@ -20,7 +20,7 @@ EXPECTED = {
               "output_tokens", "cached_from", "preemptions", "finish_reason", "error", "token_ids",
               "prompt_ids", "system_tokens"},
     "cache_events": {"id", "session_id", "seq", "ts", "kind", "block_ids", "block_hashes", "user", "request_id",
-                     "payload", "forwards"},
+                     "payload", "forwards", "pod", "wire_seq"},
 }
 
 
