@@ -232,9 +232,9 @@ class Observer:
         }
 
     # --- from any thread --------------------------------------------------------------------------
-    def stats(self, timeout: float = 1.0) -> dict:
+    def stats(self, timeout: float | None = 1.0) -> dict:
         lock = self.engine._lock
-        if not lock.acquire(timeout=timeout):
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
             return dict(self._stats)
         try:
             return self.compute_stats()
@@ -270,9 +270,9 @@ class Observer:
         finally:
             lock.release()
 
-    def snapshot(self, timeout: float = 1.0) -> tuple[BlockView, ...]:
+    def snapshot(self, timeout: float | None = 1.0) -> tuple[BlockView, ...]:
         lock = self.engine._lock
-        if not lock.acquire(timeout=timeout):
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
             if self._full is not None:
                 return self._full  # busy: the last one built
             lock.acquire()
