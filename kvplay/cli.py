@@ -26,6 +26,7 @@ COMMANDS = {
     "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
     "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
     "serve": ("kvplay.serve.cli", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
+    "watch": ("kvplay.wire.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
 }
 
 
