@@ -19,6 +19,11 @@ def _mib(v) -> str:
     return "–" if v is None else f"{v / 1024 / 1024:.1f}"
 
 
+def _load(v) -> str:
+    """os.getloadavg() as "1.29 1.03 1.54" (1, 5, 15 minutes)."""
+    return "–" if not v else " ".join(f"{x:.2f}" for x in v)
+
+
 def _ratio(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
@@ -95,7 +100,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
             console = Console(width=140)
     console.print(f"[bold]kvplay bench[/] · {report['model']} on {report['device']} ({report['dtype']}) · "
                   f"{report['cpu_count']} CPUs, torch threads {report['torch_threads']} · load avg "
-                  f"{report['load_avg_start']} → {report.get('load_avg_end')} · {report['elapsed_s']:.0f} s"
+                  f"{_load(report['load_avg_start'])} → {_load(report.get('load_avg_end'))} · {report['elapsed_s']:.0f} s"
                   + (" · --quick" if report["quick"] else ""))
     console.print(legend(report))
     for w in report["workloads"]:
@@ -126,7 +131,7 @@ def print_scale_report(report: dict, console: Console | None = None) -> None:
         if not console.is_terminal:
             console = Console(width=140)
     console.print(f"[bold]kvplay bench --workload scale[/] · {report['cpu_count']} CPUs, torch threads "
-                  f"{report['torch_threads']} · load avg {report['load_avg_start']} → {report.get('load_avg_end')} · "
+                  f"{report['torch_threads']} · load avg {_load(report['load_avg_start'])} → {_load(report.get('load_avg_end'))} · "
                   f"{report['elapsed_s']:.0f} s")
     for line in scale_lines(report["scale"]):
         console.print(line, markup=False, highlight=False)
