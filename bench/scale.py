@@ -210,13 +210,16 @@ def scale_targets(result: dict) -> list[Target]:
 
 def scale_lines(result: dict) -> list[str]:
     s, r = result.get("step", {}), result.get("ready", {})
-    lines = [f"model {result.get('model')}, load average before {result.get('load_avg_before')}"]
+    load = result.get("load_avg_before")
+    lines = [f"model {result.get('model')}, load average before {' '.join(map(str, load)) if load else '–'}"]
     if s:
         lines += [
             f"step cost ({s['workload']}): {s['step_ms_small']:.2f} ms at {s['small_blocks']:,} blocks, "
             f"{s['step_ms_large']:.2f} ms at {s['large_blocks']:,} -> {s['step_ratio']:.2f}x "
-            f"(median of {s['reps']}; all: {s['step_ms_all']})",
-            f"engine build: {s['engine_build_s']} s",
+            f"(median of {s['reps']}; all: "
+            + "; ".join(f"{int(n):,}: {', '.join(f'{x:.2f}' for x in v)} ms" for n, v in s["step_ms_all"].items())
+            + ")",
+            "engine build: " + ", ".join(f"{float(v):.3f} s at {int(n):,} blocks" for n, v in s["engine_build_s"].items()),
         ]
         if "stats_us" in s:
             lines += [
