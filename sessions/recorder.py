@@ -19,9 +19,12 @@ import sqlite3
 import threading
 import time
 
-from kvplay.engine.config import EngineConfig
-from kvplay.engine.request import RequestResult
-from kvplay.engine.sampling import SamplingParams
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: recording a watched server must not import torch
+    from kvplay.engine.config import EngineConfig
+    from kvplay.engine.request import RequestResult
+    from kvplay.engine.sampling import SamplingParams
 
 from .ids import new_ulid
 from .store import StoreError, open_db, resolve_path, write_txn
