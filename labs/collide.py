@@ -26,9 +26,7 @@ from kvplay.engine import events as ev
 from kvplay.engine.prefix import BlockHasher, block_extras
 from kvplay.engine.sampling import SamplingParams
 
-from kvplay.sessions.report import attribution
-
-from .common import LabContext, LabResult, Table, pyplot, quoted, token_messages
+from .common import LabContext, LabResult, Table, cached_cell, pyplot, quoted, token_messages
 
 TEMPLATE = "{pad}Remember this: my locker code is {code}.\nWhat is my locker code? Reply with the code only."
 DIGITS = 8
@@ -226,7 +224,7 @@ def run(eng, params: CollideParams | None = None, ctx: LabContext | None = None)
             f"alice's code {pair['code_a']}, bob's code {pair['code_b']}",
             ["verify-on-hit", "bob cached tokens (from)", "collisions caught", "bob's answer", "bob's cold answer",
              "correct"],
-            [[d["verify_on_hit"], f"{d['bob_cached_tokens']}/{d['bob_prompt_tokens']} {attribution(d['bob_cached_from'], 'bob')}".strip(),
+            [[d["verify_on_hit"], cached_cell(d["bob_cached_tokens"], d["bob_prompt_tokens"], d["bob_cached_from"], "bob"),
               d["collisions_caught"], quoted(d["bob_answer"]), quoted(pair["bob_cold_answer"]), d["bob_correct"]]
              for d in demos]))
     data = {"params": p.__dict__, "offline": offline, "feed": feed, "pair": pair, "demos": demos,

@@ -99,6 +99,14 @@ def render(result: LabResult, console=None) -> None:
         console.print(r)
 
 
+def cached_cell(cached: int, prompt: int, cached_from: dict | None, user: str) -> str:
+    """"32/34 (alice 32)": cached / prompt tokens and whose blocks they were."""
+    from kvplay.sessions.report import attribution
+
+    who = attribution(cached_from, user)
+    return f"{cached}/{prompt}" + (f" ({who})" if who else "")
+
+
 def quoted(text: str) -> str:
     """A model's answer inside a sentence or a cell: in quotes, on one line."""
     from kvplay.sessions.report import excerpt

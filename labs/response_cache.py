@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
-from kvplay.sessions.report import attribution
-
-from .common import LabContext, LabResult, Table
+from .common import LabContext, LabResult, Table, cached_cell
 
 QUESTION = "Am I pretty?"
 
@@ -92,7 +90,7 @@ def run(eng, params: ResponseCacheParams | None = None, ctx: LabContext | None =
     rows = []
     for (u, s), a, b, c in zip(people, with_rc, kv, cold):
         rows.append([u, s, a["text"], a["source"], b.text,
-                     f"{b.stats.cached_tokens}/{b.stats.prompt_tokens} {attribution(b.stats.cached_from, u)}".strip(),
+                     cached_cell(b.stats.cached_tokens, b.stats.prompt_tokens, b.stats.cached_from, u),
                      b.text == c])
     rc_texts = [a["text"] for a in with_rc]
     kv_texts = [r.text for r in kv]
