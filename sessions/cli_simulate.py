@@ -157,6 +157,11 @@ def _report(args, trace: Trace, policies: list[str]) -> int:
                   f"{trace.recorded_query_tokens}: blocks stored under a parent that was cached); replayed in "
                   f"kvplay's pool as set here: {own.hit_rate:.1%}", highlight=False)
     elif recorded is not None:
+        end = getattr(trace, "final_settings", None) or {}
+        changed = [f"{k} {getattr(c, k)} → {v}" for k, v in end.items() if v is not None and v != getattr(c, k)]
+        if changed:
+            con.print(f"[yellow]settings changed during the session ({', '.join(changed)}); the replay uses the "
+                      "initial ones, so it cannot match the live run exactly[/yellow]", highlight=False)
         same = own.hit_tokens == trace.recorded_hit_tokens and own.query_tokens == trace.recorded_query_tokens
         verdict = "[green]reproduces[/green]" if same else "[yellow]differs[/yellow]"
         con.print(f"replayed under its recorded settings: {own.hit_rate:.1%} ({own.hit_tokens}/{own.query_tokens}); "

@@ -72,6 +72,7 @@ class Trace:
     source: str = ""
     recorded_hit_tokens: int | None = None
     recorded_query_tokens: int | None = None
+    final_settings: dict = field(default_factory=dict)  # isolation/eviction the session ended with
 
     @property
     def requests(self) -> list[TraceRequest]:

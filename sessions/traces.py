@@ -65,7 +65,8 @@ def session_trace(db, ident: str) -> Trace:
         hit = sum(t.get("cached_tokens") or 0 for t in done)
         query = sum(t["prompt_tokens"] for t in done if t.get("error") is None)
     return Trace(session_config(session, events), session.get("model") or "", items,
-                 source=f"session {sid}", recorded_hit_tokens=hit, recorded_query_tokens=query)
+                 source=f"session {sid}", recorded_hit_tokens=hit, recorded_query_tokens=query,
+                 final_settings={k: stats.get(k) for k in ("isolation", "eviction")})
 
 
 # --- export -----------------------------------------------------------------------------------

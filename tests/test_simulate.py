@@ -123,3 +123,24 @@ def test_cli_unknown_session(pressure_run, capsys):
     db, _ = pressure_run
     assert cli(["simulate", "NOPE", "--db", db]) == 2
     assert "unknown session" in capsys.readouterr().err
+
+
+def test_settings_changed_during_the_session_are_flagged(pressure_run, tmp_path, capsys):
+    """An app session whose isolation was switched (F2) ended under other settings than it began
+    with; the replay says so instead of claiming to reproduce it."""
+    import shutil
+
+    db, sid = pressure_run
+    copy = str(tmp_path / "copy.db")
+    d = open_db(db)
+    d.execute("PRAGMA wal_checkpoint(FULL)")
+    d.close()
+    shutil.copy(db, copy)
+    d = open_db(copy)
+    stats = json.loads(d["sessions"].get(sid)["stats"])
+    stats["isolation"] = "shared"
+    d["sessions"].update(sid, {"stats": json.dumps(stats)})
+    d.close()
+    assert cli(["simulate", sid, "--db", copy, "--num-blocks", "80", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "settings changed during the session (isolation user → shared)" in out
