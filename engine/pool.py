@@ -65,7 +65,7 @@ class Block:
 
     @property
     def hash(self) -> int | None:  # set once the block is full and registered
-        return self._pool._hash.get(self.block_id)
+        return self._pool._hash[self.block_id]
 
     @property
     def indexed(self) -> bool:  # True when the prefix index maps `hash` to this block
@@ -78,7 +78,7 @@ class Block:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return self._pool._tokens.get(self.block_id, ())
+        return self._pool.token_ids(self.block_id)
 
     @property
     def extra(self) -> tuple:
@@ -132,13 +132,13 @@ class UsersSeen(Set):
         self._pool, self._bid = pool, block_id
 
     def _set(self):
-        return self._pool._users.get(self._bid, ())
+        return self._pool.users_of(self._bid)
 
     def __contains__(self, user) -> bool:
         return user in self._set()
 
     def __iter__(self):
-        return iter(tuple(self._set()))
+        return iter(self._set())
 
     def __len__(self) -> int:
         return len(self._set())
@@ -198,13 +198,16 @@ class BlockPool:
         self._created_seq = _zeros("q", n)
         self._created_at = _zeros("d", n)
         self._last_used = _zeros("d", n)
-        # Rich data, only for blocks that have it.
-        self._hash: dict[int, int] = {}
-        self._tokens: dict[int, tuple] = {}
+        self._user1 = _zeros("i", n, -1)  # the first user a block served (usually its creator)
+        # A full block's token ids, one row per block (calloc'd: untouched rows cost nothing).
+        self._tok = np.zeros((n, block_size), dtype=np.int32)
+        self._hash: list[int | None] = [None] * n
+        # Rarer data, only for blocks that have it.
+        self._tokens_odd: dict[int, tuple] = {}  # token ids that do not fill a block (or exceed int32)
         self._extra: dict[int, tuple] = {}
         self._request: dict[int, str] = {}
-        self._users: dict[int, set] = {}
-        self.users: list[str] = []  # creator names, by creator code (append-only)
+        self._more_users: dict[int, set] = {}  # users after the first
+        self.users: list[str] = []  # user names, by code (creators and users seen; append-only)
         self._user_code: dict[str, int] = {}
         # Free blocks: ids >= _fresh were never used; recycled ones queue after them.
         self._fresh = 0
@@ -218,7 +221,8 @@ class BlockPool:
         self.extra_users = 0  # sum over blocks of max(0, len(users_seen) - 1)
         self._seq = 0
         self.dirty: set[int] = set()  # blocks changed since the last publish (engine/observe.py)
-        self.children: dict[int, set[int]] = {}  # indexed parent -> its indexed children
+        # indexed parent -> its indexed child, or a set of them when it has several (rare)
+        self.children: dict[int, int | set[int]] = {}
 
     # --- queries ----------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -246,6 +250,20 @@ class BlockPool:
     def free_ids(self) -> list[int]:
         """The free queue in allocation order (O(free): for tests and tools, not per step)."""
         return [*range(self._fresh, self.num_blocks), *self._free]
+
+    def token_ids(self, bid: int) -> tuple[int, ...]:
+        if self._hash[bid] is None:
+            return ()
+        odd = self._tokens_odd.get(bid)
+        return odd if odd is not None else tuple(self._tok[bid].tolist())
+
+    def users_of(self, bid: int) -> tuple[str, ...]:
+        """The users block `bid` served, first one first (see add_user)."""
+        first = self._user1[bid]
+        if first < 0:
+            return ()
+        more = self._more_users.get(bid)
+        return (self.users[first], *more) if more else (self.users[first],)
 
     def lookup(self, block_hash: int) -> Block | None:
         bid = self.index.get(block_hash)
@@ -305,13 +323,14 @@ class BlockPool:
 
     def _reset(self, bid: int) -> None:
         """Forget what an unreferenced block held (it is about to join the free queue)."""
-        self._hash.pop(bid, None)
-        self._tokens.pop(bid, None)
+        self._hash[bid] = None
+        self._tokens_odd.pop(bid, None)
         self._extra.pop(bid, None)
         self._request.pop(bid, None)
-        users = self._users.pop(bid, None)
-        if users:
-            self.extra_users -= len(users) - 1
+        more = self._more_users.pop(bid, None)
+        if more:
+            self.extra_users -= len(more)
+        self._user1[bid] = -1
         self._indexed[bid] = 0
         self._parent[bid] = -1
         self._creator[bid] = -1
@@ -319,7 +338,7 @@ class BlockPool:
         self._state[bid] = _FREE
 
     def _is_index_holder(self, bid: int) -> bool:
-        return bool(self._indexed[bid]) and self.index.get(self._hash.get(bid)) == bid
+        return bool(self._indexed[bid]) and self.index.get(self._hash[bid]) == bid
 
     def _unindex(self, bid: int, dropped: list) -> None:
         """Take `bid` and every indexed descendant out of the prefix index.
@@ -342,12 +361,37 @@ class BlockPool:
             self.dirty.add(b)
             p = self._parent[b]
             if p >= 0:
-                self.children.get(p, set()).discard(b)
-            stack.extend(self.children.pop(b, ()))
+                self._drop_child(p, b)
+            stack.extend(self._children_of(b))
+            self.children.pop(b, None)
             if self._ref[b] == 0:
                 self.policy.remove(b)
                 self._reset(b)
                 self._free.append(b)
+
+    def _add_child(self, parent: int, child: int) -> None:
+        kids = self.children.get(parent)
+        if kids is None:
+            self.children[parent] = child
+        elif isinstance(kids, set):
+            kids.add(child)
+        elif kids != child:
+            self.children[parent] = {kids, child}
+
+    def _drop_child(self, parent: int, child: int) -> None:
+        kids = self.children.get(parent)
+        if kids == child:
+            del self.children[parent]
+        elif isinstance(kids, set):
+            kids.discard(child)
+            if len(kids) == 1:
+                self.children[parent] = next(iter(kids))
+            elif not kids:
+                del self.children[parent]
+
+    def _children_of(self, parent: int) -> tuple[int, ...]:
+        kids = self.children.get(parent)
+        return () if kids is None else tuple(kids) if isinstance(kids, set) else (kids,)
 
     def _emit_removed(self, dropped: list, reason: str) -> None:
         self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
@@ -370,11 +414,18 @@ class BlockPool:
 
     def add_user(self, bid: int, user: str) -> None:
         """`user` is served by block `bid` (its creator, or a request that hit it)."""
-        users = self._users.get(bid)
-        if users is None:
-            self._users[bid] = {user}
-        elif user not in users:
-            users.add(user)
+        code = self.user_code(user)
+        first = self._user1[bid]
+        if first < 0:
+            self._user1[bid] = code
+        elif first != code:
+            more = self._more_users.get(bid)
+            if more is None:
+                self._more_users[bid] = {user}
+            elif user not in more:
+                more.add(user)
+            else:
+                return
             self.extra_users += 1
         else:
             return
@@ -398,7 +449,13 @@ class BlockPool:
         tokens = tuple(tokens)
         self._hash[bid] = block_hash
         self._parent[bid] = -1 if parent_id is None else parent_id
-        self._tokens[bid] = tokens
+        try:
+            if len(tokens) != self.block_size:
+                raise ValueError
+            self._tok[bid] = tokens  # token ids are never negative; > int32 raises OverflowError
+            self._tokens_odd.pop(bid, None)
+        except (ValueError, OverflowError):
+            self._tokens_odd[bid] = tokens
         extra = tuple(extra)
         if extra:
             self._extra[bid] = extra
@@ -411,8 +468,8 @@ class BlockPool:
         self.index[block_hash] = bid
         self._indexed[bid] = 1
         if parent_id is not None:
-            self.children.setdefault(parent_id, set()).add(bid)
-        parent_hash = self._hash.get(parent_id) if parent_id is not None else None
+            self._add_child(parent_id, bid)
+        parent_hash = self._hash[parent_id] if parent_id is not None else None
         self.emit(BlockStored(block_hashes=[self.hex(block_hash)],
                               parent_block_hash=None if parent_hash is None else self.hex(parent_hash),
                               token_ids=list(tokens), block_size=self.block_size, block_ids=[bid],
@@ -484,8 +541,10 @@ class BlockPool:
             extra += max(0, len(blk.users_seen) - 1)
         assert extra == self.extra_users, (extra, self.extra_users)
         for h, bid in self.index.items():
-            assert self._hash.get(bid) == h and self._indexed[bid]
+            assert self._hash[bid] == h and self._indexed[bid]
             parent = Block(self, bid).parent_id
             # an indexed block is reachable: its parent holds the parent's hash in the index
             assert parent is None or self._is_index_holder(parent), Block(self, bid)
-            assert parent is None or bid in self.children.get(parent, ()), Block(self, bid)
+            assert parent is None or bid in self._children_of(parent), Block(self, bid)
+        for parent, kids in self.children.items():
+            assert not isinstance(kids, set) or len(kids) > 1, (parent, kids)

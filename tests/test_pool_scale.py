@@ -245,3 +245,26 @@ def test_stats_never_wait_with_timeout_zero_and_are_o1_counters(make_engine):
     assert published["blocks_cached"] > 0
     arr = eng.block_arrays()
     assert isinstance(arr.state, np.ndarray) and arr.state.dtype == np.int8
+
+
+def test_branching_prefixes_and_odd_token_rows():
+    pool = BlockPool(8, 2, "fifo")
+    root = pool.allocate(1)[0]
+    assert pool.register(root, 1, None, [7, 8], (("model", "m"),), "alice", "r1")
+    kids = pool.allocate(3)
+    for j, bid in enumerate(kids):  # three users continue the same first block differently
+        assert pool.register(bid, 10 + j, root, [j, 2**40] if j == 2 else [j, j], (), f"user{j}", f"r{j}")
+    grand = pool.allocate(1)[0]
+    assert pool.register(grand, 20, kids[0], [5], (), "user0", "r0")  # a short (partial) row
+    assert pool.blocks[kids[2]].token_ids == (2, 2**40) and pool.blocks[grand].token_ids == (5,)
+    assert pool.blocks[root].extra == (("model", "m"),) and pool.blocks[kids[1]].extra == ()
+    pool.check()
+    pool.release([grand])
+    pool.release(kids)
+    pool.release([root])
+    pool.check()
+    assert pool.num_cached() == 5
+    pool.allocate(4)  # 3 free blocks, then FIFO evicts the root: every descendant goes with it
+    assert pool.evictions == 5 and not pool.index and not pool.children
+    assert pool.num_free() == 4 and pool.blocks[kids[2]].token_ids == ()
+    pool.check()
