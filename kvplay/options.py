@@ -18,7 +18,7 @@ ENGINE_FLAGS = [
     ("--block-size", "block_size", int, "tokens per KV block (default 16)"),
     ("--cache-mb", "cache_mb", float, "size of the block pool in MiB (default 256)"),
     ("--num-blocks", "num_blocks", int, "size of the pool in blocks (overrides --cache-mb)"),
-    ("--hash", "hash", str, "block hash: sha256 (default), blake2b64, builtin, trunc:N"),
+    ("--hash", "hash", str, "block hash: sha256 (default), sha256_cbor (vLLM's), blake2b64, builtin, trunc:N"),
     ("--isolation", "isolation", str, "who shares blocks: " + ", ".join(ISOLATION_MODES)),
     ("--eviction", "eviction", str, "eviction policy: " + ", ".join(EVICTION_POLICIES)),
     ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 256)"),
