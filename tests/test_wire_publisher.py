@@ -266,3 +266,22 @@ def test_full_report_mode_as_the_server_default(serve):
     assert first["dan"]["parent_block_hash"] is None
     assert first["cid"]["parent_block_hash"] is not None  # only cid's new blocks, chained on the reused prefix
     sub.close()
+
+
+def test_publisher_keeps_the_last_buffer_steps_batches():
+    from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, EventBatch
+    from kvplay.wire.publisher import ZmqEventPublisher
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=3, topic="t")
+    try:
+        for i in range(5):
+            pub.publish(EventBatch(float(i), [BlockRemoved([i], "GPU")] if i % 2 else [AllBlocksCleared()]))
+        deadline = time.monotonic() + 10
+        while pub.next_seq < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        frames = replay(pub.replay_endpoint, 0)
+    finally:
+        pub.shutdown()
+    assert [int.from_bytes(f[2], "big", signed=True) for f in frames] == [2, 3, 4, -1]
+    assert all(f[1] == b"t" for f in frames[:-1]) and frames[-1] == [b"", b"", b"\xff" * 8, b""]
+    assert msgpack.unpackb(frames[1][3]) == [3.0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}], 0]
