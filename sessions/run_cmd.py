@@ -224,6 +224,9 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
 def start_engine(config):
     t = time.perf_counter()
     print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)  # before torch's import
+    from kvplay.engine.model import check_model_spec
+
+    check_model_spec(config.model)  # a bad --model is one line at once, not after torch's import
     from kvplay.engine.engine import Engine
 
     engine = Engine(config).start()

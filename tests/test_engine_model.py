@@ -73,3 +73,36 @@ def test_kv_store_is_uninitialised_and_never_read_before_written(tiny_llama):
         assert again.result(60).stats.cached_tokens >= 48
     for h in handles + [again]:
         assert all(torch.isfinite(x).all() for x in h.request.logits_trace)
+
+
+def test_a_path_that_is_not_there_is_one_line_without_hub_hints():
+    for spec in ("does/not/exist", "/nonexistent/dir/model", "./models/x"):
+        with pytest.raises(EngineError) as err:
+            load_model(spec, device="cpu", progress=lambda m: None)
+        msg = str(err.value)
+        assert "neither a local directory nor an org/name" in msg and "\n" not in msg
+        assert "repo_type" not in msg
+
+
+def test_an_uncached_hub_id_fails_at_once_when_the_hub_cannot_be_reached(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EngineError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE"):
+        load_model("nosuch/model", device="cpu", progress=lambda m: None)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(EngineError, match="hub is unreachable"):
+        load_model("nosuch/model", device="cpu", progress=lambda m: None)
+
+
+def test_loading_prints_no_library_progress_bars(tmp_path, capfd):
+    from kvplay.engine.tiny import build_tiny
+
+    model, tok = build_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    capfd.readouterr()
+    lines = []
+    load_model(str(tmp_path / "m"), device="cpu", progress=lines.append)
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err
+    assert len(lines) <= 2  # a quick load prints nothing; a slow one "loading …" and "loaded in"
