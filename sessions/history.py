@@ -199,6 +199,7 @@ class History:
         self.every = every
         self._marks: list[int] = [0]
         self._saved: list[_Replayer] = [_Replayer(num_blocks)]
+        self._cur = _Replayer(num_blocks)  # stepping forward applies to this one, no copy
 
     def __len__(self) -> int:
         return len(self.events)
@@ -206,7 +207,11 @@ class History:
     def state(self, n: int) -> PoolState:
         n = max(0, min(n, len(self.events)))
         i = bisect.bisect_right(self._marks, n) - 1
-        r = copy.deepcopy(self._saved[i])
+        if self._cur.applied <= n and self._cur.applied >= self._marks[i]:
+            r = self._cur
+        else:
+            r = copy.deepcopy(self._saved[i])
+        self._cur = r
         while r.applied < n:
             r.apply(self.events[r.applied])
             if r.applied % self.every == 0 and r.applied > self._marks[-1]:

@@ -218,6 +218,13 @@ class ScrubScreen(Screen):
         self.t0, self.t1 = (min(ts), max(ts)) if ts else (0.0, 1.0)
         self._play_t = self._compressed(ts)
         self.turn_ends = [i + 1 for i, e in enumerate(recording.events) if e.get("kind") == "RequestFinished"]
+        self._queued_at: dict[str, int] = {}  # request id -> events applied once it was queued / finished
+        self._finished_at: dict[str, int] = {}
+        for i, e in enumerate(recording.events):
+            if e.get("kind") == "RequestQueued":
+                self._queued_at.setdefault(e.get("request_id"), i + 1)
+            elif e.get("kind") == "RequestFinished":
+                self._finished_at[e.get("request_id")] = i + 1
         self.cursor = len(recording.events) if cursor is None else max(0, min(cursor, len(recording.events)))
         self.playing = False
         self.speed = 1
@@ -320,18 +327,17 @@ class ScrubScreen(Screen):
         return Text(line or f"{d.get('seq', ''):>5} {d.get('kind')} {d.get('user') or ''}")
 
     def _panes(self) -> None:
-        finished = {e.get("request_id") for e in self.rec.events[:self.cursor] if e.get("kind") == "RequestFinished"}
-        queued = {e.get("request_id") for e in self.rec.events[:self.cursor] if e.get("kind") == "RequestQueued"}
+        big = len(self.rec.events) + 1
         for box, (name, look) in zip(self.query(".scrub-pane"), self.looks.items()):
             t = Text()
             for turn in (t_ for t_ in self.rec.turns if t_["user"] == name):
                 rid = turn.get("request_id")
-                if rid not in queued:
+                if self._queued_at.get(rid, big) > self.cursor:
                     continue
                 if t:
                     t.append("\n")
                 t.append("› " + turn["text"] + "\n", style=look.style)
-                if rid in finished:
+                if self._finished_at.get(rid, big) <= self.cursor:
                     t.append((turn.get("reply") or turn.get("error") or "")[:200] + "\n")
                     st = SimpleNamespace(user=name, prompt_tokens=turn.get("prompt_tokens") or 0,
                                          cached_tokens=turn.get("cached_tokens") or 0,
