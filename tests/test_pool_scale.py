@@ -268,3 +268,26 @@ def test_branching_prefixes_and_odd_token_rows():
     assert pool.evictions == 5 and not pool.index and not pool.children
     assert pool.num_free() == 4 and pool.blocks[kids[2]].token_ids == ()
     pool.check()
+
+
+@pytest.mark.parametrize("used_fraction", [0.0, 0.05, 0.9])
+def test_summary_cells_equal_a_brute_force_count(used_fraction):
+    rng = np.random.default_rng(7)
+    n, users = 997, ("alice", "bob", "carol")
+    state = np.where(rng.random(n) < used_fraction, rng.integers(1, 3, n), 0).astype(np.int8)
+    creator = np.where((state > 0) & (rng.random(n) < 0.9), rng.integers(0, 3, n), -1).astype(np.int32)
+    arrays = observe.BlockArrays(3, 100, state, creator, users)
+    for cells in (1, 7, 200, 997, 5000):
+        s = observe.summarize(arrays, cells, user="bob")
+        assert s.cells == min(cells, n) and s.bounds[0] == 100 and s.bounds[-1] == 100 + n
+        assert all(b - a in (n // s.cells, n // s.cells + 1) for a, b in zip(s.bounds[:-1], s.bounds[1:]))
+        for k in range(s.cells):
+            a, b = s.bounds[k] - 100, s.bounds[k + 1] - 100
+            st, cr = state[a:b].tolist(), creator[a:b].tolist()
+            assert (s.free[k], s.cached[k], s.in_use[k]) == (st.count(0), st.count(1), st.count(2))
+            owned = [c for x, c in zip(st, cr) if x and c >= 0]
+            assert s.mine[k] == owned.count(1)
+            if owned:
+                assert owned.count(s.creator[k]) == max(owned.count(c) for c in set(owned))
+            else:
+                assert s.creator[k] == -1
