@@ -88,6 +88,10 @@ class Mirror:
         self.last_ts = 0.0
         self.state = "waiting"
         self.version = 0         # bumps on every change (views redraw when it moves)
+        # When a list, every change is appended as a tuple (the recorder turns them into events):
+        # ("stored", hash, parent, tokens, size, creator) | ("hit", hash, session, creator, size)
+        # | ("removed", hash, creator or None) | ("cleared", reason)
+        self.journal: list | None = None
 
     # --- applying events -----------------------------------------------------------------------
     def apply(self, batch: EventBatch, seq: int = -1) -> tuple[int, int, int]:
@@ -127,6 +131,7 @@ class Mirror:
         tok = ev.token_ids
         off = 0
         new = 0
+        journal = self.journal
         for h in ev.block_hashes:
             key = (g, h) if g else h
             b = blocks.get(key)
@@ -137,12 +142,16 @@ class Mirror:
                 blocks[key] = MirrorBlock(h, parent, tok, off, size, who, seq, ts)
                 by_session[who] += 1
                 new += 1
+                if journal is not None:
+                    journal.append(("stored", h, parent, tok[off:off + size], size, who))
             else:
                 if who is None:
                     who = b.creator
                 if who not in b.holders:
                     b.holders += (who,)
                     by_session[who] += 1
+                if journal is not None:
+                    journal.append(("hit", h, who, b.creator, size))
             stored_by[who] += 1
             parent = h
             off += size
@@ -161,7 +170,9 @@ class Mirror:
         g = ev.group_idx
         n = 0
         for h in ev.block_hashes:
-            b = blocks.pop(self._key(h, g), None)
+            b = blocks.pop((g, h) if g else h, None)
+            if self.journal is not None:
+                self.journal.append(("removed", h, None if b is None else b.creator))
             if b is None:
                 self.removed_unknown += 1
                 continue
@@ -181,6 +192,8 @@ class Mirror:
         self.by_session.clear()
         self.cleared += 1
         self.version += 1
+        if self.journal is not None:
+            self.journal.append(("cleared", "cleared"))
 
     def reset_for_restart(self) -> None:
         """The publisher restarted (its seq went backwards): its cache is gone with it."""
@@ -189,6 +202,8 @@ class Mirror:
         self.restarts += 1
         self.last_seq = -1
         self.version += 1
+        if self.journal is not None:
+            self.journal.append(("cleared", "publisher restarted"))
 
     # --- attribution by token chain ----------------------------------------------------------
     def _chain_of(self, key, group_idx) -> int | None:

@@ -1,0 +1,193 @@
+"""`kvplay watch`: mirror the prefix cache of running vLLM, SGLang or kvplay servers from their
+KV events, headless.
+
+    kvplay watch --events-bind tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --json
+    kvplay watch --events tcp://pod-a:5557 --events tcp://pod-b:5557 --pod a --pod b
+
+`--events EP` connects to a publisher that binds (vLLM binds when its endpoint has `*` or `::`);
+`--events-bind EP` binds for publishers that connect (vLLM with any other endpoint). One per pod;
+`--replay` and `--pod` pair with them in the order given. With `--json` each applied batch is a
+line `{"pod", "seq", "stored", "removed", "cleared"}` (plus `"replayed": true` for batches a
+replay brought) and the last line is the summary
+`{"summary": true, "pods": {POD: {"blocks", "by_session", "stored_by_session", "stored",
+"removed", "gaps", "replayed", "restarts"}}}`. Without it, one line per second per pod.
+The watched events are recorded as a session (source "watch") unless `--no-record`.
+Stops after `--duration` seconds, or on Ctrl-C (the summary is still printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from kvplay.cli import KvplayError
+
+from .codec import WireError
+from .mirror import Fleet
+from .subscriber import PodSource, Subscriber, check_endpoint, default_pod_name
+
+
+class _Source(argparse.Action):
+    """--events / --events-bind into one ordered list of (bind, endpoint)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append((option_string == "--events-bind", values))
+        setattr(namespace, self.dest, items)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--events", dest="sources", action=_Source, metavar="EP", default=[],
+                   help="connect to a pod's KV-event publisher that binds (tcp://host:port); one per pod")
+    p.add_argument("--events-bind", dest="sources", action=_Source, metavar="EP", default=[],
+                   help="bind EP for a publisher that connects (vLLM with a non-wildcard endpoint); one per pod")
+    p.add_argument("--replay", action="append", default=[], metavar="EP",
+                   help="the pod's replay endpoint (vLLM's replay_endpoint), in the order of the pods")
+    p.add_argument("--pod", action="append", default=[], metavar="NAME",
+                   help="a name for each pod, in order (default: its endpoint's host:port)")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all; vLLM's is in "
+                                              "its kv-events-config)")
+    p.add_argument("--json", action="store_true", help="one JSON line per applied batch, then a summary")
+    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    p.add_argument("--replay-timeout", type=float, default=3.0, metavar="S",
+                   help="give up a replay that is silent for S seconds (the pod shows stale)")
+    p.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    p.add_argument("--no-record", action="store_true", help="do not record the watched events as a session")
+    p.add_argument("--drop", action="append", default=[], metavar="POD:SEQ", help=argparse.SUPPRESS)
+
+
+def sources_from_args(args) -> list[PodSource]:
+    """The pods asked for, checked (one line per mistake)."""
+    if not args.sources:
+        raise KvplayError("give each pod's KV events with --events EP (it binds) or --events-bind EP (it connects)")
+    n = len(args.sources)
+    if len(args.replay) > n:
+        raise KvplayError(f"{len(args.replay)} --replay for {n} pod(s): give at most one per --events/--events-bind")
+    if len(args.pod) > n:
+        raise KvplayError(f"{len(args.pod)} --pod names for {n} pod(s)")
+    out = []
+    try:
+        for i, (bind, ep) in enumerate(args.sources):
+            check_endpoint(ep, "--events-bind" if bind else "--events")
+            replay = args.replay[i] if i < len(args.replay) else None
+            if replay is not None:
+                check_endpoint(replay, "--replay")
+            name = args.pod[i] if i < len(args.pod) else default_pod_name(ep)
+            if not name:
+                raise KvplayError("--pod: a name cannot be empty")
+            out.append(PodSource(name, ep, bind, replay, args.topic))
+    except WireError as exc:
+        raise KvplayError(str(exc)) from None
+    names = [s.name for s in out]
+    dup = sorted({x for x in names if names.count(x) > 1})
+    if dup:
+        raise KvplayError(f"two pods are named {dup[0]!r}: give each a --pod NAME")
+    return out
+
+
+def _drops(args, names) -> list[tuple[str, list[int]]]:
+    out = []
+    for d in args.drop:
+        pod, _, seqs = d.rpartition(":")
+        if pod not in names:
+            raise KvplayError(f"--drop {d!r}: no pod {pod!r}")
+        try:
+            out.append((pod, [int(x) for x in seqs.split(",")]))
+        except ValueError:
+            raise KvplayError(f"--drop {d!r}: give POD:SEQ[,SEQ...]") from None
+    return out
+
+
+def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
+    parts = []
+    for name, m in fleet.pods.items():
+        prev = last.get(name, (0, 0))
+        top = ", ".join(f"{k} {v}" for k, v in m.by_session.most_common(4))
+        parts.append(f"{name} [{m.state}] seq {m.last_seq} blocks {len(m.blocks)}"
+                     f"{' (' + top + ')' if top else ''} +{m.stored - prev[0]} -{m.removed - prev[1]}"
+                     f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}")
+        last[name] = (m.stored, m.removed)
+    return time.strftime("%H:%M:%S ") + " | ".join(parts)
+
+
+def main(args) -> int:
+    sources = sources_from_args(args)
+    if args.duration is not None and not args.duration > 0:
+        raise KvplayError(f"--duration {args.duration:g}: give a number of seconds above 0")
+    if not args.replay_timeout > 0:
+        raise KvplayError(f"--replay-timeout {args.replay_timeout:g}: give a number of seconds above 0")
+    drops = _drops(args, {s.name for s in sources})
+    fleet = Fleet()
+    for s in sources:
+        fleet.pod(s.name)
+    recording = None
+    out = sys.stdout
+    as_json = args.json
+
+    def on_batch(pod, seq, batch, counts, replayed):
+        if recording is not None:
+            recording.on_batch(pod, seq, batch.ts)
+        if as_json:
+            d = {"pod": pod, "seq": seq, "stored": counts[0], "removed": counts[1], "cleared": counts[2]}
+            if replayed:
+                d["replayed"] = True
+            out.write(json.dumps(d) + "\n")
+
+    def on_state(pod, state):
+        if not as_json:
+            print(f"kvplay: pod {pod} is {state}", file=sys.stderr)
+
+    last: dict = {}
+
+    def tick():
+        if recording is not None:
+            recording.flush()
+        if as_json:
+            out.flush()
+        else:
+            print(_human_line(fleet, sub, last), flush=True)
+
+    try:
+        sub = Subscriber(sources, fleet, on_batch=on_batch, on_state=on_state,
+                         replay_timeout=args.replay_timeout).open()
+    except WireError as exc:
+        raise KvplayError(str(exc)) from None
+    if not args.no_record:  # after the sockets opened: a refused watch records nothing
+        from .recording import WatchRecording
+
+        try:
+            recording = WatchRecording(args.db, fleet, title="watch " + " ".join(s.name for s in sources))
+        except BaseException:
+            sub.close()
+            raise
+        for s in sources:
+            recording.watch(s.name)
+    for pod, seqs in drops:
+        sub.drop_live(pod, seqs)
+    if recording is not None:
+        print(f"kvplay: recording the watched events as session {recording.session_id} in {recording.path}",
+              file=sys.stderr)
+    if not as_json:
+        for s in sources:
+            how = "bound" if s.bind else "connected to"
+            print(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
+                  f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", file=sys.stderr)
+    try:
+        sub.run(args.duration, tick=tick)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C ends a watch: the summary still follows
+    finally:
+        sub.close()
+        if recording is not None:
+            recording.close()
+    summary = fleet.summary()
+    if as_json:
+        out.write(json.dumps(summary) + "\n")
+        out.flush()
+    else:
+        for name, s in summary["pods"].items():
+            print(f"{name}: {s['blocks']} blocks cached; held by {s['by_session'] or '-'}; stored {s['stored']} "
+                  f"(by {s['stored_by_session'] or '-'}), removed {s['removed']}, gaps {s['gaps']}, "
+                  f"replayed {s['replayed']}, restarts {s['restarts']}")
+    return 0
