@@ -6,6 +6,10 @@ block's state (free / cached / in use), hash, creator, tokens, hits and users, p
 counters the app shows. `History` adds checkpoints so that scrubbing back and forth through
 a long session stays cheap; its states equal `pool_state`'s.
 
+Events without block ids (a watched server's: vLLM's wire names blocks by hash only) get a slot
+per (pod, hash): the lowest free one when stored, freed when removed or when the pod's cache is
+cleared, so the map shows that server's cache as it filled and emptied.
+
 What the events cannot show: a block allocated but not yet full (the tail of a running
 request) and the blocks a preempted request re-references when it is re-admitted emit nothing,
 so they read as free (or cached) until the request stores or releases them. With no request
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import heapq
 import json
 from dataclasses import dataclass, field
 
@@ -95,6 +100,35 @@ class _Replayer:
         self.hit_tokens = self.query_tokens = self.evictions = self.preemptions = 0
         self.applied = 0
         self.ts: float | None = None
+        self.slot_of: dict[tuple, int] = {}  # (pod, hash) -> slot, for events without block ids
+        self.free_slots: list[int] = []  # a heap of freed slots
+        self.next_slot = 0
+
+    def _ids(self, e: dict, store: bool = False) -> list[int]:
+        """The blocks an event names: its block ids, else one slot per (pod, hash)."""
+        ids = e.get("block_ids")
+        if ids:
+            return ids
+        pod = e.get("pod")
+        out = []
+        for h in e.get("block_hashes") or []:
+            slot = self.slot_of.get((pod, h))
+            if slot is None and store:
+                if self.free_slots:
+                    slot = heapq.heappop(self.free_slots)
+                else:
+                    slot, self.next_slot = self.next_slot, self.next_slot + 1
+                self.slot_of[(pod, h)] = slot
+            if slot is not None:
+                out.append(slot)
+        return out
+
+    def _drop_slots(self, pod, hashes=None) -> None:
+        keys = [k for k in self.slot_of if k[0] == pod] if hashes is None else [(pod, h) for h in hashes]
+        for k in keys:
+            slot = self.slot_of.pop(k, None)
+            if slot is not None:
+                heapq.heappush(self.free_slots, slot)
 
     def _block(self, b: int) -> _Block:
         while b >= len(self.blocks):  # a session whose pool size was not recorded
@@ -117,7 +151,7 @@ class _Replayer:
             hashes = e.get("block_hashes") or []
             tokens = e.get("token_ids") or []
             bs = e.get("block_size") or (len(tokens) // max(1, len(hashes)))
-            for i, b in enumerate(e.get("block_ids") or []):
+            for i, b in enumerate(self._ids(e, store=True)):
                 blk = self._block(b)
                 blk.reset()
                 blk.indexed = True
@@ -130,9 +164,10 @@ class _Replayer:
                     blk.holders.add(rid)
                     self.held.setdefault(rid, []).append(b)
         elif kind == "BlockHit":
-            self.hit = frozenset(e.get("block_ids") or [])
+            hit = self._ids(e)
+            self.hit = frozenset(hit)
             self.hit_tokens += e.get("cached_tokens") or 0
-            for b in e.get("block_ids") or []:
+            for b in hit:
                 blk = self._block(b)
                 blk.hits += 1
                 blk.last_used = ts
@@ -142,7 +177,9 @@ class _Replayer:
                     blk.holders.add(rid)
                     self.held.setdefault(rid, []).append(b)
         elif kind == "BlockRemoved":
-            ids = e.get("block_ids") or []
+            ids = self._ids(e)
+            if not e.get("block_ids"):
+                self._drop_slots(e.get("pod"), e.get("block_hashes") or [])
             if e.get("reason", "evicted") == "evicted":
                 self.evictions += len(ids)
             for b in ids:
@@ -152,6 +189,14 @@ class _Replayer:
                     blk.reset()
         elif kind == "AllBlocksCleared":
             self.hit = frozenset()
+            pod = e.get("pod")
+            if any(k[0] == pod for k in self.slot_of):  # a server's reset names no blocks: all of the pod's go
+                for slot in [v for k, v in self.slot_of.items() if k[0] == pod]:
+                    blk = self._block(slot)
+                    blk.indexed = False
+                    if not blk.holders:
+                        blk.reset()
+                self._drop_slots(pod)
         elif kind == "RequestQueued":
             self.prompt[rid] = e.get("prompt_tokens") or 0
             self.waiting.add(rid)
@@ -225,9 +270,11 @@ def session_events(db, sid: str) -> list[dict]:
     """The recorded events of a session in order: each its payload plus `forwards`, the engine's
     step clock when it was emitted (None for sessions recorded before kvplay kept it)."""
     out = []
-    for r in db.query("select payload, forwards from cache_events where session_id = ? order by seq, id", [sid]):
+    for r in db.query("select * from cache_events where session_id = ? order by seq, id", [sid]):
         d = json.loads(r["payload"])
         d["forwards"] = r.get("forwards")
+        if r.get("pod") is not None:  # a watched server's pod
+            d["pod"] = r["pod"]
         out.append(d)
     return out
 
@@ -238,6 +285,11 @@ def recorded_pool_size(session: dict, events: list[dict]) -> int | None:
     n = (session.get("engine_config") or {}).get("num_blocks") or (session.get("stats") or {}).get("blocks_total")
     if n is None and events:
         n = 1 + max((b for e in events for b in (e.get("block_ids") or [])), default=-1)
+        if n <= 0:  # blocks named by hash only: as many as were ever cached at once
+            r = _Replayer(0)
+            for e in events:
+                r.apply(e)
+            n = r.next_slot
     return int(n) if n else None
 
 

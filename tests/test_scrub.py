@@ -195,3 +195,20 @@ async def test_palette_opens_the_scrubber_on_the_recorded_session(tiny_llama, tm
         assert _rebuilt(scr.state) == live
         await pilot.press("escape")
         assert not isinstance(app.screen, ScrubScreen)
+
+
+def test_events_named_by_hash_only_get_slots():
+    """A watched server's events carry hashes, not block ids: each (pod, hash) gets the lowest
+    free slot while it is cached; a reset empties that pod's slots only."""
+    def stored(h, pod, user="u"):
+        return {"kind": "BlockStored", "block_hashes": [h], "token_ids": [1, 2], "block_size": 2, "user": user, "pod": pod}
+
+    events = [stored("a", "p0"), stored("b", "p0"), stored("a", "p1", "v"),
+              {"kind": "BlockRemoved", "block_hashes": ["a"], "pod": "p0", "reason": "evicted"},
+              stored("c", "p0"), {"kind": "AllBlocksCleared", "pod": "p1"}]
+    st = pool_state(events, 3, 0)
+    assert [(b.hash, b.creator, b.state) for b in st.blocks] == [("a", "u", "cached"), ("b", "u", "cached"), ("a", "v", "cached")]
+    st = pool_state(events, 5, 0)  # a left p0; c takes its slot
+    assert [b.hash for b in st.blocks] == ["c", "b", "a"] and st.evictions == 1
+    st = pool_state(events, 6, 0)  # p1 was reset
+    assert [b.state for b in st.blocks] == ["cached", "cached", "free"]
