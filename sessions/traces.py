@@ -57,6 +57,8 @@ def session_trace(db, ident: str) -> Trace:
         elif kind == "AllBlocksCleared":
             items.append(Clear(e.get("forwards"), frozenset(finished & set(turns)), e.get("reason") or "cleared"))
     if not any(isinstance(i, TraceRequest) for i in items):
+        if any(e.get("kind") == "BlockStored" for e in events) and not turns:
+            return _stored_only_trace(session, events)  # a watched server: requests from its block chains
         raise StoreError(f"session {sid} has no recorded requests to simulate")
     stats = session.get("stats") or {}
     hit, query = stats.get("hit_tokens"), stats.get("query_tokens")
@@ -426,3 +428,33 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
         if evs:
             db["cache_events"].insert_all(evs)
     return sid
+
+
+def _stored_only_trace(session: dict, events: list[dict]) -> Trace:
+    """A session that recorded blocks but no requests (`kvplay watch` of a real server): its
+    requests rebuilt from the stored chains, as for an imported vLLM capture."""
+    from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+    batches, last = [], object()
+    for e in events:
+        k = e.get("kind")
+        if k == "BlockStored":
+            ev = BlockStored(list(e.get("block_hashes") or []), e.get("parent_block_hash"), list(e.get("token_ids") or []),
+                             e.get("block_size") or 0, session_id=e.get("user") or None)
+        elif k == "BlockRemoved":
+            ev = BlockRemoved(list(e.get("block_hashes") or []))
+        elif k == "AllBlocksCleared":
+            ev = AllBlocksCleared()
+        else:
+            continue
+        key = (e.get("pod"), e.get("ts"))
+        if key != last:
+            batches.append((len(batches) + 1, EventBatch(e.get("ts") or 0.0, [])))
+            last = key
+        batches[-1][1].events.append(ev)
+    items, hits, query, peak = _vllm_trace(batches, f"session {session['id']}")
+    bs = next((e.get("block_size") for e in events if e.get("block_size")), 16)
+    trace = Trace(EngineConfig(model="trace", block_size=bs, num_blocks=1), "trace", items,
+                  source=f"session {session['id']} (blocks only)", recorded_hit_tokens=hits, recorded_query_tokens=query)
+    trace.config = trace.config.replace(num_blocks=max(peak, 2 * trace.max_blocks_needed()))
+    return trace

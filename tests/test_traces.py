@@ -180,3 +180,35 @@ def test_a_real_vllm_capture_imports_and_simulates(tmp_path, capsys):
         assert j["recorded"]["hit_rate"] > 0.5  # the users shared the system prompt on the server
         opt = {r["num_blocks"]: r["hit_rate"] for r in j["results"] if r["policy"] == "belady"}
         assert all(r["hit_rate"] <= opt[r["num_blocks"]] for r in j["results"])
+
+
+def test_a_blocks_only_session_simulates(tmp_path, capsys):
+    """A session with block events and no requests (what `kvplay watch` records of a real server)
+    simulates from its stored chains."""
+    from kvplay.sessions.ids import new_ulid
+    from kvplay.sessions.store import write_txn
+
+    db = open_db(str(tmp_path / "w.db"))
+    sid = new_ulid()
+    sys_blocks = [[i] * 4 for i in range(1, 4)]
+    evs, seq, parent = [], 0, None
+    for i, toks in enumerate(sys_blocks):  # alice stores a 3-block system prompt
+        seq += 1
+        evs.append({"kind": "BlockStored", "seq": seq, "ts": 1.0, "block_hashes": [f"s{i}"], "parent_block_hash": parent,
+                    "token_ids": toks, "block_size": 4, "user": "alice"})
+        parent = f"s{i}"
+    for who, t in (("bob", 2.0), ("carol", 3.0)):  # then bob and carol store their own block under it
+        seq += 1
+        evs.append({"kind": "BlockStored", "seq": seq, "ts": t, "block_hashes": [f"{who}1"], "parent_block_hash": "s2",
+                    "token_ids": [9, 9, 9, ord(who[0])], "block_size": 4, "user": who})
+    with write_txn(db):
+        db["sessions"].insert({"id": sid, "created": 1.0, "source": "watch", "model": "remote", "engine_config": "{}"})
+        db["cache_events"].insert_all([{"session_id": sid, "seq": e["seq"], "ts": e["ts"], "kind": e["kind"],
+                                        "payload": json.dumps(e)} for e in evs])
+    trace = session_trace(db, sid)
+    db.close()
+    assert [r.user for r in trace.requests] == ["alice", "bob", "carol"]
+    assert trace.recorded_hit_tokens == 24  # bob and carol each reused alice's 12 tokens on the server
+    assert simulate(trace).hit_tokens == 24
+    assert cli(["simulate", sid, "--db", str(tmp_path / "w.db"), "--json"]) == 0
+    assert cli(["scrub", sid, "--db", str(tmp_path / "w.db"), "--screenshot", str(tmp_path / "w.svg")]) == 0
