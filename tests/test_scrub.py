@@ -130,7 +130,11 @@ async def test_keys_step_turns_play_and_seek(recorded):
         await pilot.press("g", "4", "enter")  # go to turn 4
         assert scr.cursor == recorded["live"][3][0]
         assert _rebuilt(scr.state) == recorded["live"][3][1]
-        await pilot.press("s", "s", "s")  # 1x -> 2x -> 4x -> 8x
+        await pilot.press("s", "s")  # 1x -> 2x -> 4x
+        assert scr.speed == 4
+        await pilot.press("2")
+        assert scr.speed == 2
+        await pilot.press("8")
         assert scr.speed == 8
         await pilot.press("home")
         assert scr.cursor == 0

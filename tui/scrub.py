@@ -6,8 +6,8 @@ timeline below puts every request on the session's wall-clock axis: its prompt t
 (colour of the user) and computed (grey), and each user's TTFT; the cursor is the ▲; click it
 to seek there.
 
-Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s speed 1x/2x/4x/8x, g go to a
-turn, home/end, escape closes.
+Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s (or 1/2/4/8) speed 1x/2x/4x/8x,
+g go to a turn, home/end, escape closes.
 """
 from __future__ import annotations
 
@@ -200,6 +200,7 @@ class ScrubScreen(Screen):
         Binding("left_square_bracket,shift+left", "turn(-1)", "Turn ←", id="scrub.prev_turn"),
         Binding("space", "play", "Play/pause", id="scrub.play"),
         Binding("s", "speed", "Speed", id="scrub.speed"),
+        *[Binding(str(n), f"set_speed({n})", f"{n}x", show=False, id=f"scrub.speed{n}") for n in SPEEDS],
         Binding("g", "goto", "Go to turn", id="scrub.goto"),
         Binding("home", "seek(0)", "Start", show=False, id="scrub.start"),
         Binding("end", "seek(-1)", "End", show=False, id="scrub.end"),
@@ -404,7 +405,10 @@ class ScrubScreen(Screen):
         self.set_focus(None)
 
     def action_speed(self) -> None:
-        self.speed = SPEEDS[(SPEEDS.index(self.speed) + 1) % len(SPEEDS)]
+        self.action_set_speed(SPEEDS[(SPEEDS.index(self.speed) + 1) % len(SPEEDS)])
+
+    def action_set_speed(self, n: int) -> None:
+        self.speed = n
         self.show()
 
     def action_play(self) -> None:
