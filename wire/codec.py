@@ -41,7 +41,7 @@ class BlockStored:
     """Full blocks entered the prefix cache (or, with kv_cache_report_mode "full", were reused)."""
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                 "kv_cache_spec_sliding_window", "session_id")
+                 "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")
     # Positional order of the legacy array encoding (= vLLM's declaration order).
     FIELDS = __slots__[:11]
     REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -52,7 +52,7 @@ class BlockStored:
                  medium: str | None = None, lora_name: str | None = None,
                  extra_keys: list | None = None, group_idx: int | None = None,
                  kv_cache_spec_kind: str | None = None, kv_cache_spec_sliding_window: int | None = None,
-                 session_id: str | None = None):
+                 session_id: str | None = None, locality: str | None = None, ownership: str | None = None):
         self.block_hashes = block_hashes
         self.parent_block_hash = parent_block_hash
         self.token_ids = [] if token_ids is None else token_ids
@@ -64,6 +64,8 @@ class BlockStored:
         self.group_idx = group_idx
         self.kv_cache_spec_kind = kv_cache_spec_kind
         self.kv_cache_spec_sliding_window = kv_cache_spec_sliding_window
+        self.locality = locality  # "LOCAL" | "REMOTE" relative to the publisher (vLLM >= 0.30)
+        self.ownership = ownership  # a secondary offloading tier's id
         self.session_id = session_id
 
     def block_tokens(self, i: int) -> list[int]:
@@ -74,14 +76,17 @@ class BlockStored:
 
 class BlockRemoved:
     """Blocks left the prefix cache (vLLM sends one event per evicted block)."""
-    __slots__ = ("block_hashes", "medium", "group_idx")
-    FIELDS = __slots__
+    __slots__ = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+    FIELDS = __slots__[:3]
     REQUIRED = ("block_hashes", "medium")
 
-    def __init__(self, block_hashes: list[WireHash], medium: str | None = None, group_idx: int | None = None):
+    def __init__(self, block_hashes: list[WireHash], medium: str | None = None, group_idx: int | None = None,
+                 locality: str | None = None, ownership: str | None = None):
         self.block_hashes = block_hashes
         self.medium = medium
         self.group_idx = group_idx
+        self.locality = locality
+        self.ownership = ownership
 
 
 class AllBlocksCleared:
@@ -173,6 +178,8 @@ def _event_from_map(d: dict) -> WireEvent | None:
         ev.group_idx = g("group_idx")
         ev.kv_cache_spec_kind = g("kv_cache_spec_kind")
         ev.kv_cache_spec_sliding_window = g("kv_cache_spec_sliding_window")
+        ev.locality = g("locality")
+        ev.ownership = g("ownership")
         sid = g("session_id")
         if sid is None:  # SGLang: metadata{cache_salt, session_id}
             meta = g("metadata")
@@ -181,7 +188,8 @@ def _event_from_map(d: dict) -> WireEvent | None:
         ev.session_id = sid
         return ev
     if tag == "BlockRemoved":
-        return BlockRemoved(d.get("block_hashes") or [], d.get("medium"), d.get("group_idx"))
+        return BlockRemoved(d.get("block_hashes") or [], d.get("medium"), d.get("group_idx"), d.get("locality"),
+                            d.get("ownership"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None

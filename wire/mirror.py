@@ -17,8 +17,8 @@ Counters (`summary()`): `blocks` cached now; `stored` block entries announced by
 session holds now; `stored_by_session` blocks each session stored in all; `gaps`, `replayed` and
 `restarts` are counted by the subscriber that feeds the mirror.
 
-Only the device tier is mirrored: events for another medium (vLLM's CPU offload tier, "CPU") are
-counted in `other_medium` and otherwise ignored. Hybrid models' groups other than 0 are keyed by
+Only the device tier is mirrored: events for another medium (vLLM's CPU offload tier "CPU",
+"STORAGE") or with locality "REMOTE" are counted in `other_medium` and otherwise ignored. Hybrid models' groups other than 0 are keyed by
 (group, hash) so their hashes cannot alias group 0's.
 
 Applying is plain dict work with no per-block allocations beyond the block itself, so one
@@ -118,7 +118,7 @@ class Mirror:
         return h if not group_idx else (group_idx, h)
 
     def _stored(self, ev: BlockStored, seq: int, ts: float) -> int:
-        if ev.medium is not None and ev.medium != "GPU":
+        if (ev.medium is not None and ev.medium != "GPU") or ev.locality == "REMOTE":
             self.other_medium += len(ev.block_hashes)
             return 0
         blocks = self.blocks
@@ -162,7 +162,7 @@ class Mirror:
         return n
 
     def _removed(self, ev: BlockRemoved) -> int:
-        if ev.medium is not None and ev.medium != "GPU":
+        if (ev.medium is not None and ev.medium != "GPU") or ev.locality == "REMOTE":
             self.other_medium += len(ev.block_hashes)
             return 0
         blocks = self.blocks
