@@ -20,6 +20,36 @@ from .codec import hash_hex
 from .mirror import Fleet
 
 
+def journal_events(journal: list, ts: float) -> list:
+    """A mirror's journal entries (wire/mirror.py) as kvplay engine events, in order: a new block
+    is a BlockStored, consecutive re-announcements for one session one BlockHit (`by_creator` in
+    tokens), an eviction a BlockRemoved with its creator, a reset or restart an AllBlocksCleared."""
+    out = []
+    hits = None
+    for entry in journal:
+        kind = entry[0]
+        if kind == "hit":
+            _, h, who, creator, size = entry
+            if hits is None or hits.user != who:
+                hits = BlockHit(ts=ts, user=who, block_hashes=[], cached_tokens=0, by_creator={})
+                out.append(hits)
+            hits.block_hashes.append(hash_hex(h))
+            hits.cached_tokens += size
+            hits.by_creator[creator] = hits.by_creator.get(creator, 0) + size
+            continue
+        hits = None
+        if kind == "stored":
+            _, h, parent, tokens, size, who = entry
+            out.append(BlockStored(ts=ts, block_hashes=[hash_hex(h)], parent_block_hash=hash_hex(parent),
+                                   token_ids=list(tokens), block_size=size, user=who))
+        elif kind == "removed":
+            _, h, creator = entry
+            out.append(BlockRemoved(ts=ts, block_hashes=[hash_hex(h)], creators=[creator] if creator else []))
+        else:
+            out.append(AllBlocksCleared(ts=ts, reason=entry[1]))
+    return out
+
+
 class WatchRecording:
     def __init__(self, db_path: str | None, fleet: Fleet, title: str | None = None, model: str = "remote"):
         self.rec = Recorder.open(db_path, None, model, "watch", "", title=title)
@@ -45,36 +75,11 @@ class WatchRecording:
             return
         m.journal = []
         cols = {"pod": pod, "wire_seq": wire_seq}
-        hits: BlockHit | None = None
-        for entry in journal:
-            kind = entry[0]
-            if kind == "hit":
-                _, h, who, creator, size = entry
-                if hits is None or hits.user != who:
-                    hits = BlockHit(user=who, block_hashes=[], cached_tokens=0, by_creator={})
-                    self._add(hits, ts, cols)
-                hits.block_hashes.append(hash_hex(h))
-                hits.cached_tokens += size
-                hits.by_creator[creator] = hits.by_creator.get(creator, 0) + size
-                continue
-            hits = None
-            if kind == "stored":
-                _, h, parent, tokens, size, who = entry
-                ev = BlockStored(block_hashes=[hash_hex(h)], parent_block_hash=hash_hex(parent),
-                                 token_ids=list(tokens), block_size=size, user=who)
-            elif kind == "removed":
-                _, h, creator = entry
-                ev = BlockRemoved(block_hashes=[hash_hex(h)], creators=[creator] if creator else [])
-            else:
-                ev = AllBlocksCleared(reason=entry[1])
-            self._add(ev, ts, cols)
-
-    def _add(self, ev, ts: float, cols: dict) -> None:
-        self._seq += 1
-        ev.seq = self._seq
-        ev.ts = ts
-        self._events.append(ev)
-        self._cols.append(cols)
+        for ev in journal_events(journal, ts):
+            self._seq += 1
+            ev.seq = self._seq
+            self._events.append(ev)
+            self._cols.append(cols)
 
     def flush(self) -> None:
         if not self._events:
