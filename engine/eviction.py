@@ -54,6 +54,10 @@ class EvictionPolicy:
         """The evictable blocks, in the order they became evictable."""
         return list(self._evictable)
 
+    def clear(self) -> None:
+        """Forget every block (the pool's clear: no cached block stays)."""
+        self._evictable.clear()
+
     def pick(self, blocks) -> int:
         """Return the id of the block to evict next (and forget it)."""
         raise NotImplementedError
@@ -84,6 +88,10 @@ class _HeapPolicy(EvictionPolicy):
         self._evictable.pop(block.block_id, None)
         self._evictable[block.block_id] = entry
         heapq.heappush(self._heap, entry)
+
+    def clear(self) -> None:
+        super().clear()
+        self._heap.clear()
 
     def remove(self, block_id: int) -> None:
         if self._evictable.pop(block_id, None) is not None and len(self._heap) > 2 * len(self._evictable) + 64:

@@ -497,16 +497,50 @@ class BlockPool:
     def clear(self, reason: str = "cleared") -> int:
         """Empty the prefix index: cached blocks become free; blocks in use keep their contents
         for their request but can no longer be hit. Returns how many cached blocks were dropped.
-        Costs O(indexed blocks), not O(pool)."""
-        dropped: list = []
-        for bid in sorted(b for b in self.index.values() if self._parent[b] < 0):
-            self._unindex(bid, dropped)
-        for bid in sorted(self.index.values()):  # anything left (should be nothing): unindex it too
-            self._unindex(bid, dropped)
-        if dropped:
+
+        Costs O(indexed blocks), not O(pool), and works in bulk: every cached block is indexed,
+        so nothing stays evictable. The BlockRemoved event lists the blocks root by root (in id
+        order), each followed by its descendants, depth first (as evicting each root would)."""
+        order: list[int] = []
+        seen: set[int] = set()
+        roots = sorted(b for b in self.index.values() if self._parent[b] < 0)
+        for root in [*roots, *sorted(self.index.values())]:  # then anything left (should be nothing)
+            stack = [root]
+            while stack:
+                b = stack.pop()
+                if b in seen:
+                    continue
+                seen.add(b)
+                order.append(b)
+                stack.extend(self._children_of(b))
+        if order:
+            users, hashes, creator = self.users, self._hash, self._creator
+            dropped = [(self.hex(hashes[b]), b, users[creator[b]] if creator[b] >= 0 else "") for b in order]
+            idx = np.asarray(order, dtype=np.int64)
+            np.frombuffer(self._indexed, np.int8)[idx] = 0
+            freed = idx[np.frombuffer(self._ref, np.int32)[idx] == 0]
+            self.index.clear()
+            self.children.clear()
+            self.policy.clear()
+            for b in freed.tolist():
+                hashes[b] = None
+                self._tokens_odd.pop(b, None)
+                self._extra.pop(b, None)
+                self._request.pop(b, None)
+                more = self._more_users.pop(b, None)
+                if more:
+                    self.extra_users -= len(more)
+            for arr, dtype, value in ((self._parent, np.int32, -1), (self._creator, np.int32, -1),
+                                      (self._user1, np.int32, -1), (self._hits, np.int32, 0),
+                                      (self._state, np.int8, _FREE)):
+                np.frombuffer(arr, dtype)[freed] = value
+            self._free.extend(freed.tolist())
+            self.dirty.update(order)
             self._emit_removed(dropped, reason)
+        else:
+            freed = ()
         self.emit(AllBlocksCleared(reason=reason))
-        return sum(1 for _, b, _ in dropped if self._ref[b] == 0)
+        return len(freed)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         for bid in self.policy.ids():
