@@ -25,9 +25,12 @@ Block map API (all on ``Engine``; safe from any thread):
   and in-use blocks, the dominant state (ties: in_use > cached > free), the dominant creator
   among non-free blocks (code into ``users``, -1 none) and, with `user`, how many non-free blocks
   that user created. For a whole-pool map at any size ("1 cell = N blocks"), zoom (start/stop),
-  and the `/` filter. Lock-free like ``block_arrays``; a few ms at 10^6 blocks.
+  and the `/` filter. Lock-free like ``block_arrays``; ~3-15 ms at 10^6 blocks (busy 2-core box).
+- ``block_view(engine.pool, block_id) -> BlockView`` (this module): one block's details, read
+  without the lock (a view taken mid-step may mix that step's before and after).
 
 Jumping to a request's blocks: the ``BlockHit`` and ``BlockStored`` events carry block ids.
+The figures above come from ``python -m kvplay.bench.scale`` (bench/scale.py).
 """
 from __future__ import annotations
 
