@@ -27,8 +27,8 @@ from .observe import BlockArrays, BlockSummary, BlockView, Observer, block_view
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
-from .request import Request, RequestHandle
 from .registry import UserRegistry, check_name
+from .request import Request, RequestHandle
 from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
@@ -245,6 +245,20 @@ class Engine:
                     fut.set_exception(exc)
                 self._publish_snapshot()
             return fut
+        with self._submit_lock:
+            if self._closed:
+                raise EngineError("engine shut down")
+            self._cmds.put(("call", fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], object], timeout: float | None = 60.0):
+        """Run `fn` on the engine thread between steps and return its result."""
+        return self._post(fn).result(timeout)
+
+    # --- client API ---------------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> tuple[list[int], int]:
+        return encode_chat(self.tokenizer, messages)
+
     def register_user(self, name: str, group: str | None = None) -> None:
         """Bind `name` to `group` (see registry.py). Idempotent when unchanged; a different
         group for a known user is an EngineError (use `set_group`)."""
@@ -263,20 +277,6 @@ class Engine:
             if old != group:
                 self._emit(UserGroupChanged(user=name, old_group=old, new_group=group))
         self._post(apply)  # does not wait: submits queued after this one see the new group
-
-        with self._submit_lock:
-            if self._closed:
-                raise EngineError("engine shut down")
-            self._cmds.put(("call", fn, fut))
-        return fut
-
-    def call(self, fn: Callable[[], object], timeout: float | None = 60.0):
-        """Run `fn` on the engine thread between steps and return its result."""
-        return self._post(fn).result(timeout)
-
-    # --- client API ---------------------------------------------------------------------------
-    def encode(self, messages: list[dict]) -> tuple[list[int], int]:
-        return encode_chat(self.tokenizer, messages)
 
     def submit(self, user: str, messages: list[dict] | None = None, sampling: SamplingParams | None = None,
                prompt_ids: list[int] | None = None, system_tokens: int = 0,
@@ -356,7 +356,6 @@ class Engine:
         Hash, seed or determinism changes clear the cache first (old blocks would be unreachable
         or not bitwise-compatible). Block size and model need a new Engine.
         """
-                self.scheduler.epoch += 1
         for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads"):
             if k in changes and changes[k] != getattr(self.config, k):
                 raise EngineError(f"changing {k} needs a new engine (restart with --{k.replace('_', '-')})")
@@ -370,7 +369,7 @@ class Engine:
                 self.pool.set_policy(make_policy(self.config.eviction))
             if clear:  # a new cache generation: running requests' later blocks stay unindexed
                 self.hasher = BlockHasher(self.config.hash, self.config.block_size, self.config.hash_seed)
-                self.scheduler.hasher = self.hasher
+                self.scheduler.kv.new_generation(self.hasher)
                 self.pool.hex = self.hasher.fn.hex
                 self.pool.clear("reconfigured")
             # waiting requests pick up a new isolation (or hasher) at their next admission
