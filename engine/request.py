@@ -149,7 +149,8 @@ class Request:
     admitted_once: bool = False
     start_time: float | None = None
     first_token_time: float | None = None
-    text: str = ""
+    text: str = ""  # the streamed text so far (output.py)
+    detok: object = None  # output.Detokenizer: where incremental decoding stands
     logits_trace: list | None = None  # when set, the runner appends each step's logits (labs)
     stats: RequestStats = None  # type: ignore[assignment]
 

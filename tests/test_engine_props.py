@@ -110,3 +110,71 @@ def test_sha256_never_reports_a_collision_under_eviction_and_clears(tiny_llama, 
             assert h.result(60).ok
         assert eng.stats()["collisions_caught"] == 0
         eng.call(eng.pool.check)
+
+
+class _Counting:
+    """A real tokenizer that counts how many ids it was asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.ids = tok, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.ids += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _stream(tok, ids):
+    from kvplay.engine.output import Detokenizer
+
+    d, out = Detokenizer(), []
+    for i in range(1, len(ids) + 1):
+        out.append(d.step(tok, ids[:i]))
+    return out
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 103), max_size=80))
+def test_incremental_detokenizing_equals_a_full_decode(tiny_llama, ids):
+    tok = tiny_llama.tokenizer
+    assert "".join(_stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizing_is_linear(tiny_llama):
+    tok = _Counting(tiny_llama.tokenizer)
+    ids = [40 + i % 50 for i in range(2000)]
+    assert "".join(_stream(tok, ids)) == tiny_llama.tokenizer.decode(ids)
+    assert tok.ids <= 4 * len(ids)  # re-decoding the whole output each token would be ~n^2/2
+
+
+@pytest.mark.slow
+def test_incremental_detokenizing_on_the_embedded_tokenizer(smollm):
+    """Byte-level BPE: multi-byte characters split over tokens, special tokens, spaces."""
+    import random
+
+    tok = smollm.tokenizer
+    text = "Grüße aus Köln! 日本語のテキスト 🙂🚀 naïve café — «quotes» and    spaces.\n" * 3
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert "".join(_stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+    rng = random.Random(0)
+    for _ in range(20):  # arbitrary ids, special ones included
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+        streamed = "".join(_stream(tok, ids))
+        full = tok.decode(ids, skip_special_tokens=True)
+        assert full.startswith(streamed) and full[len(streamed):].strip("\ufffd") == ""
+
+
+def test_checkout_folders_cannot_be_imported_as_top_level_packages():
+    """From a checkout, `import engine` must not load a second copy of kvplay.engine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("engine", "sessions", "tui", "labs", "bench", "wire", "serve"):
+        r = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=root, capture_output=True, text=True)
+        assert r.returncode != 0
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError:") and f"import kvplay.{folder}, not {folder}" in last, last
+    ok = subprocess.run([sys.executable, "-c", "import kvplay.engine, kvplay.sessions"], cwd=root,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr

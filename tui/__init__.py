@@ -1,1 +1,4 @@
-"""kvplay."""
+"""The Textual app."""
+from kvplay import only_as
+
+only_as(__name__, "tui")
