@@ -9,6 +9,7 @@ each bearer token is one user (and group), and any isolation mode applies.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from kvplay.options import add_engine_args, config_from_args
@@ -32,6 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default warning)")
     add_engine_args(parser)
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -78,6 +83,9 @@ def main(args: argparse.Namespace) -> int:
                   + (f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else ""), file=sys.stderr, flush=True)
         if rec is not None:
             print(f"kvplay: recording session {rec.session_id} in {rec.path}", file=sys.stderr, flush=True)
+        # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
+        # exception too (not the default instant exit), so the session is closed and the engine stopped
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
         serve_forever(state, sock, args.log_level)
     finally:
         if state is not None:

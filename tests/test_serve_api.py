@@ -372,3 +372,36 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
     assert wait_until(lambda: "impatient" in finished)
     assert finished["impatient"].finish_reason == "cancelled"
     assert wait_until(lambda: eng.stats()["blocks_in_use"] == 0)
+
+
+def test_kvplay_serve_command_end_to_end(tmp_path):
+    """The real command in a subprocess: listens, serves, records, and a SIGTERM ends the session."""
+    import os
+    import re
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+
+    db = tmp_path / "s.db"
+    proc = subprocess.Popen([sys.executable, "-m", "kvplay", "serve", "--model", "tiny:llama", "--num-blocks", "32",
+                             "--port", "0", "--db", str(db)], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "kvplay serve exited early"
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            url = m.group(1) if m else None
+        with httpx.Client(timeout=30) as c:
+            assert chat(c, url, user="solo").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    con = sqlite3.connect(db)
+    assert con.execute("select ended is not null, source from sessions").fetchone() == (1, "serve")
+    assert con.execute("select user from turns").fetchall() == [("solo",)]
