@@ -153,9 +153,9 @@ def _report(args, trace: Trace, policies: list[str]) -> int:
     con.print(f"[bold]{trace.source}[/bold]: {n} requests, {trace.prompt_tokens()} prompt tokens; recorded "
               f"{c.eviction} on {c.num_blocks} blocks of {c.block_size} tokens, isolation {c.isolation}", highlight=False)
     if recorded is not None and not trace.source.startswith("session "):
-        con.print(f"the trace itself shows {recorded:.1%} of prompt tokens reused ({trace.recorded_hit_tokens}/"
-                  f"{trace.recorded_query_tokens}: blocks stored under a parent that was cached); replayed in "
-                  f"kvplay's pool as set here: {own.hit_rate:.1%}", highlight=False)
+        con.print(f"the server's events show {recorded:.1%} of prompt tokens reused ({trace.recorded_hit_tokens}/"
+                  f"{trace.recorded_query_tokens}); replayed in kvplay's pool as set here: {own.hit_rate:.1%}",
+                  highlight=False)
     elif recorded is not None:
         end = getattr(trace, "final_settings", None) or {}
         changed = [f"{k} {getattr(c, k)} → {v}" for k, v in end.items() if v is not None and v != getattr(c, k)]

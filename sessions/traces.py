@@ -267,6 +267,16 @@ def _vllm_batches_in(path: str, data: bytes):
             return
         except Exception as exc:
             raise TraceError(f"{path} record {n}: not msgpack ({exc})") from None
+        if n == 1 and isinstance(obj, dict) and isinstance(obj.get("frames"), list):
+            # a capture of ZMQ messages (scripts/capture_vllm_events.py): {"frames": [[topic, seq, payload], …], …}
+            for k, fr in enumerate(obj["frames"], 1):
+                if not isinstance(fr, (list, tuple)) or not fr or not isinstance(fr[-1], (bytes, bytearray)):
+                    raise TraceError(f"{path} record {k}: field 'frames[{k - 1}]' is not a [topic, seq, payload] message")
+                try:
+                    yield k, decode_batch(bytes(fr[-1]))
+                except WireError as exc:
+                    raise TraceError(f"{path} record {k}: {exc}") from None
+            return
         try:
             yield n, decode_batch(msgpack.packb(obj, use_bin_type=True))
         except WireError as exc:
@@ -276,9 +286,10 @@ def _vllm_batches_in(path: str, data: bytes):
 def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
     """Requests rebuilt from BlockStored events: each one's prompt is its parent's chain plus its
     own blocks (plus one token, the one a server always computes); an event continuing the chain
-    the previous one ended is the same request (chunked prefill, decode blocks). Returns the
-    items, the hits the server got (the reused chain), the prompt tokens and the peak of blocks
-    resident (a lower bound of its pool)."""
+    the same session's previous one ended is the same request (chunked prefill, decode blocks).
+    A request reused its parent's chain, and any leading blocks it re-announces that were still
+    cached (vLLM's kv_cache_report_mode "full"). Returns the items, the hits the server got, the
+    prompt tokens and the peak of blocks resident (a lower bound of its pool)."""
     from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored
 
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
@@ -298,6 +309,11 @@ def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
                     raise TraceError(f"{path} record {n}: field 'events[{k}].parent_block_hash': {p!r} was never "
                                      "stored (hashes do not chain)")
                 prefix = [] if p is None else chain[p]
+                reused = len(prefix)  # vLLM stores a block only under a cached parent
+                for h in ev.block_hashes:  # re-announced cached blocks (kv_cache_report_mode "full") are hits
+                    if h not in resident or reused != len(chain.get(h, ())) - bs:
+                        break
+                    reused += bs
                 for i, h in enumerate(ev.block_hashes):
                     prefix = prefix + list(ev.token_ids[i * bs:(i + 1) * bs])
                     chain[h] = prefix
@@ -310,7 +326,7 @@ def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
                 else:
                     cur = TraceRequest(f"r{len(items) + 1}", uid, prefix + [TOKEN_BASE - 1 - len(items) % 1000],
                                        [], stop=True, ts=b.ts)
-                    cur.cached_tokens = 0 if p is None else len(chain[p])
+                    cur.cached_tokens = reused
                     hits += cur.cached_tokens
                     items.append(cur)
                 open_[uid] = (cur, ev.block_hashes[-1] if ev.block_hashes else tail)

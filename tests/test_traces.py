@@ -160,14 +160,16 @@ def test_other_formats_and_broken_chains(exported, tmp_path, capsys):
 
 
 def test_a_real_vllm_capture_imports_and_simulates(tmp_path, capsys):
-    """Events captured off a real vLLM 0.32 (CPU, SmolLM2, four users sharing a system prompt;
-    scripts/capture_vllm_events.py) import as a session and simulate."""
+    """Events captured off a real vLLM 0.32 (CPU, SmolLM2, users sharing a system prompt;
+    scripts/capture_vllm_events.py): payloads back to back (the bakery trace) and the watch
+    helper's captures of whole ZMQ messages, int and bytes hashes. Each imports and simulates,
+    and the reuse it shows is the server's own count."""
     caps = sorted(p for p in FIXTURES.glob("*") if "vllm" in p.name and p.suffix in (".jsonl", ".msgpack"))
-    assert caps, "tests/fixtures/vllm-capture-bakery.msgpack is missing"
+    assert any(p.name == "vllm-capture-bakery.msgpack" for p in caps)
     for cap in caps:
         read = read_trace_file(str(cap))
         assert read.error is None and len(read.trace.requests) >= 2, cap
-        assert read.trace.config.block_size == 32 or "bakery" not in cap.name
+        assert read.trace.config.block_size == 32
         db = str(tmp_path / "v.db")
         assert cli(["import", str(cap), "--db", db]) == 0
         sid = capsys.readouterr().out.split("as session ")[1].split(":")[0]
@@ -177,7 +179,9 @@ def test_a_real_vllm_capture_imports_and_simulates(tmp_path, capsys):
         assert pool_state(rec.events, len(rec.events), rec.num_blocks).hit_tokens > 0
         assert cli(["simulate", str(cap), "--json", "--policy", "lru,fifo,belady"]) == 0
         j = json.loads(capsys.readouterr().out)
-        assert j["recorded"]["hit_rate"] > 0.5  # the users shared the system prompt on the server
+        assert j["recorded"]["hit_rate"] > 0.25  # the users shared the system prompt on the server
+        if cap.name.startswith("vllm_capture"):  # its requests' usage: 192 cached tokens in all (bob's first turn)
+            assert read.trace.recorded_hit_tokens == 192
         opt = {r["num_blocks"]: r["hit_rate"] for r in j["results"] if r["policy"] == "belady"}
         assert all(r["hit_rate"] <= opt[r["num_blocks"]] for r in j["results"])
 
