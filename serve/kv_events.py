@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 import time
 
+from kvplay.wire.cbor_hash import vllm_extra_keys
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, MEDIUM_GPU, from_engine_event, hex_to_wire_hash
+
+SPEC_KIND = "full_attention"  # what vLLM 0.32 sends for a plain decoder's one KV-cache group
 
 REPORT_MODES = ("incremental", "full")
 
@@ -55,6 +58,7 @@ class EngineEventPublisher:
                 and last.block_size == ev.block_size and ev.parent_block_hash == last.block_hashes[-1]):
             last.block_hashes.extend(ev.block_hashes)
             last.token_ids.extend(ev.token_ids)
+            last.extra_keys.extend(ev.extra_keys)
         else:
             self._pending.append(ev)
             self._open = ev  # later blocks of the same chain join it (a re-announcement never does)
@@ -62,11 +66,13 @@ class EngineEventPublisher:
     def _on_event(self, ev) -> None:
         kind = type(ev).__name__
         if kind == "BlockStored":
-            self._add_stored(from_engine_event(ev, session_id=ev.user or None, as_int=self.as_int))
+            wire = from_engine_event(ev, session_id=ev.user or None, as_int=self.as_int)
+            self._vllm_fields(wire, ev.block_ids)
+            self._add_stored(wire)
         elif kind == "BlockRemoved":
             if ev.reason == "evicted":
                 for h in ev.block_hashes:
-                    self._pending.append(BlockRemoved([hex_to_wire_hash(h, self.as_int)], MEDIUM_GPU))
+                    self._pending.append(BlockRemoved([hex_to_wire_hash(h, self.as_int)], MEDIUM_GPU, 0))
         elif kind == "AllBlocksCleared":
             self._pending.append(from_engine_event(ev))
         elif kind == "BlockHit":
@@ -75,6 +81,18 @@ class EngineEventPublisher:
         elif kind == "RequestFinished":
             self._modes.pop(ev.request_id, None)
 
+    def _vllm_fields(self, wire: BlockStored, block_ids) -> None:
+        """What vLLM adds to every BlockStored: one extra-keys entry per block (None, or the
+        block's cache salt untagged), KV-cache group 0, its spec kind."""
+        blocks = self.engine.pool.blocks
+        extra = []
+        for bid in block_ids:
+            keys = vllm_extra_keys(blocks[bid].extra)
+            extra.append(None if keys is None else tuple(v for _, v in keys))
+        wire.extra_keys = extra
+        wire.group_idx = 0
+        wire.kv_cache_spec_kind = SPEC_KIND
+
     def _reannounce(self, ev) -> None:
         """The reused prefix as one BlockStored with the reusing user's session_id."""
         blocks = self.engine.pool.blocks
@@ -82,8 +100,10 @@ class EngineEventPublisher:
         tokens: list[int] = []
         for bid in ev.block_ids:
             tokens.extend(blocks[bid].token_ids)
-        self._pending.append(BlockStored(hashes, None, tokens, self.engine.pool.block_size, None, MEDIUM_GPU,
-                                         None, session_id=ev.user or None))
+        wire = BlockStored(hashes, None, tokens, self.engine.pool.block_size, None, MEDIUM_GPU, None,
+                           session_id=ev.user or None)
+        self._vllm_fields(wire, ev.block_ids)
+        self._pending.append(wire)
 
     def _flush(self) -> None:
         if self._pending:

@@ -141,7 +141,9 @@ def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
     u = a.json()["usage"]  # every full block whose K/V was computed: prompt and reply but the last token
     assert set(got) == set(stored_by_engine) and len(got) == (u["prompt_tokens"] + u["completion_tokens"] - 1) // 16
     for e in alice:
-        assert e["block_size"] == 16 and e["medium"] == "GPU" and "lora_id" in e
+        assert e["block_size"] == 16 and e["medium"] == "GPU" and "lora_id" in e and "lora_name" in e
+        assert e["extra_keys"] == [None] * len(e["block_hashes"])  # as vLLM: one entry per block
+        assert e["group_idx"] == 0 and e["kv_cache_spec_kind"] == "full_attention"
         for i, h in enumerate(e["block_hashes"]):
             assert tuple(e["token_ids"][i * 16:(i + 1) * 16]) == stored_by_engine[h].token_ids
     assert alice[0]["parent_block_hash"] is None
@@ -171,7 +173,7 @@ def test_evictions_are_one_removed_event_per_block(serve):
     sub.drain(until=lambda s: sum(e["type"] == "BlockRemoved" for e in s.events()) >= evicted)
     removed = [e for e in sub.events() if e["type"] == "BlockRemoved"]
     assert evicted > 0 and len(removed) == evicted
-    assert all(len(e["block_hashes"]) == 1 and e["medium"] == "GPU" for e in removed)
+    assert all(len(e["block_hashes"]) == 1 and e["medium"] == "GPU" and e["group_idx"] == 0 for e in removed)
     stored = {h for e in sub.events() if e["type"] == "BlockStored" for h in e["block_hashes"]}
     assert all(e["block_hashes"][0] in stored for e in removed)
     # one step's removals come before that step's stores
@@ -285,3 +287,17 @@ def test_publisher_keeps_the_last_buffer_steps_batches():
     assert [int.from_bytes(f[2], "big", signed=True) for f in frames] == [2, 3, 4, -1]
     assert all(f[1] == b"t" for f in frames[:-1]) and frames[-1] == [b"", b"", b"\xff" * 8, b""]
     assert msgpack.unpackb(frames[1][3]) == [3.0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}], 0]
+
+
+def test_a_salted_block_carries_its_salt_in_extra_keys(serve, tmp_path):
+    srv, state = serve(keys=keys(tmp_path), isolation="user", kv_events=events_config())
+    sub = Sub(state.events.publisher.endpoint)
+    time.sleep(0.3)
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, ALICE, "mine")
+    sub.drain(until=lambda s: any(e.get("session_id") == "alice" for e in s.events()))
+    first = next(e for e in sub.events() if e["type"] == "BlockStored")
+    salt = first["extra_keys"][0]
+    assert len(salt) == 1 and "alice" in salt[0]  # vLLM's untagged cache_salt entry, in block 0 only
+    assert first["extra_keys"][1:] == [None] * (len(first["block_hashes"]) - 1)
+    sub.close()
