@@ -438,6 +438,11 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
         db["turns"].insert_all(rows)
         evs = []
         for ev, forwards in res.events:
+            kind = type(ev).__name__
+            if kind == "FirstToken":  # no model ran: no time to first token to show
+                continue
+            if kind == "RequestFinished":
+                ev.stats = {k: (None if k.endswith("_ms") or k == "decode_tok_s" else v) for k, v in ev.stats.items()}
             row = event_row(sid, ev)
             row["forwards"] = forwards
             evs.append(row)
