@@ -5,6 +5,12 @@ a ``RequestHandle`` to iterate streamed ``TokenDelta``s or wait for the ``Reques
 Everything that touches the model or the pool runs on the engine's own thread; other threads
 talk to it through a command queue. Event listeners are called on the engine thread and must
 be quick (the app posts a Textual message; the recorder enqueues a row).
+
+Identity is bound here (``register_user`` / ``set_group``, registry.py), never per request.
+One step on the engine thread: the scheduler decides (scheduler.py), the KV manager gives each
+request its blocks (kv_manager.py over the block pool, pool.py + eviction.py), the model runner
+computes (runner.py, paged.py, kv_store.py), the output processor samples, detokenises and
+streams (output.py); observe.py publishes snapshots and stats between steps.
 """
 from __future__ import annotations
 
