@@ -340,6 +340,8 @@ def create_app(state: ServeState) -> FastAPI:
             handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling, system_tokens=system_tokens,
                                 request_id=rid)
         except EngineError as exc:
+            if state.events is not None:
+                state.events.forget(rid)
             status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
             raise ApiError(status, str(exc)) from None
         started = time.time()

@@ -46,6 +46,10 @@ class EngineEventPublisher:
         if mode is not None:
             self._modes[request_id] = mode == "full"
 
+    def forget(self, request_id: str) -> None:
+        """The request never reached the engine (submit refused it)."""
+        self._modes.pop(request_id, None)
+
     def close(self) -> None:
         for unsub in self._unsubs:
             unsub()
