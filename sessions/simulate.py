@@ -125,10 +125,11 @@ class ReplayRunner:
 
     def forward(self, rows, deterministic: bool = False):
         self.forwards += 1
-        by_table = {id(r.block_table): r for r in self.scheduler.running}
+        running = self.scheduler.running
+        by_table = {id(r.block_table): r for r in running}
         out = []
-        for row in rows:
-            req = by_table[id(row.block_table)]
+        for row in rows:  # a row carries its request's block table (every request's ends in blocks of its own)
+            req = by_table.get(id(row.block_table)) or next(r for r in running if r.block_table == row.block_table)
             last = row.past_len + len(row.new_tokens) >= req.num_tokens
             out.append(self._logits(req) if last else None)
         return out
