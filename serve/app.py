@@ -49,6 +49,9 @@ class ServeState:
     record_failures: int = 0
     _recorded_users: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # one tokenisation at a time: HF fast tokenizers can fail with "Already borrowed" when
+    # their padding/truncation state is touched from two threads at once
+    tokenize_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def model_name(self) -> str:
@@ -125,18 +128,19 @@ def check_model(state: ServeState, model: str | None) -> None:
 def prepare_prompt(state: ServeState, g: GenRequest) -> tuple[list[int], int]:
     """Token ids and system-prompt length (runs in a worker thread: tokenising is CPU work)."""
     eng = state.engine
-    if g.kind == "chat":
-        try:
-            return eng.encode(g.messages)
-        except EngineError as exc:
-            raise bad(str(exc), "messages") from None
     if g.prompt_ids is not None:
         vocab = len(eng.tokenizer)
         for t in g.prompt_ids:
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} is outside the vocabulary (0..{vocab - 1})", "prompt")
         return list(g.prompt_ids), 0
-    return list(eng.tokenizer(g.prompt)["input_ids"]), 0
+    with state.tokenize_lock:
+        if g.kind == "chat":
+            try:
+                return eng.encode(g.messages)
+            except EngineError as exc:
+                raise bad(str(exc), "messages") from None
+        return list(eng.tokenizer(g.prompt)["input_ids"]), 0
 
 
 def check_limits(state: ServeState, g: GenRequest, n: int) -> int:
