@@ -301,3 +301,39 @@ def test_a_salted_block_carries_its_salt_in_extra_keys(serve, tmp_path):
     assert len(salt) == 1 and "alice" in salt[0]  # vLLM's untagged cache_salt entry, in block 0 only
     assert first["extra_keys"][1:] == [None] * (len(first["block_hashes"]) - 1)
     sub.close()
+
+
+@pytest.mark.slow
+def test_same_events_as_a_real_vllm_for_the_same_chats(serve, smollm, monkeypatch):
+    """Replays the scenario of tests/fixtures/vllm_capture.msgpack (recorded from vLLM 0.32 by
+    scripts/capture_vllm_events.py) against kvplay serve on the same model, block size and hash:
+    the decoded events (hashes, parents, tokens, session ids, extra keys) and usage are vLLM's."""
+    from pathlib import Path
+
+    cap = msgpack.unpackb((Path(__file__).parent / "fixtures" / "vllm_capture.msgpack").read_bytes(),
+                          strict_map_key=False)
+    monkeypatch.setenv("PYTHONHASHSEED", cap["pythonhashseed"])  # vLLM's NONE_HASH seed at capture time
+    srv, state = serve(loaded=smollm, model="default", num_blocks=None, cache_mb=64, block_size=cap["block_size"],
+                       hash="sha256_cbor", kv_events=events_config())
+    sub = Sub(state.events.publisher.endpoint)
+    time.sleep(0.3)
+    usages = []
+    with httpx.Client(timeout=300) as c:
+        def turn(user, text):
+            r = c.post(srv.url + "/v1/chat/completions", json={
+                "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "session_id": user, "user": user,
+                "vllm_xargs": {"kv_cache_report_mode": "full"},
+                "messages": [{"role": "system", "content": cap["system_prompt"]}, {"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            usages.append({"user": user, "prompt_tokens": r.json()["usage"]["prompt_tokens"],
+                           "cached_tokens": r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                           "reply": r.json()["choices"][0]["message"]["content"]})
+        turn("alice", "When do you open on Sundays?")
+        turn("bob", "Do you sell rye bread?")
+        assert c.post(srv.url + "/reset_prefix_cache").status_code == 200
+        turn("bob", "Do you sell rye bread?")
+    want = [ev for _, _, p in cap["frames"] for ev in msgpack.unpackb(p, strict_map_key=False)[1]]
+    sub.drain(until=lambda s: len(s.events()) >= len(want))
+    assert sub.events() == want
+    assert usages == [{k: r[k] for k in ("user", "prompt_tokens", "cached_tokens", "reply")} for r in cap["requests"]]
+    sub.close()
