@@ -24,6 +24,14 @@ from .request import Request, RequestResult, TokenDelta
 from .sampling import sample
 
 
+def make_decode(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text, without special tokens and without the "clean up spaces" pass some
+    tokenizers apply (it looks across token boundaries, so windows would not add up)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Detokenizer:
     """Per-request incremental decoder state (ids decoded so far: [0, read))."""
     __slots__ = ("prefix", "read")
@@ -32,12 +40,12 @@ class Detokenizer:
         self.prefix = 0  # start of the decode window (a token or more of left context)
         self.read = 0  # output ids already turned into text
 
-    def step(self, tokenizer, ids: list[int]) -> str:
+    def step(self, decode: Callable[[list[int]], str], ids: list[int]) -> str:
         """The text that ids[read:] add (empty while a character is incomplete)."""
         if self.read >= len(ids):
             return ""
-        before = tokenizer.decode(ids[self.prefix:self.read], skip_special_tokens=True) if self.read > self.prefix else ""
-        now = tokenizer.decode(ids[self.prefix:], skip_special_tokens=True)
+        before = decode(ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        now = decode(ids[self.prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(ids)
@@ -47,6 +55,7 @@ class Detokenizer:
 class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: set[int], max_positions: int, emit: Callable[[Event], None]):
         self.tokenizer = tokenizer
+        self.decode = make_decode(tokenizer)
         self.eos_ids = eos_ids
         self.max_positions = max_positions
         self.emit = emit
@@ -66,7 +75,7 @@ class OutputProcessor:
         req.output_ids.append(tok)
         if req.detok is None:
             req.detok = Detokenizer()
-        delta = req.detok.step(self.tokenizer, req.output_ids)
+        delta = req.detok.step(self.decode, req.output_ids)
         req.text += delta
         if req.handle is not None:
             req.handle._put(TokenDelta(req.request_id, delta, tok, len(req.output_ids) - 1))
