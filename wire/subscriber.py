@@ -85,6 +85,8 @@ class _Pod:
     replaying: bool = False
     replay_deadline: float = 0.0
     buffer: list = field(default_factory=list)
+    last_payload: bytes = b""   # the last applied batch as sent: tells the same publisher from a new one
+    verify: tuple | None = None  # (seq, payload) a reconnect replay must show first, else a restart
     drop: set = field(default_factory=set)  # test hook: live seqs to treat as lost in transit
     bad_payloads: int = 0
 
@@ -303,11 +305,26 @@ class Subscriber:
             ev = msg["event"]
             if ev in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 pod.connected = True
+                self._on_connect(pod)
             elif ev == zmq.EVENT_DISCONNECTED:
                 pod.connected = False
                 if pod.seen:
                     pod.peer_left = True
             self._set_state(pod, before)
+
+    def _on_connect(self, pod: _Pod) -> None:
+        """A publisher (re)connected. PUB/SUB drops what is sent before our subscription reaches
+        it, and after a reconnect we may have missed batches or be facing a restarted publisher
+        whose seq has already passed ours. With a replay endpoint, ask at once: from 0 when we
+        have nothing; else from our last applied seq, whose payload must come back unchanged
+        (the same publisher) — anything else means a restart."""
+        if pod.dealer is None or pod.replaying:
+            return
+        if pod.last_applied < 0:
+            self._start_replay(pod, 0)
+        else:
+            pod.verify = (pod.last_applied, pod.last_payload)
+            self._start_replay(pod, pod.last_applied)
 
     def _decode(self, pod: _Pod, payload: bytes):
         try:
@@ -316,13 +333,15 @@ class Subscriber:
             pod.bad_payloads += 1
             return None
 
-    def _apply(self, pod: _Pod, seq: int, batch, replayed: bool) -> int:
+    def _apply(self, pod: _Pod, seq: int, batch, replayed: bool, payload: bytes = b"") -> int:
         m = pod.mirror
+        pod.last_payload = payload
         with self.fleet.lock:
             counts = m.apply(batch, seq)
             if replayed:
                 m.replayed += 1
         pod.last_applied = seq
+        pod.seen = True
         if counts[2] and pod.incomplete and not pod.replaying:
             pod.incomplete = False  # the cache was reset: the mirror is exact again
         if self.on_batch is not None:
@@ -345,12 +364,12 @@ class Subscriber:
             batch = self._decode(pod, payload)
             if batch is not None:
                 before = pod.state
-                self._apply(pod, seq, batch, False)
+                self._apply(pod, seq, batch, False, payload)
                 if pod.state != before:
                     self._set_state(pod, before)
                 return 1
             before = pod.state
-            self._apply_or_skip(pod, seq, None, False)
+            self._apply_or_skip(pod, seq, None, False, payload)
             self._set_state(pod, before)
             return 0
         if seq < 0:
@@ -366,37 +385,38 @@ class Subscriber:
         pod.peer_left = False
         batch = self._decode(pod, payload)
         if pod.replaying:
-            pod.buffer.append((seq, batch))
+            pod.buffer.append((seq, batch, payload))
         elif pod.last_applied < 0 and seq > 0 and pod.dealer is not None:
-            pod.buffer.append((seq, batch))   # joined late: catch up from the publisher's start
+            pod.buffer.append((seq, batch, payload))   # joined late: catch up from the publisher's start
             self._start_replay(pod, 0)
         elif pod.last_applied < 0:
             if seq > 0:
                 pod.incomplete = True  # joined late with no replay: earlier blocks are unknown
-            applied += self._apply_or_skip(pod, seq, batch, False)
+            applied += self._apply_or_skip(pod, seq, batch, False, payload)
         elif seq <= pod.last_applied:
             pass  # already applied (a replay got ahead of the live stream)
         elif seq == pod.last_applied + 1:
-            applied += self._apply_or_skip(pod, seq, batch, False)
+            applied += self._apply_or_skip(pod, seq, batch, False, payload)
         else:
             pod.mirror.gaps += 1
             if pod.dealer is not None:
-                pod.buffer.append((seq, batch))
+                pod.buffer.append((seq, batch, payload))
                 self._start_replay(pod, pod.last_applied + 1)
             else:
                 pod.mirror.lost += seq - pod.last_applied - 1
                 pod.incomplete = True
-                applied += self._apply_or_skip(pod, seq, batch, False)
+                applied += self._apply_or_skip(pod, seq, batch, False, payload)
         self._set_state(pod, before)
         return applied
 
-    def _apply_or_skip(self, pod: _Pod, seq: int, batch, replayed: bool) -> int:
+    def _apply_or_skip(self, pod: _Pod, seq: int, batch, replayed: bool, payload: bytes = b"") -> int:
         if batch is None:  # undecodable: its events are lost, later seqs still apply in order
             pod.last_applied = seq
+            pod.last_payload = payload
             pod.mirror.lost += 1
             pod.incomplete = True
             return 0
-        return self._apply(pod, seq, batch, replayed)
+        return self._apply(pod, seq, batch, replayed, payload)
 
     def _restart(self, pod: _Pod) -> None:
         with self.fleet.lock:
@@ -404,6 +424,8 @@ class Subscriber:
         pod.last_applied = -1
         pod.last_live = -1
         pod.incomplete = False
+        pod.verify = None
+        pod.last_payload = b""
         pod.buffer.clear()
         if pod.replaying:
             pod.replaying = False
@@ -427,6 +449,18 @@ class Subscriber:
         except WireError:
             pod.bad_payloads += 1
             return 0
+        if pod.verify is not None:
+            want_seq, want_payload = pod.verify
+            pod.verify = None
+            if seq != want_seq or payload != want_payload:
+                # not the publisher we were following: it restarted while we were away
+                before = pod.state
+                self._restart(pod)
+                self._start_replay(pod, 0)
+                self._set_state(pod, before)
+                return 0
+            if seq >= 0:
+                return 0  # our last batch, as applied: the same publisher; the rest follows
         if seq < 0:
             return self._finish_replay(pod, complete=True)
         pod.replay_deadline = time.monotonic() + self.replay_timeout  # it is answering
@@ -437,25 +471,33 @@ class Subscriber:
             # The publisher no longer holds what we missed (it keeps the last 10,000 batches).
             pod.mirror.lost += seq - pod.last_applied - 1
             pod.incomplete = True
-        return self._apply_or_skip(pod, seq, batch, True)
+        return self._apply_or_skip(pod, seq, batch, True, payload)
 
     def _finish_replay(self, pod: _Pod, complete: bool) -> int:
         before = pod.state
         pod.replaying = False
+        pod.verify = None
         if not complete:
-            pod.incomplete = True
+            if pod.buffer or pod.seen:  # a join replay nobody answered yet loses nothing
+                pod.incomplete = True
             self._reset_dealer(pod)
         applied = 0
         buffered = sorted(pod.buffer, key=lambda sb: sb[0])
         pod.buffer.clear()
-        for seq, batch in buffered:
+        for i, (seq, batch, payload) in enumerate(buffered):
             if seq <= pod.last_applied:
                 continue  # the replay already applied it
-            if pod.last_applied >= 0 and seq > pod.last_applied + 1:
-                pod.mirror.lost += seq - pod.last_applied - 1
+            if seq > pod.last_applied + 1:
+                if complete and pod.dealer is not None:
+                    # lost in transit after the publisher answered: ask again from the hole
+                    pod.mirror.gaps += 1
+                    pod.buffer = buffered[i:]
+                    self._start_replay(pod, pod.last_applied + 1)
+                    self._set_state(pod, before)
+                    return applied
+                if pod.last_applied >= 0:
+                    pod.mirror.lost += seq - pod.last_applied - 1
                 pod.incomplete = True
-            elif pod.last_applied < 0 and seq > 0:
-                pod.incomplete = True
-            applied += self._apply_or_skip(pod, seq, batch, False)
+            applied += self._apply_or_skip(pod, seq, batch, False, payload)
         self._set_state(pod, before)
         return applied

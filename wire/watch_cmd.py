@@ -135,8 +135,7 @@ def main(args) -> int:
             out.write(json.dumps(d) + "\n")
 
     def on_state(pod, state):
-        if not as_json:
-            print(f"kvplay: pod {pod} is {state}", file=sys.stderr)
+        print(f"kvplay: pod {pod} is {state}", file=sys.stderr, flush=True)
 
     last: dict = {}
 

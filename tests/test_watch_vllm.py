@@ -1,0 +1,130 @@
+"""`kvplay watch` on a real vLLM CPU server (scripts/vllm-cpu.sh): two users chat, a batch is
+lost in transit (replayed), vLLM is killed and restarted; the mirror agrees with vLLM's usage
+and /metrics, and holds no block of the dead server."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from test_watch_cmd import Watch
+from test_watch_subscriber import free_port
+
+from kvplay.wire.cbor_hash import block_hash, none_hash
+
+VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
+SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, cakes, opening "
+          "hours and orders. Keep answers short, friendly and precise. ") * 5
+
+
+def post(url, body=None):
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def chat(base, user, text):
+    r = post(base + "/v1/chat/completions", {
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0, "session_id": user, "user": user,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        "vllm_xargs": {"kv_cache_report_mode": "full"}})
+    u = r["usage"]
+    return u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def hits_total(base):
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def quiet(w, seconds=2.0, timeout=60):
+    """Read watch's JSON lines until none came for `seconds` (vLLM publishes after each step)."""
+    got = []
+    end = time.monotonic() + timeout
+    last = time.monotonic()
+    while time.monotonic() < end and time.monotonic() - last < seconds:
+        try:
+            got.append(json.loads(w.lines.get(timeout=0.1)))
+            last = time.monotonic()
+        except Exception:
+            pass
+    return got
+
+
+@pytest.mark.vllm
+def test_watch_real_vllm_gap_and_restart(tmp_path):
+    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
+        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
+    port, evp, rep = free_port(), free_port(), free_port()
+    ev, rep_ep = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
+               KVPLAY_VLLM_PORT=str(port))
+    db = tmp_path / "s.db"
+
+    def vllm(cmd, *args):
+        out = subprocess.run([SCRIPT, cmd, "--port", str(port), *args], env=env, capture_output=True, text=True,
+                             timeout=400)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+    # vLLM connects to a non-wildcard endpoint, so watch binds; seq 1 (bob's) is lost in transit
+    w = Watch("--events-bind", ev, "--replay", rep_ep, "--pod", "vllm", "--topic", "kv-events", "--json",
+              "--db", str(db), "--drop", "vllm:1")
+    try:
+        w.wait_err("recording")
+        vllm("start", "--events", ev, "--replay", rep_ep)
+        alice = chat(base, "alice", "When do you open on Sundays?")
+        bob = chat(base, "bob", "Do you sell rye bread?")
+        again = chat(base, "alice", "And cakes?")  # a later batch: only it reveals the lost one
+        first = quiet(w)
+        hits = hits_total(base)
+        assert bob[1] > 0 and hits == alice[1] + bob[1] + again[1]
+        assert any(d.get("replayed") for d in first), (first, w.err)  # the lost batch came back by replay
+        # kill vLLM and start it again: a new publisher, seq from 0, an empty cache
+        vllm("stop")
+        vllm("start", "--events", ev, "--replay", rep_ep)
+        carol = chat(base, "carol", "Can I order a cake?")
+        quiet(w)
+        rest = w.stop()
+    finally:
+        if w.p.poll() is None:
+            w.p.kill()
+        subprocess.run([SCRIPT, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
+    assert w.p.returncode == 0, w.err
+    pod = rest[-1]["pods"]["vllm"]
+    assert pod["restarts"] == 1 and pod["gaps"] >= 1 and pod["replayed"] >= 1
+    # nothing of the dead server is left; carol's blocks are all there
+    assert set(pod["by_session"]) == {"carol"} and pod["blocks"] >= carol[0] // 32
+    assert carol[1] == 0
+    # before the restart: bob's re-announced blocks are exactly what vLLM said it reused
+    con = sqlite3.connect(db)
+    rows = con.execute("select kind, user, payload from cache_events order by seq, id").fetchall()
+    restart_at = [i for i, r in enumerate(rows) if r[0] == "AllBlocksCleared"
+                  and json.loads(r[2])["reason"] == "publisher restarted"]
+    assert len(restart_at) == 1
+    before = rows[:restart_at[0]]
+    bob_hit = sum(json.loads(p)["cached_tokens"] for k, u, p in before if k == "BlockHit" and u == "bob")
+    assert bob_hit == bob[1]
+    # every recorded block's hash is vLLM's sha256_cbor of its tokens under its parent
+    root = none_hash("0")  # scripts/vllm-cpu.sh runs vLLM with PYTHONHASHSEED=0
+    digests = {}
+    for k, _u, p in rows:
+        if k != "BlockStored":
+            continue
+        d = json.loads(p)
+        parent = None if d["parent_block_hash"] is None else digests.get(d["parent_block_hash"])
+        if d["parent_block_hash"] is not None and parent is None:
+            continue  # parent stored before a batch we could not see
+        dig = block_hash(parent, d["token_ids"], None, root)
+        assert dig[-8:].hex() == d["block_hashes"][0]
+        digests[d["block_hashes"][0]] = dig
+    assert len(digests) >= (alice[0] + carol[0]) // 32

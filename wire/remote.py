@@ -1,0 +1,392 @@
+"""A ChatBackend over a remote OpenAI-compatible server and its KV events (`kvplay attach`).
+
+Chat: each pane's turn is a streamed ``POST /v1/chat/completions`` with the pane's user as
+``user`` and ``session_id`` and ``vllm_xargs.kv_cache_report_mode = "full"`` (so what it reuses
+is re-announced as events), ``stream_options.include_usage`` for ``cached_tokens``. TTFT is
+measured here, at the client. Per turn "from whom": the re-announced blocks (``BlockHit``
+events) of that session that arrive while the turn runs, by the session that stored them.
+
+Cache: the pods' KV events (wire/subscriber.py) feed a `Fleet` of mirrors; their journal becomes
+kvplay's engine events (wire/recording.journal_events), so the app's views and recorder read
+the same events as from a local engine. vLLM sends no block ids, so `SlotMap` gives every cached
+block a slot (the lowest free one) and the events carry those ids; pod k's slots follow pod
+k-1's. Every mirrored block is "cached": the events do not say which ones running requests hold.
+
+No Textual here: usable and testable without the app.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import queue
+import threading
+import time
+import uuid
+from typing import Callable
+
+import httpx
+import numpy as np
+
+from kvplay.engine.errors import EngineError
+from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
+
+from .mirror import Fleet
+from .recording import journal_events
+from .subscriber import PodSource, Subscriber
+
+DEFAULT_SLOTS = 4096
+FREE, CACHED = 0, 1  # indexes into kvplay.engine.pool.STATES (free, cached, in_use)
+
+
+class SlotMap:
+    """Block slots for one pod's mirrored blocks: hash -> slot, per-slot state and creator."""
+
+    def __init__(self, capacity: int, offset: int = 0):
+        self.offset = offset
+        self.capacity = capacity
+        self.state = np.zeros(capacity, np.int8)
+        self.creator = np.full(capacity, -1, np.int32)
+        self.slot_of: dict[str, int] = {}
+        self.hash_of: dict[int, str] = {}
+        self._free = list(range(capacity))
+
+    def _grow(self) -> None:
+        n = self.capacity
+        self.state = np.concatenate([self.state, np.zeros(n, np.int8)])
+        self.creator = np.concatenate([self.creator, np.full(n, -1, np.int32)])
+        for s in range(n, 2 * n):
+            heapq.heappush(self._free, s)
+        self.capacity = 2 * n
+
+    def store(self, hexhash: str, creator_code: int) -> int:
+        s = self.slot_of.get(hexhash)
+        if s is None:
+            if not self._free:
+                self._grow()
+            s = heapq.heappop(self._free)
+            self.slot_of[hexhash] = s
+            self.hash_of[s] = hexhash
+            self.state[s] = CACHED
+            self.creator[s] = creator_code
+        return s + self.offset
+
+    def remove(self, hexhash: str) -> int | None:
+        s = self.slot_of.pop(hexhash, None)
+        if s is None:
+            return None
+        del self.hash_of[s]
+        self.state[s] = FREE
+        self.creator[s] = -1
+        heapq.heappush(self._free, s)
+        return s + self.offset
+
+    def slot(self, hexhash: str) -> int | None:
+        s = self.slot_of.get(hexhash)
+        return None if s is None else s + self.offset
+
+    def clear(self) -> None:
+        self.slot_of.clear()
+        self.hash_of.clear()
+        self.state[:] = FREE
+        self.creator[:] = -1
+        self._free = list(range(self.capacity))
+
+
+class RemoteTurn:
+    """One streamed turn: iterate for TokenDeltas (`.text`), then `result()`."""
+
+    def __init__(self, request_id: str, user: str):
+        self.request_id = request_id
+        self.user = user
+        self._queue: queue.Queue = queue.Queue()
+        self._result: RequestResult | None = None
+        self._done = threading.Event()
+
+    def __iter__(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"turn {self.request_id} not finished after {timeout} s")
+        return self._result
+
+    def _finish(self, result: RequestResult) -> None:
+        self._result = result
+        self._done.set()
+        self._queue.put(None)
+
+
+class RemoteBackend:
+    """kvplay.tui.backend.ChatBackend over HTTP + KV events (duck-typed: no Textual import)."""
+
+    def __init__(self, url: str, api_key: str | None = None, sources: list[PodSource] = (),
+                 model: str | None = None, timeout: float = 300.0, slots: int | None = None):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self.model_name = model or self._first_model()
+        self.device = self.url
+        self.fleet = Fleet()
+        self.users: list[str] = []
+        self._user_code: dict[str, int] = {}
+        self._listeners: list[Callable] = []
+        self._lock = threading.RLock()
+        self._version = 0
+        self._block_size = 0
+        self._query_tokens = self._hit_tokens = self._finished = 0
+        self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
+        capacity = slots or self._server_blocks() or DEFAULT_SLOTS
+        self.pods: dict[str, SlotMap] = {}
+        for k, src in enumerate(sources):
+            self.fleet.pod(src.name).journal = []
+            self.pods[src.name] = SlotMap(capacity, k * capacity)
+        self._sub = None
+        self._thread = None
+        if sources:
+            try:
+                self._sub = Subscriber(list(sources), self.fleet, on_batch=self._on_batch,
+                                       on_restart=self._on_restart).open()
+            except EngineError:
+                self._http.close()
+                raise
+            self._thread = threading.Thread(target=self._sub.run, name="kvplay-attach-events", daemon=True)
+            self._thread.start()
+
+    # --- server discovery ---------------------------------------------------------------------
+    def _get(self, path: str) -> httpx.Response:
+        try:
+            return self._http.get(path, timeout=10)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"cannot reach {self.url}: {exc}") from None
+
+    def _first_model(self) -> str:
+        r = self._get("/v1/models")
+        if r.status_code == 401:
+            raise EngineError(f"{self.url} refused the API key (401): give --api-key")
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}/v1/models answered HTTP {r.status_code}: not an OpenAI-compatible server?")
+        try:
+            return r.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise EngineError(f"{self.url}/v1/models lists no model") from None
+
+    def _server_blocks(self) -> int | None:
+        """vLLM's pool size from /metrics (`cache_config_info`'s num_gpu_blocks), if it says."""
+        try:
+            r = self._http.get("/metrics", timeout=5)
+        except httpx.HTTPError:
+            return None
+        for line in r.text.splitlines() if r.status_code == 200 else ():
+            if line.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in line:
+                v = line.split('num_gpu_blocks="', 1)[1].split('"', 1)[0]
+                if v.isdigit() and int(v) > 0:
+                    return int(v)
+        return None
+
+    # --- events -------------------------------------------------------------------------------
+    def _code(self, user: str) -> int:
+        c = self._user_code.get(user)
+        if c is None:
+            c = self._user_code[user] = len(self.users)
+            self.users.append(user)
+        return c
+
+    def _on_restart(self, pod: str) -> None:
+        pass  # the mirror journals the restart as AllBlocksCleared; _on_batch frees the slots
+
+    def _on_batch(self, pod: str, seq: int, batch, counts, replayed: bool) -> None:
+        m = self.fleet.pod(pod)
+        journal, m.journal = m.journal, []
+        events = journal_events(journal, batch.ts)
+        slots = self.pods[pod]
+        now = time.monotonic()
+        with self._lock:
+            for ev in events:
+                k = ev.kind
+                if k == "BlockStored":
+                    ev.block_ids = [slots.store(ev.block_hashes[0], self._code(ev.user))]
+                    self._block_size = ev.block_size or self._block_size
+                elif k == "BlockRemoved":
+                    s = slots.remove(ev.block_hashes[0])
+                    ev.block_ids = [] if s is None else [s]
+                elif k == "BlockHit":
+                    ev.block_ids = [s for s in map(slots.slot, ev.block_hashes) if s is not None]
+                    self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
+                elif k == "AllBlocksCleared":
+                    slots.clear()
+            self._version += 1
+            listeners = list(self._listeners)
+        for ev in events:
+            for fn in listeners:
+                fn(ev)
+
+    def subscribe(self, listener: Callable) -> Callable[[], None]:
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe():
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+        return unsubscribe
+
+    # --- chat ---------------------------------------------------------------------------------
+    def register_user(self, name: str, group: str | None = None) -> None:
+        """The server binds identity (its API keys); here a pane's user is only its session."""
+        with self._lock:
+            self._code(name)
+
+    def submit(self, user: str, messages: list[dict], sampling=None) -> RemoteTurn:
+        rid = f"attach-{uuid.uuid4().hex[:12]}"
+        turn = RemoteTurn(rid, user)
+        body = {"model": self.model_name, "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}, "user": user, "session_id": user,
+                "vllm_xargs": {"kv_cache_report_mode": "full"}}
+        if sampling is not None:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+            if sampling.top_k:
+                body["top_k"] = sampling.top_k
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+        threading.Thread(target=self._stream, args=(turn, body), name=f"kvplay-attach-{rid}", daemon=True).start()
+        return turn
+
+    def _stream(self, turn: RemoteTurn, body: dict) -> None:
+        stats = RequestStats(turn.request_id, turn.user)
+        text, finish, error = [], "stop", None
+        t0 = time.monotonic()
+        usage = None
+        try:
+            with self._http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    try:
+                        error = r.json()["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        error = r.text[:200]
+                    error = f"HTTP {r.status_code}: {error}"
+                else:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+                        for ch in chunk.get("choices") or ():
+                            piece = (ch.get("delta") or {}).get("content") or ""
+                            if piece:
+                                if stats.ttft_ms is None:
+                                    stats.ttft_ms = (time.monotonic() - t0) * 1000
+                                turn._queue.put(TokenDelta(turn.request_id, piece, -1, len(text)))
+                                text.append(piece)
+                            finish = ch.get("finish_reason") or finish
+        except (httpx.HTTPError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        stats.total_ms = (time.monotonic() - t0) * 1000
+        if usage:
+            stats.prompt_tokens = usage.get("prompt_tokens") or 0
+            stats.output_tokens = usage.get("completion_tokens") or 0
+            stats.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            stats.computed_tokens = stats.prompt_tokens - stats.cached_tokens
+        if stats.output_tokens and stats.ttft_ms is not None and stats.total_ms > stats.ttft_ms:
+            stats.decode_tok_s = max(0, stats.output_tokens - 1) / ((stats.total_ms - stats.ttft_ms) / 1000)
+        stats.cached_from = self._cached_from(turn.user, t0, stats.cached_tokens)
+        stats.finish_reason = finish if error is None else "error"
+        with self._lock:
+            self._finished += 1
+            self._query_tokens += stats.prompt_tokens
+            self._hit_tokens += stats.cached_tokens
+        turn._finish(RequestResult(turn.request_id, turn.user, "".join(text), [], stats, stats.finish_reason, error))
+
+    def _cached_from(self, user: str, since: float, cached: int, wait: float = 1.0) -> dict[str, int]:
+        """The creators of what this turn reused: its session's re-announced blocks since it
+        started (events come after the server's step; wait up to `wait` s for them)."""
+        if not cached or self._sub is None:
+            return {}
+        end = time.monotonic() + wait
+        while True:
+            with self._lock:
+                got = [by for t, by in self._hits.get(user, ()) if t >= since]
+            total = sum(sum(by.values()) for by in got)
+            if total >= cached or time.monotonic() >= end:
+                break
+            time.sleep(0.02)
+        out: dict[str, int] = {}
+        for by in got:
+            for who, n in by.items():
+                out[who] = out.get(who, 0) + n
+        return out
+
+    # --- the pool as the views read it ----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(s.capacity for s in self.pods.values()) or DEFAULT_SLOTS
+
+    def stats(self, timeout: float = 0.0) -> dict:
+        with self._lock:
+            cached = sum(len(s.slot_of) for s in self.pods.values())
+            total = self.num_blocks
+            return {"model": self.model_name, "blocks_total": total, "blocks_free": total - cached,
+                    "blocks_cached": cached, "blocks_in_use": 0, "block_size": self._block_size,
+                    "query_tokens": self._query_tokens, "hit_tokens": self._hit_tokens,
+                    "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+                    "evictions": sum(m.removed for m in self.fleet.pods.values()),
+                    "preemptions": 0, "collisions_caught": 0, "requests_finished": self._finished,
+                    "running": 0, "waiting": 0, "isolation": "remote", "eviction": "remote",
+                    "deterministic": False, "hash": "remote", "verify_on_hit": False,
+                    "pods": {name: m.state for name, m in self.fleet.pods.items()}}
+
+    def arrays(self, start: int = 0, stop: int | None = None):
+        from kvplay.engine.observe import BlockArrays
+
+        with self._lock:
+            state = np.concatenate([s.state for s in self.pods.values()]) if self.pods else np.zeros(0, np.int8)
+            creator = (np.concatenate([s.creator for s in self.pods.values()]) if self.pods
+                       else np.zeros(0, np.int32))
+            stop = len(state) if stop is None else min(stop, len(state))
+            return BlockArrays(self._version, start, state[start:stop].copy(), creator[start:stop].copy(),
+                               tuple(self.users))
+
+    def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
+        from kvplay.engine.observe import summarize
+
+        return summarize(self.arrays(start, stop), cells, user)
+
+    def block(self, block_id: int):
+        from kvplay.engine.observe import BlockView
+
+        with self._lock:
+            for name, slots in self.pods.items():
+                s = block_id - slots.offset
+                if 0 <= s < slots.capacity:
+                    h = slots.hash_of.get(s)
+                    if h is None:
+                        return BlockView(block_id, "free", 0, None, None, None, (), 0, 0.0, 0.0, ())
+                    b = next((b for b in self.fleet.pod(name).blocks.values() if b.hex == h), None)
+                    if b is None:
+                        return None
+                    return BlockView(block_id, "cached", 0, h, b.creator, None, tuple(b.tokens),
+                                     len(b.holders) - 1, b.ts, b.ts, tuple(sorted(b.holders)))
+        return None
+
+    def decode(self, token_ids) -> str:
+        """Text of token ids through the server's /detokenize (vLLM's); "" when it has none."""
+        try:
+            r = self._http.post("/detokenize", json={"model": self.model_name, "tokens": list(token_ids)}, timeout=5)
+            if r.status_code == 200:
+                return r.json().get("prompt", "")
+        except (httpx.HTTPError, ValueError):
+            pass
+        return ""
+
+    def close(self, timeout: float = 1.0) -> None:
+        if self._sub is not None:
+            self._sub.stop()
+            if self._thread is not None:
+                self._thread.join(timeout)
+            self._sub.close()
+            self._sub = None
+        self._http.close()
