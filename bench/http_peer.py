@@ -125,12 +125,15 @@ class HttpPeer:
 
     # --- one request ----------------------------------------------------------------------------
 
-    def complete(self, prompt_ids: list[int], new_tokens: int) -> dict:
+    def complete(self, prompt_ids: list[int] | str, new_tokens: int, extra: dict | None = None) -> dict:
         """Stream one greedy completion of exactly `new_tokens`; return its client-side times and
-        what the server reported (perf_counter clock)."""
+        what the server reported (perf_counter clock). `prompt_ids` may also be text; `extra` adds
+        or overrides body fields (user, cache_salt, logprobs, ignore_eos…; the labs' target client)."""
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": new_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+        body.update(extra or {})
+        logprobs = []
         first = None
         chunks = 0
         usage = None
@@ -156,6 +159,8 @@ class HttpPeer:
                         first = time.perf_counter()
                     chunks += 1
                     text.append(obj["choices"][0].get("text") or "")
+                    if obj["choices"][0].get("logprobs"):
+                        logprobs.append(obj["choices"][0]["logprobs"])
                 if obj.get("usage"):
                     usage = obj["usage"]
         end = time.perf_counter()
@@ -163,7 +168,7 @@ class HttpPeer:
         return {"first": first or end, "end": end, "text": "".join(text),
                 "output_tokens": (usage or {}).get("completion_tokens", chunks),
                 "prompt_tokens": (usage or {}).get("prompt_tokens", len(prompt_ids)),
-                "cached_tokens": details.get("cached_tokens")}
+                "cached_tokens": details.get("cached_tokens"), "logprobs": logprobs}
 
 
 def run_http_peer(peer: HttpPeer, workload: Workload, progress: Progress = _quiet, seed: int = 0) -> PeerResult:

@@ -58,6 +58,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mitigations", default="delay,pad", help="delay,pad or none (default delay,pad)")
     g.add_argument("--delay-ms", type=float, help="random delay 0..X ms (default 3x the measured gap)")
     g.add_argument("--pad-ms", type=float, help="pad TTFT to X ms (default 2x the median miss)")
+    g = parser.add_argument_group("leak and determinism against a real server (labs/target.py)")
+    g.add_argument("--target", metavar="URL", help="run against this OpenAI-compatible server (vLLM, SGLang, "
+                   "kvplay serve) instead of a local engine")
+    g.add_argument("--api-key", metavar="K", help="the attacker's / measured user's API key (default $OPENAI_API_KEY)")
+    g.add_argument("--other-api-key", metavar="K", help="the victim's / cache-warming user's API key "
+                   "(default: the same key; the body's `user` tells keyless servers apart)")
+    g.add_argument("--cache-salt-per-user", action="store_true", help="leak: also run with each client sending "
+                   "its own random cache_salt (vLLM's request field)")
+    g.add_argument("--target-model", metavar="NAME", help="model name on the target (default: the one it serves)")
     g = parser.add_argument_group("collide")
     g.add_argument("--bits", type=int, help="hash width N for trunc:N (default 16, or N from --hash trunc:N)")
     g.add_argument("--feed", type=int, default=400, help="random prompts sent through the engine (default 400)")
@@ -137,6 +146,10 @@ def main(args: argparse.Namespace) -> int:
     from .common import LabContext, Progress, dump_json, open_recorder, render
 
     mod, params, base = build_params(args)
+    if getattr(args, "target", None):
+        from .target import main as target_main
+
+        return target_main(args, params)
     if args.lab == "collide":
         args.hash = None  # the lab sets trunc:N itself
     cfg = config_from_args(args, base)
