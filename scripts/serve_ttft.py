@@ -37,11 +37,12 @@ def one(url: str, i: int, max_tokens: int, out: list, deadline: float) -> None:
                          {"role": "user", "content": f"Question {i}: what is a KV cache block?"}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "user": f"user{i % 8}"}
-    t0 = time.perf_counter()
     ttft = None
     usage = kv = None
     try:
+        # the client is built first: httpx.Client() loads an SSL context (~50 ms), not the server's time
         with httpx.Client(timeout=max(1.0, deadline - time.monotonic())) as c:
+            t0 = time.perf_counter()
             with c.stream("POST", url + "/v1/chat/completions", json=body) as s:
                 for line in s.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
