@@ -243,3 +243,30 @@ def test_two_pods_keep_their_own_seq(publisher):
         assert set(m1.blocks) == {1} and set(m2.blocks) == {2}
         assert m2.blocks[2].creator == SOMEONE_ELSE
         assert sub.fleet.summary()["pods"]["one"]["by_session"] == {"a": 1}
+
+
+def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
+    """A new publisher whose seq has already passed ours looks like a gap to a seq-only consumer
+    (it would keep the dead server's blocks). On reconnect the subscriber asks for its last seq
+    and compares the payload: a different batch means a restart."""
+    rep = f"tcp://127.0.0.1:{free_port()}"
+    fleet = Fleet()
+    sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet).open()
+    try:
+        ep = sub.endpoint("p")
+        pub = publisher(ep, rep)
+        m = fleet.pod("p")
+        _sync(pub, sub, m)
+        for i in range(3):
+            publish(pub, stored([200 + i]))
+        pump(sub, lambda: m.last_seq == pub.next_seq - 1)
+        old_last = m.last_seq
+        pub.shutdown()
+        pump(sub, lambda: sub.states()["p"] == "stale")
+        pub2 = restart(publisher, ep, rep)
+        for i in range(old_last + 4):  # the new server is already past our seq when we see it
+            publish(pub2, stored([900 + i]))
+        pump(sub, lambda: m.restarts == 1 and m.last_seq == pub2.next_seq - 1 and sub.states()["p"] == "live")
+        assert set(m.blocks) == {900 + i for i in range(old_last + 4)}  # nothing of the old server
+    finally:
+        sub.close()

@@ -424,6 +424,7 @@ class Subscriber:
         pod.last_applied = -1
         pod.last_live = -1
         pod.incomplete = False
+        pod.peer_left = False  # the publisher that left is known to be gone: its successor is followed
         pod.verify = None
         pod.last_payload = b""
         pod.buffer.clear()
@@ -459,6 +460,7 @@ class Subscriber:
                 self._start_replay(pod, 0)
                 self._set_state(pod, before)
                 return 0
+            pod.peer_left = False  # the same publisher is back
             if seq >= 0:
                 return 0  # our last batch, as applied: the same publisher; the rest follows
         if seq < 0:
