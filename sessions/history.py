@@ -23,23 +23,8 @@ import heapq
 import json
 from dataclasses import dataclass, field
 
-FREE, CACHED, IN_USE = "free", "cached", "in_use"
-
-
-@dataclass(frozen=True)
-class BlockState:
-    """One block, with the attribute names of the engine's BlockView (the block map reads both)."""
-    block_id: int
-    state: str
-    ref_count: int
-    hash: str | None
-    creator: str | None
-    creator_request: str | None
-    token_ids: tuple[int, ...]
-    hits: int
-    created_at: float
-    last_used: float
-    users: tuple[str, ...]
+from kvplay.engine.observe import BlockView  # the block map reads recorded and live blocks alike
+from kvplay.engine.pool import CACHED, FREE, IN_USE
 
 
 @dataclass
@@ -68,7 +53,7 @@ class _Block:
 class PoolState:
     """The pool and counters after `applied` events."""
     applied: int
-    blocks: tuple[BlockState, ...]
+    blocks: tuple[BlockView, ...]
     hit: frozenset  # blocks the latest request reused
     hit_tokens: int
     query_tokens: int
@@ -219,8 +204,8 @@ class _Replayer:
             self.waiting.discard(rid)
 
     def state(self) -> PoolState:
-        views = tuple(BlockState(i, b.state, len(b.holders), b.hash, b.creator, b.creator_request, b.token_ids,
-                                 b.hits, b.created_at, b.last_used, tuple(sorted(b.users)))
+        views = tuple(BlockView(i, b.state, len(b.holders), b.hash, b.creator, b.creator_request, b.token_ids,
+                                b.hits, b.created_at, b.last_used, tuple(sorted(b.users)))
                       for i, b in enumerate(self.blocks))
         return PoolState(self.applied, views, self.hit, self.hit_tokens, self.query_tokens, self.evictions,
                          self.preemptions, len(self.running), len(self.waiting), self.ts)
