@@ -111,6 +111,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
             console.print(f"kvplay warm/cold TTFT p50: {w['kvplay_warm_cold_ttft']:.2f}")
         for note in w["workload"].get("notes", []):
             console.print(f"note: {note}")
+        loads = [f"{k} {p['load_1min'][0]:.1f}→{p['load_1min'][1]:.1f}" for k, p in w["peers"].items()
+                 if p.get("load_1min") and None not in p["load_1min"]]
+        if loads:
+            console.print("1-minute load average before→after each peer: " + ", ".join(loads))
     probe = report.get("decode_probe")
     if probe:
         console.print(f"latency probe: kvplay one request alone, TTFT cold {_f(probe['kvplay_alone_cold_ttft_ms'], '{:.0f}')}"

@@ -104,25 +104,22 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
         cfg_kv = P.kvplay_config(config, wl, False)
         results = {}
         for peer in run_peers:
+            progress(f"{name}: {http.label if peer == HTTP_KEY else P.LABELS[peer]} …")
+            load_before = _load_avg()
             if peer == HTTP_KEY:
-                progress(f"{name}: {http.label} …")
-                results[peer] = run_http_peer(http, wl, progress)
-                r = results[peer]
-                progress(f"{name}: {peer} " + (r.unavailable if r.unavailable else f"done in {r.wall_s:.1f} s"))
-                continue
-            progress(f"{name}: {P.LABELS[peer]} …")
-            if peer == "kvplay":
-                results[peer] = P.run_kvplay(loaded_kv, wl, config, False, progress)
-            elif peer == "kvplay-det":
-                results[peer] = P.run_kvplay(loaded_kv, wl, config, True, progress)
-            elif peer == "hf-generate":
-                results[peer] = P.run_hf_generate(hf_model, wl, False, progress)
-            elif peer == "hf-cache-per-user":
-                results[peer] = P.run_hf_generate(hf_model, wl, True, progress)
-            elif peer == "hf-cb":
-                results[peer] = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, _pool_blocks(loaded_kv, cfg_kv),
-                                            cfg_kv.prefill_budget + cfg_kv.max_running, progress)
-            r = results[peer]
+                r = run_http_peer(http, wl, progress)
+            elif peer in ("kvplay", "kvplay-det"):
+                r = P.run_kvplay(loaded_kv, wl, config, peer == "kvplay-det", progress)
+            elif peer in ("hf-generate", "hf-cache-per-user"):
+                r = P.run_hf_generate(hf_model, wl, peer == "hf-cache-per-user", progress)
+            else:  # hf-cb
+                r = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, _pool_blocks(loaded_kv, cfg_kv),
+                                cfg_kv.prefill_budget + cfg_kv.max_running, progress)
+            # the machine's 1-minute load around this peer: on a shared machine, ratios between
+            # peers that ran under different loads mean little
+            if load_before is not None:
+                r.extra["load_1min"] = [load_before[0], (_load_avg() or [None])[0]]
+            results[peer] = r
             progress(f"{name}: {peer} " + (r.unavailable if r.unavailable else f"done in {r.wall_s:.1f} s"))
         report["workloads"].append(workload_report(wl, results))
     if probe and "kvplay" in peers:

@@ -171,6 +171,7 @@ def test_report_has_every_peer(tiny_report):
             assert p["output_tokens"] == 32 * p["requests"]  # exactly 32 new tokens everywhere
             assert p["prompt_tokens"] == w["workload"]["prompt_tokens"]
             assert p["wall_s"] > 0 and p["ttft_cold_p50_ms"] > 0
+            assert len(p["load_1min"]) == 2  # the machine's load around this peer, reported with it
 
 
 def test_report_ratios_match_raw_numbers(tiny_report):
@@ -303,7 +304,8 @@ def test_print_and_plot(tiny_report, tmp_path):
     console = Console(record=True, width=200)
     print_report(tiny_report, console)
     text = console.export_text()
-    for key in ("kvplay", "hf-generate", "hf-cache-per-user", "hf-cb", "kvplay-det", "targets"):
+    for key in ("kvplay", "hf-generate", "hf-cache-per-user", "hf-cb", "kvplay-det", "targets",
+                "1-minute load average before→after each peer: kvplay"):
         assert key in text
     out = tmp_path / "bench.png"
     plot_report(tiny_report, str(out))
