@@ -21,7 +21,7 @@ import json
 import queue
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import zmq
 
