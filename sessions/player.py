@@ -44,6 +44,13 @@ class Done:
     def ok(self) -> bool:
         return self.error is None
 
+    def record(self, recorder) -> None:
+        """Write this finished turn to `recorder` (a sessions Recorder, or None); a turn the
+        engine never answered (no result) is not recorded."""
+        if recorder is not None and self.result is not None:
+            recorder.record_turn(self.job.user, self.job.text, self.messages, self.job.sampling, self.result,
+                                 at=self.job.at, started=self.started)
+
 
 def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] | None = None,
          speed: float = 1.0) -> list[Done]:

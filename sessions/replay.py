@@ -108,9 +108,7 @@ def replay(engine, turns: list[dict], system: str = "", groups: dict | None = No
     failure: list[BaseException] = []
 
     def finished(done: Done) -> None:
-        if recorder is not None and done.result is not None:
-            recorder.record_turn(done.job.user, done.job.text, done.messages, done.job.sampling, done.result,
-                                 at=done.job.at, started=done.started)
+        done.record(recorder)
         out.put(compare(by_seq[done.job.turn], done, engine.tokenizer))
 
     def drive() -> None:

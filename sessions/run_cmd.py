@@ -201,9 +201,7 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
     table = TurnTable(console, [j.turn for j in jobs], [j.user for j in jobs], title)
 
     def finished(done: Done) -> None:
-        if recorder is not None and done.result is not None:
-            recorder.record_turn(done.job.user, done.job.text, done.messages, done.job.sampling, done.result,
-                                 at=done.job.at, started=done.started)
+        done.record(recorder)
         if as_json:
             obj = turn_object(done)
             if extra_row:
