@@ -82,6 +82,26 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> flo
     return time.perf_counter() - t0
 
 
+def measure_recording(payloads: list[bytes], db_path: str) -> float:
+    """Seconds to decode, apply and record (journal -> engine events -> SQLite, flushed every
+    1,000 batches as `kvplay watch` flushes about once a second) every payload."""
+    from kvplay.wire.recording import WatchRecording
+
+    fleet = Fleet()
+    rec = WatchRecording(db_path, fleet, title="mirror bench")
+    rec.watch("bench")
+    m = fleet.pod("bench")
+    t0 = time.perf_counter()
+    for seq, p in enumerate(payloads):
+        b = decode_batch(p)
+        m.apply(b, seq)
+        rec.on_batch("bench", seq, b.ts)
+        if seq % 1000 == 999:
+            rec.flush()
+    rec.close()
+    return time.perf_counter() - t0
+
+
 def measure_socket(payloads: list[bytes]) -> float:
     """Seconds for the Subscriber to receive, decode and apply every batch over a real ZMQ
     socket (inproc, bound by the subscriber; a sender thread pushes pre-encoded frames)."""
@@ -122,7 +142,7 @@ def measure_socket(payloads: list[bytes]) -> float:
     return dt
 
 
-def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True) -> dict:
+def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False) -> dict:
     warm = synthetic_stream(pool_blocks // 4, pool_blocks, seed=1)  # a pool already filling up
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
     events, blocks = count_events(payloads)
@@ -132,6 +152,13 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
+    if record:
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dr = measure_recording(payloads, os.path.join(tmp, "bench.db"))
+        out.update(record_s=round(dr, 4), record_events_per_s=round(events / dr))
     return out
 
 
@@ -140,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--pool-blocks", type=int, default=100_000)
     ap.add_argument("--no-socket", action="store_true")
+    ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    r = run(args.events, args.pool_blocks, socket=not args.no_socket)
+    r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record)
     if args.json:
         print(json.dumps(r))
     else:
@@ -150,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
               f"= {r['events_per_s']:,} events/s, {r['blocks_per_s']:,} blocks/s (decode + apply)")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
+        if "record_s" in r:
+            print(f"decode + apply + record to SQLite: {r['record_events_per_s']:,} events/s")
     return 0
 
 
