@@ -27,6 +27,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-report-mode", choices=("incremental", "full"), default="incremental",
                         help="default for requests without vllm_xargs.kv_cache_report_mode: 'full' re-announces "
                              "reused blocks with the reusing user's session_id")
+    parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    parser.add_argument("--ssl-certfile", default=None, help="… and this certificate (PEM): bearer keys then never cross the network in clear")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
     parser.add_argument("--no-record", action="store_true", help="do not record this server's turns")
@@ -61,6 +63,15 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"--isolation {config.isolation} needs --api-keys: without keys the user name comes "
                           "from the request body, and a salt the client picks isolates nothing")
     kv_cfg = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise KvplayError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_certfile:
+        import ssl
+
+        try:  # before minutes of model loading
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except OSError as exc:
+            raise KvplayError(f"--ssl-certfile/--ssl-keyfile: {exc.strerror or exc}") from None
     if not args.no_record:
         open_db(args.db).close()  # refuse a bad DB before spending time on the model
     sock = bind_socket(args.host, args.port)
@@ -75,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         who = (f"{len(keys)} API keys ({', '.join(sorted({i.user for i in keys.values()}))})" if keys
                else "no API keys: user from the body's `user`")
-        print(f"kvplay: serving {state.model_name} on http://{host}:{sock.getsockname()[1]}/v1 — {who}, "
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"kvplay: serving {state.model_name} on {scheme}://{host}:{sock.getsockname()[1]}/v1 — {who}, "
               f"isolation {config.isolation}", file=sys.stderr, flush=True)
         if state.events is not None:
             pub = state.events.publisher
@@ -86,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
         # exception too (not the default instant exit), so the session is closed and the engine stopped
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
-        serve_forever(state, sock, args.log_level)
+        serve_forever(state, sock, args.log_level, args.ssl_keyfile, args.ssl_certfile)
     finally:
         if state is not None:
             close_state(state)

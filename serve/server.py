@@ -68,27 +68,36 @@ def close_state(state: ServeState) -> None:
         state.metrics.close()
 
 
-def _uvicorn_server(state: ServeState, log_level: str = "warning"):
+def _uvicorn_server(state: ServeState, log_level: str = "warning", ssl_keyfile: str | None = None,
+                    ssl_certfile: str | None = None):
     import uvicorn
 
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, ws="none", http="h11")
+                            timeout_graceful_shutdown=2, ws="none", http="h11",
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+    if ssl_certfile:
+        try:
+            config.load()  # reads the key and certificate now: a bad file is one line, before serving
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"--ssl-certfile/--ssl-keyfile: cannot load them ({exc})") from None
     return uvicorn.Server(config)
 
 
-def serve_forever(state: ServeState, sock: socket.socket, log_level: str = "warning") -> None:
-    _uvicorn_server(state, log_level).run(sockets=[sock])
+def serve_forever(state: ServeState, sock: socket.socket, log_level: str = "warning",
+                  ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
+    _uvicorn_server(state, log_level, ssl_keyfile, ssl_certfile).run(sockets=[sock])
 
 
 class ServerThread:
     """uvicorn in a background thread on a free loopback port (tests, scripts)."""
 
-    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0,
+                 ssl_keyfile: str | None = None, ssl_certfile: str | None = None):
         self.state = state
         self.sock = bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.url = f"http://{host}:{self.port}"
-        self.server = _uvicorn_server(state)
+        self.url = f"{'https' if ssl_certfile else 'http'}://{host}:{self.port}"
+        self.server = _uvicorn_server(state, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="kvplay-serve-http", daemon=True)
 

@@ -405,3 +405,36 @@ def test_kvplay_serve_command_end_to_end(tmp_path):
     con = sqlite3.connect(db)
     assert con.execute("select ended is not null, source from sessions").fetchone() == (1, "serve")
     assert con.execute("select user from turns").fetchall() == [("solo",)]
+
+
+def test_https_with_a_certificate(make_engine, tmp_path):
+    import shutil
+    import subprocess
+
+    from kvplay.serve.server import ServerThread, build_state, close_state
+
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
+    state = build_state(make_engine(), keys(tmp_path))
+    srv = ServerThread(state, ssl_keyfile=str(key), ssl_certfile=str(cert)).start()
+    try:
+        assert srv.url.startswith("https://")
+        with httpx.Client(timeout=30, verify=False) as c:
+            r = chat(c, srv.url, ALICE, "over TLS")
+        assert r.status_code == 200 and r.json()["kvplay"]["user"] == "alice"
+    finally:
+        srv.stop()
+        close_state(state)
+
+
+def test_cli_refuses_a_bad_certificate_before_loading(tmp_path, capsys):
+    from kvplay.cli import main
+
+    bad = tmp_path / "nope.pem"
+    bad.write_text("not a certificate")
+    assert main(["serve", "--ssl-certfile", str(bad), "--ssl-keyfile", str(bad), "--no-record"]) == 2
+    assert "--ssl-certfile" in capsys.readouterr().err
+    assert main(["serve", "--ssl-certfile", str(bad), "--no-record"]) == 2
