@@ -17,6 +17,7 @@ class HandleStream:
         self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result = None
+        self._cancelled = False
         threading.Thread(target=self._pump, name=f"kvplay-serve-{handle.request_id}", daemon=True).start()
 
     def _put(self, item) -> bool:
@@ -50,5 +51,6 @@ class HandleStream:
         return item
 
     def cancel(self) -> None:
-        if self.result is None:
+        if self.result is None and not self._cancelled:
+            self._cancelled = True
             self.handle.cancel()
