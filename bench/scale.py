@@ -4,7 +4,8 @@ Three measurements, each a ratio or a figure from one run (no timed tests):
 
 - **step cost**: the same workload (shared-system, 4 users x 2 turns on the tiny model) at a
   small and a large pool (512 vs 500,000 blocks); seconds per engine step = wall time of the
-  rounds / forwards. Sizes alternate over `reps` repetitions; the median per size is compared
+  rounds / forwards. Sizes alternate over `reps` repetitions; the fastest run per size is
+  compared (on a shared machine other work only ever adds time; the median is reported too)
   (target: large <= 1.1x small).
 - **stats()**: the app's refresh call on the large engine after the workload (target <= 1 ms);
   next to it the block map's calls (``block_summary`` over 1000 cells, ``snapshot_changes``).
@@ -79,7 +80,7 @@ def _per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 3,
+def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5,
                    progress: Progress = _quiet) -> dict:
     """(a) seconds per step at `small` vs `large` blocks, (b) stats() and block-map call costs."""
     from kvplay.engine.engine import Engine
@@ -119,11 +120,13 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 3
             finally:
                 engine.shutdown()
     med = {n: statistics.median(v) for n, v in per_step.items()}
+    best = {n: min(v) for n, v in per_step.items()}
     return {
         "workload": workload.description,
         "small_blocks": small, "large_blocks": large, "reps": reps,
-        "step_ms_small": med[small] * 1000, "step_ms_large": med[large] * 1000,
-        "step_ratio": med[large] / med[small] if med[small] else None,
+        "step_ms_small": best[small] * 1000, "step_ms_large": best[large] * 1000,
+        "step_ratio": best[large] / best[small] if best[small] else None,
+        "step_ratio_median": med[large] / med[small] if med[small] else None,
         "step_ms_all": {str(n): [round(x * 1000, 3) for x in v] for n, v in per_step.items()},
         "engine_build_s": {str(n): round(statistics.median(v), 3) for n, v in ready.items()},
         **calls,
@@ -180,7 +183,7 @@ def ready_at(blocks: int = HUGE, progress: Progress = _quiet) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = HUGE, reps: int = 3,
+def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = HUGE, reps: int = 5,
               progress: Progress = _quiet) -> dict:
     """All three measurements; `loaded`: the tiny model (loaded here when None)."""
     import os
@@ -203,7 +206,7 @@ def scale_targets(result: dict) -> list[Target]:
     s = result.get("step", {})
     return [
         Target(f"step cost at {s.get('large_blocks', LARGE):,} vs {s.get('small_blocks', SMALL)} blocks",
-               s.get("step_ratio"), 1.1, True, "median seconds per engine step, same workload"),
+               s.get("step_ratio"), 1.1, True, "fastest of the repetitions, seconds per engine step, same workload"),
         Target(f"stats() at {s.get('large_blocks', LARGE):,} blocks (ms)",
                None if s.get("stats_us") is None else s["stats_us"] / 1000, 1.0, True, "mean of 2000 calls"),
     ]
@@ -217,7 +220,7 @@ def scale_lines(result: dict) -> list[str]:
         lines += [
             f"step cost ({s['workload']}): {s['step_ms_small']:.2f} ms at {s['small_blocks']:,} blocks, "
             f"{s['step_ms_large']:.2f} ms at {s['large_blocks']:,} -> {s['step_ratio']:.2f}x "
-            f"(median of {s['reps']}; all: "
+            f"(fastest of {s['reps']}; medians -> {s['step_ratio_median']:.2f}x; all: "
             + "; ".join(f"{int(n):,}: {', '.join(f'{x:.2f}' for x in v)} ms" for n, v in s["step_ms_all"].items())
             + ")",
             "engine build: " + ", ".join(f"{float(v):.3f} s at {int(n):,} blocks" for n, v in s["engine_build_s"].items()),
