@@ -68,13 +68,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         if name != command:
             continue
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("kvplay"):
-                p.set_defaults(_missing=f"`kvplay {name}` is not available in this build")
-                continue
-            raise
+        mod = importlib.import_module(module)
         mod.configure(p)
         p.set_defaults(_main=mod.main)
     return parser
@@ -86,9 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["app"] + argv
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
-    if getattr(args, "_missing", None):
-        print(f"kvplay: error: {args._missing}", file=sys.stderr)
-        return 2
     try:
         return int(args._main(args) or 0)
     except EngineError as exc:

@@ -9,7 +9,6 @@ Without --headless the turns play in the app, if the app is available.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from kvplay.options import add_engine_args, config_from_args
@@ -58,14 +57,11 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"session {session['id']} has no recorded turns to replay")
     config = config_from_args(args, session["engine_config"], where=f"session {session['id']}: engine config")
     if not args.headless:
-        try:
-            from kvplay.tui.app import run_app
-        except ImportError:
-            print("kvplay: the app is not available in this build; replaying headless", file=sys.stderr)
-        else:
-            return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
-                               db=args.db, record=not args.no_record,
-                               title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
+        from kvplay.tui.app import run_app  # the app (Textual) loads only when it is asked for
+
+        return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
+                           db=args.db, record=not args.no_record,
+                           title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
     return headless(args, session, turns, users, config)
 
 
