@@ -4,7 +4,7 @@ Headless: re-drive the recorded turns through a fresh Engine and print, per turn
 differs (first differing token and its position) and cached tokens then vs now; the replay is
 recorded as a new session (replay_of = ID) unless --no-record. Exit code 1 when a session
 recorded in deterministic mode no longer reproduces (or a turn fails), else 0.
-Without --headless the turns play in the app, if the app is available.
+Without --headless the turns play in the app.
 """
 from __future__ import annotations
 
