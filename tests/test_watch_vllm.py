@@ -116,7 +116,7 @@ def test_watch_real_vllm_gap_and_restart(tmp_path):
     assert bob_hit == bob[1]
     # every recorded block's hash is vLLM's sha256_cbor of its tokens under its parent
     root = none_hash("0")  # scripts/vllm-cpu.sh runs vLLM with PYTHONHASHSEED=0
-    digests = {}
+    digests, checked = {}, 0
     for k, _u, p in rows:
         if k != "BlockStored":
             continue
@@ -127,4 +127,6 @@ def test_watch_real_vllm_gap_and_restart(tmp_path):
         dig = block_hash(parent, d["token_ids"], None, root)
         assert dig[-8:].hex() == d["block_hashes"][0]
         digests[d["block_hashes"][0]] = dig
-    assert len(digests) >= (alice[0] + carol[0]) // 32
+        checked += 1
+    # alice's blocks before the restart and carol's after it (the same system prompt hashes the same)
+    assert checked >= alice[0] // 32 + carol[0] // 32

@@ -11,11 +11,19 @@ ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
   already applied — so a replayed ``Stored(A)`` never resurrects a block a later live
   ``Removed(A)`` took away. Without a replay endpoint, or when the publisher no longer holds the
   missed batches, the batches are counted as lost and the pod shows *stale*.
-- **late join**: the first batch seen has seq > 0 and a replay endpoint is known: replay from 0.
-- **restart** (a live seq going backwards, or equal to the last one after the peer disconnected):
-  the publisher's cache went with it: clear that pod's mirror and start again from its seq 0.
-- **reconnect**: ZeroMQ reconnects by itself (a short reconnect interval is set); a socket
-  monitor notices the peer leaving, so the pod shows *stale* until it speaks again.
+- **join**: PUB/SUB drops what is published before our subscription reaches the publisher (a
+  bound SUB subscribes a connecting publisher only while it is polled). So when a publisher
+  connects (socket monitor) and a replay endpoint is known, replay from 0 at once; a first live
+  seq > 0 does the same.
+- **restart**: a live seq going backwards (or equal to the last one after the peer left) means
+  the publisher restarted: clear that pod's mirror and follow the new one from its seq 0. A
+  restarted publisher may already be *past* our seq when we hear it again, which a seq-only
+  consumer takes for a gap; so after a reconnect we replay from our last applied seq and compare
+  its payload with the one we applied: the same bytes, the same publisher; anything else, a restart.
+- **reconnect**: ZeroMQ reconnects by itself (a short reconnect interval is set); the monitor
+  notices the peer leaving, so the pod shows *stale* until it is back.
+- Without heartbeats a lost batch shows only when a later one arrives: an idle server's last
+  batch can be missing unnoticed until its next step.
 
 Pod state: ``waiting`` (nothing yet), ``live``, ``replaying``, ``stale`` (peer gone, or the mirror
 may miss batches; an ``AllBlocksCleared`` makes it exact again).
