@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
     from .player import Done
@@ -46,10 +46,46 @@ def print_json(obj: dict, file=None) -> None:
     print(json.dumps(obj, ensure_ascii=False), file=file or sys.stdout, flush=True)
 
 
+# The number formatting of every text view (run/show/replay tables, lab tables, bench tables,
+# the app's stats). Textual-free, so tui/, labs/ and bench/ import it from here. The placeholder
+# for a missing value differs by view (kept as each view printed it): "-" in session tables,
+# "—" in lab tables, "–" in bench tables and the app.
+
+def fmt(v: Any, spec: str | None = None, none: str = "—") -> str:
+    """Short, readable text for one value (a table cell), never a Python repr: `none` for None,
+    yes/no for a bool; with `spec` (a format spec: ".1f", "d", ".0%") the value formatted by it;
+    else mappings read "alice 32, bob 16", lists "a, b", floats keep about three digits."""
+    if v is None:
+        return none
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if spec is not None:
+        return format(v, spec)
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {fmt(x)}" for k, x in v.items()) or "—"
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return ", ".join(fmt(x) for x in v) or "—"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000 or abs(v) < 1e-3:
+            return f"{v:.2e}"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
 def fmt_num(v, digits: int = 1) -> str:
+    """A session table's number: floats with `digits` decimals, ints as they are, "-" for None."""
     if v is None:
         return "-"
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def mib(n: float | None, unit: bool = True, none: str = "–") -> str:
+    """Bytes as MiB with one decimal: "12.5 MiB" (unit=False: "12.5", for a column named MiB)."""
+    if n is None:
+        return none
+    return f"{n / 1024 / 1024:.1f}" + (" MiB" if unit else "")
 
 
 def human_bytes(n: float | None) -> str:
