@@ -6,6 +6,9 @@ prefix KV was written by another user (same prompt; or only the shared system pr
 inside **batches** of other users' requests submitted at the same time. Every step's float32
 logits are traced; we report the largest |Δlogit| against cold, whether greedy text diverges,
 the first divergent position and the top-2 logit gap there.
+
+Against a real server: `--target URL` compares cold (after `/reset_prefix_cache`) and warm greedy
+outputs by token ids where the server streams logprobs (labs/target.py).
 """
 from __future__ import annotations
 

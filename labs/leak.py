@@ -11,6 +11,9 @@ calibrates a threshold on its own prompts (a fresh one, then the same one again)
 hit when a probe is faster. We report ROC AUC and accuracy against k, a one-sided KS test of
 hit vs miss TTFT, under each isolation mode, and under two server-side mitigations: a random
 delay before the first token, and padding TTFT up to a constant.
+
+Against a real server (vLLM, SGLang, `kvplay serve`): `--target URL` runs the same method over
+HTTP with two clients, with and without per-user `cache_salt` (labs/target.py).
 """
 from __future__ import annotations
 

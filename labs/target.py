@@ -232,7 +232,7 @@ def _leak_verdict(results: list[dict], label: str) -> str:
         rs = [r for r in results if r["salt"] == mode]
         top = rs[-1]
         what = "no cache_salt" if mode == "none" else "a cache_salt per user"
-        parts.append(f"with {what}, attacker AUC " + ", ".join(f"{r['auc']:.2f}@{r['blocks']}" for r in rs)
+        parts.append(f"With {what}, attacker AUC " + ", ".join(f"{r['auc']:.2f}@{r['blocks']}" for r in rs)
                      + f" (AUC@blocks), accuracy {top['accuracy']:.0%} and KS p={top['ks_p']:.1g} at "
                        f"{top['blocks']} blocks (median hit {top['median_hit_ms']:.0f} vs miss "
                        f"{top['median_miss_ms']:.0f} ms).")
