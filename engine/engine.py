@@ -56,6 +56,20 @@ def set_cpu_threads(threads: int | None) -> int:
     return n
 
 
+def pool_blocks(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    """The pool's size in blocks: `num_blocks`, or as many blocks of `loaded`'s K/V as fit in
+    `cache_mb` (the bench sizes its peers' caches with this too)."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    layers, kv_heads, head_dim = kv_geometry(loaded.model)
+    per_block = KVStore.bytes_per_block(cfg.block_size, layers, kv_heads, head_dim, loaded.dtype)
+    n = int(cfg.cache_mb * 1024 * 1024 // per_block)
+    if n < 1:
+        raise EngineError(f"--cache-mb {cfg.cache_mb} is smaller than one block "
+                          f"({per_block / 1024 / 1024:.2f} MB at block size {cfg.block_size})")
+    return n
+
+
 def _new_id() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -83,22 +97,10 @@ class Engine:
         self._build()
 
     # --- construction -------------------------------------------------------------------------
-    def _num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        layers, kv_heads, head_dim = kv_geometry(self.loaded.model)
-        per_block = KVStore.bytes_per_block(cfg.block_size, layers, kv_heads, head_dim, self.loaded.dtype)
-        n = int(cfg.cache_mb * 1024 * 1024 // per_block)
-        if n < 1:
-            raise EngineError(f"--cache-mb {cfg.cache_mb} is smaller than one block "
-                              f"({per_block / 1024 / 1024:.2f} MB at block size {cfg.block_size})")
-        return n
-
     def _build(self) -> None:
         cfg = self.config
         set_cpu_threads(cfg.threads)
-        n = self._num_blocks()
+        n = pool_blocks(self.loaded, self.config)
         self.hasher = BlockHasher(cfg.hash, cfg.block_size, cfg.hash_seed)
         self.pool = BlockPool(n, cfg.block_size, cfg.eviction, emit=self._emit, hex_fn=self.hasher.fn.hex)
         self.runner = ModelRunner(self.loaded, n, cfg.block_size)
