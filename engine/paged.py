@@ -32,6 +32,7 @@ class StepPlan:
     past_lens[b] tokens already in the pool, packed at q_starts[b] in the step's token axis."""
     write_slots: torch.Tensor  # [N] flat pool slots of the N new tokens, in packed order
     row_slots: list  # per row: LongTensor [past + q_len] flat pool slots of all its keys
+    row_runs: list  # per row: its first slot when all its slots are consecutive, else None
     q_starts: list[int]
     past_lens: list[int]
     q_lens: list[int]
@@ -107,7 +108,14 @@ class PagedCache(Cache):
 
 
 def _row_kv(pool, plan: StepPlan, row: int, start: int):
-    """The row's keys (or values) from position `start`: [1, H, S, D], a view over one gather."""
+    """The row's keys (or values) from position `start`: [1, H, S, D]. A row whose blocks are
+    consecutive in the pool (the common case: blocks are handed out in id order) is a view of
+    the pool, no copy; otherwise one gather. Deterministic mode always gathers, so a query sees
+    identically laid-out keys whether its prefix was cached or computed."""
+    first = plan.row_runs[row]
+    if first is not None and not plan.deterministic:
+        end = first + plan.past_lens[row] + plan.q_lens[row]
+        return pool[first + start:end].transpose(0, 1).unsqueeze(0)
     slots = plan.row_slots[row]
     if start:
         slots = slots[start:]

@@ -1,8 +1,10 @@
 """ModelRunner: one batched forward over the pool.
 
-Takes rows of (block table, tokens already in the pool, new tokens), builds the StepPlan (slot
-mapping, gather table, positions, per-row causal mask), runs the transformers model with a
-PagedCache, and returns the logits of each row's last new token.
+Takes rows of (block table, tokens already in the pool, new tokens), packs every row's new
+tokens into one sequence (no padding: the linear layers see exactly the step's N tokens), builds
+the StepPlan (where each new token's K/V goes, each row's key slots and positions), runs the
+transformers model with a PagedCache and paged attention (paged.py), and returns the logits of
+each row's last new token. Deterministic mode adds BatchInvariantLinear (invariance.py).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class ModelRunner:
         """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
         bs = self.block_size
         dev = self.device
-        ids, pos, writes, row_slots, starts = [], [], [], [], []
+        ids, pos, writes, row_slots, runs, starts = [], [], [], [], [], []
         n_tok = 0
         for r in rows:
             n = len(r.new_tokens)
@@ -72,13 +74,16 @@ class ModelRunner:
             p = torch.arange(total)
             slots = table[p // bs] * bs + p % bs
             row_slots.append(slots.to(dev))
+            used = r.block_table[:(total - 1) // bs + 1]
+            runs.append(used[0] * bs if used[-1] - used[0] == len(used) - 1 and
+                        all(b + 1 == c for b, c in zip(used, used[1:])) else None)
             writes.append(slots[r.past_len:])
             ids.extend(r.new_tokens)
             pos.append(p[r.past_len:])
             starts.append(n_tok)
             n_tok += n
         plan = StepPlan(
-            write_slots=torch.cat(writes).to(dev), row_slots=row_slots, q_starts=starts,
+            write_slots=torch.cat(writes).to(dev), row_slots=row_slots, row_runs=runs, q_starts=starts,
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)

@@ -42,6 +42,7 @@ def test_windowed_logits_equal_transformers(kind, deterministic):
     runner = ModelRunner(LoadedModel(model, tok, kind, torch.device("cpu"), torch.float32), 64, 16)
     runner.store.data.fill_(float("nan"))  # nothing unwritten may be read
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
+    tables[2] = [45, 33, 40, 34, 47, 36]  # scattered blocks (a gather) next to consecutive ones (a view)
     chunks = [[20, 17], [5], [30, 1, 24, 15], [1]]  # chunked prefill, a decode-shaped step, batched
     past = [0] * 4
     while any(chunks):
