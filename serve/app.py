@@ -200,6 +200,37 @@ def engine_failure(result) -> ApiError:
     return ApiError(500, err, code="engine_error")
 
 
+def token_logprobs(handle, delta, top: int) -> tuple:
+    """The raw log-probability of a streamed token (and the `top` best), from the logits the
+    engine traced for it (vLLM's default: raw logprobs, before temperature/top-k/top-p)."""
+    import torch
+
+    trace = handle.request.logits_trace
+    lp = torch.log_softmax(trace[delta.index].float(), dim=-1)
+    best = []
+    if top:
+        vals, ids = torch.topk(lp, top)
+        best = list(zip(ids.tolist(), vals.tolist()))
+    return delta.token_id, float(lp[delta.token_id]), best
+
+
+def format_logprobs(tokenizer, entries: list, kind: str) -> dict:
+    def text(tid):
+        return tokenizer.decode([tid])
+
+    if kind == "chat":
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                             "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
+                                              for i, v in best]} for t, lp, best in entries]}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(i): v for i, v in best} for _, _, best in entries], "text_offset": offsets}
+
+
 class Turn:
     """One accepted request on its way through the engine."""
 
@@ -208,6 +239,8 @@ class Turn:
         self.state, self.g, self.user, self.rid, self.sampling, self.stream = state, g, user, rid, sampling, stream
         self.result = None
         self.matcher = StopMatcher(g.stop)
+        self.logprobs: list = []  # (token id, logprob, [(id, logprob)…]) per token, when asked for
+        self._lp_sent = 0
         self.created = int(time.time())
         self.id = ("chatcmpl-" if g.kind == "chat" else "cmpl-") + rid
 
@@ -229,6 +262,8 @@ class Turn:
                 if not hasattr(item, "token_id"):
                     self.result = item
                     break
+                if self.g.logprobs and not self.matcher.stopped:
+                    self.logprobs.append(token_logprobs(self.stream.handle, item, self.g.top_logprobs))
                 piece = self.matcher.feed(item.text)
                 if piece:
                     yield piece
@@ -253,22 +288,30 @@ class Turn:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self._new_logprobs(), "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": self._new_logprobs(), "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
 
+    def _new_logprobs(self, everything: bool = False):
+        """The logprobs of the tokens not sent yet, in the chat or the completions shape."""
+        if not self.g.logprobs:
+            return None
+        start = 0 if everything else self._lp_sent
+        entries, self._lp_sent = self.logprobs[start:], len(self.logprobs)
+        return format_logprobs(self.state.engine.tokenizer, entries, self.g.kind)
+
     def full_response(self) -> dict:
         text = self.matcher.released
         if self.g.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish}
+            choice = {"index": 0, "text": text, "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
                 "choices": [choice], "usage": usage_of(self.result), "kvplay": kvplay_of(self.result, self.user)}
@@ -342,7 +385,7 @@ def create_app(state: ServeState) -> FastAPI:
         eng = state.engine
         try:
             handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling, system_tokens=system_tokens,
-                                request_id=rid)
+                                request_id=rid, trace_logits=g.logprobs)
         except EngineError as exc:
             if state.events is not None:
                 state.events.forget(rid)

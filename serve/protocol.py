@@ -3,7 +3,8 @@ is one clear line in an OpenAI-style error body with the right HTTP status.
 
 Accepted (as the OpenAI API and vLLM have them): model, messages | prompt (a string, or token
 ids), stream, stream_options.include_usage, temperature, top_p, max_tokens (chat also
-max_completion_tokens), seed, stop, n (1 only), user; vLLM's top_k, ignore_eos and
+max_completion_tokens), seed, stop, n (1 only), user, logprobs (chat: logprobs + top_logprobs;
+completions: logprobs = N; the model's raw log-probabilities, as vLLM's default); vLLM's top_k, ignore_eos and
 vllm_xargs.kv_cache_report_mode. Other fields (cache_salt, session_id, logprobs, …) are
 ignored; in particular nothing in the body chooses an identity or a salt.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_STOP = 8
+MAX_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -55,6 +57,8 @@ class GenRequest:
     ignore_eos: bool = False
     body_user: str | None = None
     report_mode: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open=False):
@@ -175,6 +179,14 @@ def parse(body, kind: str) -> GenRequest:
             raise bad(f"'stop' takes at most {MAX_STOP} strings", "stop")
         req.stop = [s for s in stop if s]
     req.ignore_eos = _bool(body, "ignore_eos", False)
+    if kind == "chat":
+        req.logprobs = _bool(body, "logprobs", False)
+        req.top_logprobs = _num(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS, integer=True)
+        if req.top_logprobs and not req.logprobs:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        n_lp = _num(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+        req.logprobs, req.top_logprobs = n_lp is not None, n_lp or 0
     user = body.get("user")
     if user is not None:
         if not isinstance(user, str):

@@ -438,3 +438,29 @@ def test_cli_refuses_a_bad_certificate_before_loading(tmp_path, capsys):
     assert main(["serve", "--ssl-certfile", str(bad), "--ssl-keyfile", str(bad), "--no-record"]) == 2
     assert "--ssl-certfile" in capsys.readouterr().err
     assert main(["serve", "--ssl-certfile", str(bad), "--no-record"]) == 2
+
+
+def test_logprobs_chat_and_completions(serve):
+    srv, _ = serve()
+    with httpx.Client(timeout=30) as c:
+        r = chat(c, srv.url, max_tokens=5, logprobs=True, top_logprobs=3, user="lp").json()
+        with c.stream("POST", srv.url + "/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}],
+                "max_tokens": 5, "temperature": 0, "logprobs": True, "stream": True}) as s:
+            events = sse_events(s)
+        comp = c.post(srv.url + "/v1/completions", json={"prompt": "abc abc abc", "max_tokens": 4, "temperature": 0,
+                                                          "logprobs": 2}).json()
+        refused = chat(c, srv.url, top_logprobs=2)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"] == 5
+    assert "".join(e["token"] for e in content) == r["choices"][0]["message"]["content"]
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"]
+    streamed = [x for e in events[:-1] if e.get("choices") and e["choices"][0]["logprobs"]
+                for x in e["choices"][0]["logprobs"]["content"]]
+    assert [x["logprob"] for x in streamed] == [x["logprob"] for x in content]
+    lp = comp["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == comp["choices"][0]["text"] and len(lp["token_logprobs"]) == 4
+    assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
+    assert refused.status_code == 400
