@@ -6,7 +6,7 @@ import json
 
 from .cli_list import when
 from .query import resolve_session, session_turns, session_users
-from .report import attribution, console, excerpt, fmt_num, human_bytes, print_json
+from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
 from .store import open_db
 
 
@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     for name in ("#", "user", "text", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"):
         table.add_column(name, no_wrap=name == "cached")
     for t in s["turns"]:
-        cached = f"{t['cached_tokens']}" + (f" ({attribution(t['cached_from'], t['user'])})" if t["cached_tokens"] else "")
+        cached = cached_cell(t["cached_tokens"], None, t["cached_from"], t["user"])
         reply = f"[red]error: {t['error']}[/red]" if t.get("error") else excerpt(t["reply"], 48)
         table.add_row(str(t["seq"]), t["user"], excerpt(t["text"], 30), fmt_num(t["prompt_tokens"]), cached,
                       fmt_num(t["computed_tokens"]), fmt_num(t["ttft_ms"]), fmt_num(t["decode_tok_s"]), reply)

@@ -17,6 +17,15 @@ def attribution(cached_from: dict[str, int] | None, user: str) -> str:
     return ", ".join(f"{'own' if who == user else who} {n}" for who, n in items if n)
 
 
+def cached_cell(cached: int | None, prompt: int | None, cached_from: dict[str, int] | None, user: str) -> str:
+    """Cached tokens and whose blocks they were: "512 (alice 496, own 16)", with the prompt's
+    length "32/34 (alice 32)"; "-" when unknown."""
+    if cached is None:
+        return "-"
+    who = attribution(cached_from, user)
+    return f"{cached}" + ("" if prompt is None else f"/{prompt}") + (f" ({who})" if who else "")
+
+
 def excerpt(text: str, width: int = 60) -> str:
     flat = " ".join((text or "").split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvplay.options import add_engine_args, config_from_args
 
-from .report import attribution, excerpt, fmt_num, human_bytes, print_json, turn_object
+from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
 from .script import Script, load_script, sampling_for
 
@@ -153,8 +153,7 @@ def table_row(done: Done) -> list[str]:
         reply = excerpt(done.result.text, 48)
         if done.result.finish_reason == "pool_exhausted":
             reply = "[yellow](stopped: the pool is full)[/yellow] " + reply
-    cached = "-" if st is None else f"{st.cached_tokens}" + (
-        f" ({attribution(st.cached_from, done.job.user)})" if st.cached_tokens else "")
+    cached = cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user)
     return [str(done.job.turn), done.job.user, fmt_num(st.prompt_tokens if st else None), cached,
             fmt_num(st.computed_tokens if st else None), fmt_num(st.ttft_ms if st else None, 1),
             fmt_num(st.decode_tok_s if st else None, 1), reply]
