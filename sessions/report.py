@@ -107,9 +107,10 @@ def human_bytes(n: float | None) -> str:
     return str(n)
 
 
-def console(stderr: bool = False):
-    """A rich Console; 120 columns when not a terminal so piped tables stay readable."""
+def console(stderr: bool = False, width: int = 120):
+    """A rich Console; `width` columns when not a terminal so piped tables stay readable."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=None if stream.isatty() else 120)
+    con = Console(file=stream)
+    return con if con.is_terminal else Console(file=stream, width=width)
