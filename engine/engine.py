@@ -33,7 +33,7 @@ from .observe import BlockArrays, BlockSummary, BlockView, Observer, block_view
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
-from .registry import UserRegistry, check_name
+from .registry import UserRegistry, check_user
 from .request import Request, RequestHandle
 from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
@@ -276,9 +276,7 @@ class Engine:
         """Move `name` to `group` (None: no group). Requests submitted afterwards use it (the
         change travels the engine's command queue with them); a `UserGroupChanged` event
         records it."""
-        check_name("user", name)
-        if group is not None:
-            check_name("group", group)
+        check_user(name, group)
 
         def apply():  # on the engine thread, in order with submits: the event is where it applies
             old = self.users.set_group(name, group)

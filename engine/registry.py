@@ -24,6 +24,13 @@ def check_name(what: str, value) -> str:
     return value
 
 
+def check_user(name, group=None) -> None:
+    """A user name, and a group name unless None: non-empty strings (else one EngineError line)."""
+    check_name("user", name)
+    if group is not None:
+        check_name("group", group)
+
+
 class UserRegistry:
     """Thread-safe name -> group map. Unknown users are registered with group None on first use."""
 
@@ -34,9 +41,7 @@ class UserRegistry:
     def register(self, name: str, group: str | None = None) -> bool:
         """Bind `name` to `group`. Returns True when the user is new; registering again with the
         same group is a no-op; a different group is an error (use ``set_group``)."""
-        check_name("user", name)
-        if group is not None:
-            check_name("group", group)
+        check_user(name, group)
         with self._lock:
             if name in self._groups:
                 old = self._groups[name]
@@ -49,9 +54,7 @@ class UserRegistry:
 
     def set_group(self, name: str, group: str | None) -> str | None:
         """Change (or set) `name`'s group; returns the old group."""
-        check_name("user", name)
-        if group is not None:
-            check_name("group", group)
+        check_user(name, group)
         with self._lock:
             old = self._groups.get(name)
             self._groups[name] = group
