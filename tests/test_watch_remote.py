@@ -58,7 +58,7 @@ def test_remote_backend_over_kvplay_serve(serve):
         summ = backend.summary(8)
         assert int(summ.cached.sum()) == len(m.blocks) and summ.free.sum() + summ.cached.sum() == backend.num_blocks
         stored = [e for e in seen if e.kind == "BlockStored"]
-        assert stored and all(len(e.block_ids) == 1 for e in stored)
+        assert stored and all(len(e.block_ids) == len(e.block_hashes) for e in stored)
         view = backend.block(stored[0].block_ids[0])
         assert view.state == "cached" and view.creator == "alice" and "bob" in view.users
         assert backend.block(backend.num_blocks - 1).state == "free"

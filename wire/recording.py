@@ -21,9 +21,11 @@ from .mirror import Fleet
 
 
 def journal_events(journal: list, ts: float) -> list:
-    """A mirror's journal entries (wire/mirror.py) as kvplay engine events, in order: a new block
-    is a BlockStored, consecutive re-announcements for one session one BlockHit (`by_creator` in
-    tokens), an eviction a BlockRemoved with its creator, a reset or restart an AllBlocksCleared."""
+    """A mirror's journal entries (wire/mirror.py) as kvplay engine events, in order: new blocks
+    continuing one chain for one session are one BlockStored, consecutive re-announcements for one
+    session one BlockHit (`by_creator` in tokens), consecutive evictions one BlockRemoved (its
+    `creators` index-aligned with the hashes, "" when unknown), a reset or restart an
+    AllBlocksCleared."""
     out = []
     hits = None
     for entry in journal:
@@ -38,13 +40,24 @@ def journal_events(journal: list, ts: float) -> list:
             hits.by_creator[creator] = hits.by_creator.get(creator, 0) + size
             continue
         hits = None
+        last = out[-1] if out else None
         if kind == "stored":
             _, h, parent, tokens, size, who = entry
-            out.append(BlockStored(ts=ts, block_hashes=[hash_hex(h)], parent_block_hash=hash_hex(parent),
-                                   token_ids=list(tokens), block_size=size, user=who))
+            hp = hash_hex(parent)
+            if (type(last) is BlockStored and last.user == who and last.block_size == size
+                    and last.block_hashes[-1] == hp):  # the chain goes on: one event, like vLLM's
+                last.block_hashes.append(hash_hex(h))
+                last.token_ids.extend(tokens)
+            else:
+                out.append(BlockStored(ts=ts, block_hashes=[hash_hex(h)], parent_block_hash=hp,
+                                       token_ids=list(tokens), block_size=size, user=who))
         elif kind == "removed":
             _, h, creator = entry
-            out.append(BlockRemoved(ts=ts, block_hashes=[hash_hex(h)], creators=[creator] if creator else []))
+            if type(last) is BlockRemoved:
+                last.block_hashes.append(hash_hex(h))
+                last.creators.append(creator or "")
+            else:
+                out.append(BlockRemoved(ts=ts, block_hashes=[hash_hex(h)], creators=[creator or ""]))
         else:
             out.append(AllBlocksCleared(ts=ts, reason=entry[1]))
     return out

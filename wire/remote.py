@@ -208,11 +208,11 @@ class RemoteBackend:
             for ev in events:
                 k = ev.kind
                 if k == "BlockStored":
-                    ev.block_ids = [slots.store(ev.block_hashes[0], self._code(ev.user))]
+                    code = self._code(ev.user)
+                    ev.block_ids = [slots.store(h, code) for h in ev.block_hashes]
                     self._block_size = ev.block_size or self._block_size
                 elif k == "BlockRemoved":
-                    s = slots.remove(ev.block_hashes[0])
-                    ev.block_ids = [] if s is None else [s]
+                    ev.block_ids = [s for s in map(slots.remove, ev.block_hashes) if s is not None]
                 elif k == "BlockHit":
                     ev.block_ids = [s for s in map(slots.slot, ev.block_hashes) if s is not None]
                     self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
