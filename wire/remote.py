@@ -365,7 +365,11 @@ class RemoteBackend:
                     h = slots.hash_of.get(s)
                     if h is None:
                         return BlockView(block_id, "free", 0, None, None, None, (), 0, 0.0, 0.0, ())
-                    b = next((b for b in self.fleet.pod(name).blocks.values() if b.hex == h), None)
+                    with self.fleet.lock:  # the subscriber thread applies batches under it
+                        blocks = self.fleet.pod(name).blocks
+                        b = blocks.get(int(h, 16)) if len(h) == 16 else blocks.get(bytes.fromhex(h))
+                        if b is None:  # another group's block, keyed (group, hash)
+                            b = next((b for b in list(blocks.values()) if b.hex == h), None)
                     if b is None:
                         return None
                     return BlockView(block_id, "cached", 0, h, b.creator, None, tuple(b.tokens),
