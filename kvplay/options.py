@@ -28,6 +28,14 @@ ENGINE_FLAGS = [
 ]
 
 
+DB_HELP = "sessions database (default: XDG data dir, env KVPLAY_DB)"
+
+
+def add_db_arg(parser: argparse.ArgumentParser, help: str = DB_HELP) -> None:
+    """`--db PATH`, the sessions database every recording or reading command takes."""
+    parser.add_argument("--db", default=None, help=help)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     for flag, dest, typ, help_ in ENGINE_FLAGS:

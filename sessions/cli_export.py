@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from kvplay.options import add_db_arg
+
 from .cli_list import when
 from .cli_show import load
 from .query import resolve_session, session_script
@@ -25,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="session id (or a unique prefix)")
     parser.add_argument("--format", choices=("jsonl", "md", "toml") + TRACE_FORMATS, default="jsonl")
     parser.add_argument("-o", "--output", default=None, help="write to FILE instead of stdout")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
 
 
 def to_jsonl(s: dict) -> str:

@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 
+from kvplay.options import add_db_arg
+
 from .query import list_sessions
 from .report import console, print_json
 from .store import open_db, resolve_path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per session")
     parser.add_argument("--limit", type=int, default=None, help="show at most N sessions")
 

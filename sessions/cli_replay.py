@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
 from .query import resolve_session, session_script, session_turns, session_users
 from .report import console, excerpt, fmt_num, print_json
@@ -20,7 +20,7 @@ from .store import open_db
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="session id (or a unique prefix)")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--headless", action="store_true", help="replay without the app and compare outputs")
     parser.add_argument("--speed", type=float, default=None,
                         help="submit turns at their recorded pace times X (default: recorded order, as fast as possible)")

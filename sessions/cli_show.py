@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvplay.options import add_db_arg
+
 from .cli_list import when
 from .query import resolve_session, session_turns, session_users
 from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
@@ -12,7 +14,7 @@ from .store import open_db
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="session id (or a unique prefix)")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--json", action="store_true", help="the session, its users and turns as one JSON object")
     parser.add_argument("--events", action="store_true", help="also list the recorded cache events")
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
+from kvplay.options import add_db_arg
 
 from .report import console, print_json
 from .simulate import SIM_POLICIES, Trace, headline, simulate, simulate_grid
@@ -27,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help='{"recorded": …, "results": […]} on stdout')
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="save hit rate vs pool size per policy")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per hash id of a Mooncake trace file (default 16)")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
 
 
 def _list(text: str, allowed, flag: str) -> list[str]:

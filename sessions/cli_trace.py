@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
+from kvplay.options import add_db_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=EVICTION_POLICIES, default="lru")
     parser.add_argument("--isolation", choices=ISOLATION_MODES, default="shared")
     parser.add_argument("--title", default=None)
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
 
 
 def main(args: argparse.Namespace) -> int:

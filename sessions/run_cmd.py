@@ -12,7 +12,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
 from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the player imports the engine (torch): only when a script r
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="TOML script ([engine], [system], [[users]], [[turns]])")
     parser.add_argument("--json", action="store_true", help="one JSON object per finished turn, then a summary")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--no-record", action="store_true", help="do not record this run in the sessions DB")
     parser.add_argument("--speed", type=float, default=1.0, help="divide every turn's `at` offset by X")
     add_engine_args(parser)
