@@ -96,12 +96,14 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
     progress("kvplay: [1/3] dequantizing GGUF weights")
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    bar = gguf_utils.tqdm  # a raw tqdm per tensor; our step line says the same thing once
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    bar = getattr(gguf_utils, "tqdm", None)  # a raw tqdm per tensor; our step line says it once
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     finally:
-        gguf_utils.tqdm = bar
+        if bar is not None:
+            gguf_utils.tqdm = bar
     progress("kvplay: [2/3] reading tokenizer and chat template")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     # save_pretrained refuses a GGUF-loaded model while it still carries its quantizer.
