@@ -146,6 +146,9 @@ def main(args: argparse.Namespace) -> int:
     from .common import LabContext, Progress, dump_json, open_recorder, render
 
     mod, params, base = build_params(args)
+    if not getattr(args, "target", None) and (args.api_key or args.other_api_key or args.cache_salt_per_user
+                                              or args.target_model):
+        raise _error("--api-key, --other-api-key, --cache-salt-per-user and --target-model need --target URL")
     if getattr(args, "target", None):
         from .target import main as target_main
 

@@ -202,8 +202,8 @@ def run_leak(target: Target, params: TargetLeakParams | None = None, ctx: LabCon
     top = target.vocab_top()
     bs = p.block_size or target.block_size(rng, top)
     if bs is None:
-        raise EngineError(f"{target.url} reports no usage.prompt_tokens_details.cached_tokens, so its block size is "
-                          "unknown: give --block-size N")
+        raise EngineError(f"{target.url}: its block size could not be read from usage.prompt_tokens_details."
+                          "cached_tokens (not reported, or over 256 tokens): give --block-size N")
     target.client("warmup").complete([rng.randrange(FIRST_ID, top) for _ in range(8)], 1)  # first-call costs
     reset = target.reset()  # not needed (fresh secrets), but starts from an empty cache where allowed
     results = []

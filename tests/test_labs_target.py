@@ -98,6 +98,8 @@ def test_cli_leak_target_json_and_bad_input(serve):  # noqa: F811
 
     with pytest.raises(KvplayError, match="leak and determinism"):
         lab_cli.main(_args("collide", "--target", srv.url))
+    with pytest.raises(KvplayError, match="need --target"):
+        lab_cli.main(_args("leak", "--cache-salt-per-user"))
     with pytest.raises(EngineError, match="cannot connect"):
         lab_cli.main(_args("leak", "--target", "http://127.0.0.1:9", "--samples", "1"))
 
