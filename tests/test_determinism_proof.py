@@ -69,7 +69,7 @@ def test_a_new_thread_count_gets_its_own_calibration():
     assert sorted(p.threads for p in plan.shapes.values()) == [1, 2]
 
 
-def _traces(eng: Engine, waves, sampling):
+def _traces(eng: Engine, waves, sampling, rng: random.Random):
     """Submit each wave's prompts so they land in the same engine step; return logits traces."""
     handles = {}
     for wave in waves:
@@ -79,7 +79,8 @@ def _traces(eng: Engine, waves, sampling):
         for key, h in eng.call(burst):
             handles[key] = h
         first = next(iter(handles.values()))
-        first.result(300) if random.random() < 0.3 else None  # sometimes let earlier ones finish
+        if rng.random() < 0.3:  # sometimes let earlier ones finish before the next wave
+            first.result(300)
     for h in handles.values():
         assert h.result(300).ok
     return {k: h.request.logits_trace for k, h in handles.items()}
@@ -100,7 +101,7 @@ def _proof(loaded, vocab: int, seed: int, n_prompts: int, lengths, max_tokens: i
         alone = {}
         for k, ids in prompts.items():
             eng.clear_cache()
-            alone.update(_traces(eng, [[(k, f"u{k}", ids)]], sampling))
+            alone.update(_traces(eng, [[(k, f"u{k}", ids)]], sampling, rng))
     keys = list(prompts)
     rng.shuffle(keys)
     waves, i = [], 0
@@ -113,7 +114,7 @@ def _proof(loaded, vocab: int, seed: int, n_prompts: int, lengths, max_tokens: i
         waves.append(wave)
         i += size
     with Engine(EngineConfig(**cfg), loaded) as eng:
-        batched = _traces(eng, waves, sampling)
+        batched = _traces(eng, waves, sampling, rng)
         hits = eng.stats()["hit_tokens"]
     assert hits > 0, "the batched run should reuse cached blocks"
     compared = 0
