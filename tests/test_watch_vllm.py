@@ -124,9 +124,11 @@ def test_watch_real_vllm_gap_and_restart(tmp_path):
         parent = None if d["parent_block_hash"] is None else digests.get(d["parent_block_hash"])
         if d["parent_block_hash"] is not None and parent is None:
             continue  # parent stored before a batch we could not see
-        dig = block_hash(parent, d["token_ids"], None, root)
-        assert dig[-8:].hex() == d["block_hashes"][0]
-        digests[d["block_hashes"][0]] = dig
-        checked += 1
+        bs = d["block_size"]
+        for i, h in enumerate(d["block_hashes"]):  # a chain of new blocks is one event
+            parent = block_hash(parent, d["token_ids"][i * bs:(i + 1) * bs], None, root)
+            assert parent[-8:].hex() == h
+            digests[h] = parent
+            checked += 1
     # alice's blocks before the restart and carol's after it (the same system prompt hashes the same)
     assert checked >= alice[0] // 32 + carol[0] // 32
