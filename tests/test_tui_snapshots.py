@@ -35,6 +35,22 @@ async def played(pilot):
     await app.autoplay_done.wait()
     app.set_focus(None)
     await pilot.pause(0.2)
+    bm = app.query_one("#map")
+
+    def settled() -> bool:  # the last events, counters, replies and the map's own height have landed
+        return (not app._dirty and not app._refreshing and not any(p._replies for p in app.panes)
+                and not bm._summarising
+                and (not bm.display or not bm.region or bm.size.height == min(18, max(2, bm.virtual_size.height)))
+                and all(len(p.query(".badge")) == len(p.history) // 2 for p in app.panes))
+
+    for _ in range(3):  # settled three times in a row, on a busy machine too
+        for _ in range(200):
+            if settled():
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.1)
+        await pilot.pause()
+    await pilot.wait_for_scheduled_animations()
 
 
 def test_three_users_share_blocks(snap_compare, tiny_llama):
@@ -62,3 +78,29 @@ def test_help_screen(snap_compare, tiny_llama):
         await pilot.pause(0.2)
 
     assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=run_before)
+
+
+def test_small_terminal_one_pane_and_a_switcher(snap_compare, tiny_llama):
+    """80×24: one pane at a time (tabs switch, the cache panel is the last tab), a footer that fits."""
+    assert snap_compare(demo_app(tiny_llama), terminal_size=(80, 24), run_before=played)
+
+
+def test_small_terminal_cache_tab(snap_compare, tiny_llama):
+    async def run_before(pilot):
+        await played(pilot)
+        await pilot.press("ctrl+t")
+        await pilot.pause(0.2)
+
+    assert snap_compare(demo_app(tiny_llama), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_map_scale_line_at_a_million_blocks(snap_compare, tiny_llama):
+    """The whole 1M-block pool at a glance: each cell a run of blocks, the scale stated."""
+    async def run_before(pilot):
+        await played(pilot)
+        bm = pilot.app.query_one("#map")
+        while not bm._row_keys or bm._summarising:
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+
+    assert snap_compare(demo_app(tiny_llama, num_blocks=1_000_000), terminal_size=SIZE, run_before=run_before)

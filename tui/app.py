@@ -19,7 +19,7 @@ from textual import on, work
 from textual.app import App
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, Header, Log, Static
+from textual.widgets import Header, Log, Static, Tabs
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
@@ -31,11 +31,15 @@ from .controls import ControlsMixin
 from .format import block_detail, event_line, range_detail, legend_text, mode_line, requests_text, stats_text, ttft_text
 from .messages import (EngineEvent, EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
                        ReplyFailed)
-from .panes import ChatPane
+from .panes import ChatPane, safe_id
 from .screens import ErrorScreen
 from .theme import assign_looks
+from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
 
 MIN_SIZE = (80, 24)
+COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
+# the keys a compact footer shows (by action); the rest stay on their keys and in ctrl+p
+COMPACT_KEYS = {"help", "toggle_cache", "focus_pane(1)", "focus_map", "quit"}
 REFRESH_HZ = 15
 HINTS = [
     "① Start here: type a question as {name} and press Enter.",
@@ -93,6 +97,8 @@ class KvplayApp(ControlsMixin, App):
     BINDINGS = [
         Binding("f1", "help", "Help", id="help", tooltip="What the colours, glyphs and numbers mean"),
         Binding("alt+right,ctrl+down", "focus_pane(1)", "Next pane", show=False, id="pane.next"),
+        Binding("ctrl+t", "toggle_cache", "Chat/Cache", id="view.cache",
+                tooltip="Small terminals: switch between the chat and the cache panel"),
         Binding("alt+left,ctrl+up", "focus_pane(-1)", "Prev pane", show=False, id="pane.previous"),
         Binding("f2", "cycle_isolation", "Isolation", id="mode.isolation",
                 tooltip="Who may share blocks: shared → user → group → system"),
@@ -163,6 +169,8 @@ class KvplayApp(ControlsMixin, App):
     # --- layout -------------------------------------------------------------------------------
     def compose(self):
         yield Header(show_clock=False)
+        yield PaneSwitcher([(self._tab_id(u.name), f"{self.looks[u.name].glyph} {u.name}") for u in self.users],
+                           id="switcher")
         with Horizontal(id="main"):
             with Vertical(id="panes"):
                 for i, u in enumerate(self.users):
@@ -174,13 +182,16 @@ class KvplayApp(ControlsMixin, App):
                 yield Static(id="legend")
                 yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
                 yield Static("Requests · cached █ vs computed ░", classes="section")
-                yield Static(id="bars")
-                yield Static(id="sparks")
+                yield RequestBars(id="bars")
                 yield Static("Cache", classes="section")
                 yield Static(id="stats")
                 yield Log(id="events", max_lines=500)
         yield Static(id="too-small")
-        yield Footer()
+        yield KvFooter()
+
+    @staticmethod
+    def _tab_id(user: str) -> str:
+        return f"tab-{safe_id(user)}"
 
     def _hint(self, i: int, name: str) -> str:
         return HINTS[min(i, len(HINTS) - 1)].format(name=name)
@@ -208,20 +219,72 @@ class KvplayApp(ControlsMixin, App):
             self._autoplay()
         self.panes[0].input.focus()
 
+    @property
+    def compact(self) -> bool:
+        return self.size.width < COMPACT_W
+
     def _layout_panes(self) -> None:
+        """Wide: panes in a grid next to the cache panel. Compact (< COMPACT_W columns): the
+        current pane alone, full width, a switcher above it, the cache panel as its last tab."""
         n = len(self.panes)
+        compact = self.compact
+        self.screen.set_class(compact, "compact")
+        self.query_one(KvFooter).set_keep(COMPACT_KEYS if compact else None)
+        grid = self.query_one("#panes")
+        if compact:
+            current = self.current_pane()
+            for p in self.panes:
+                p.set_class(p is current, "current")
+            grid.styles.grid_size_columns = 1
+            grid.styles.grid_size_rows = 1
+            return
+        self.screen.remove_class("show-cache")
         cols = n if n <= 3 else 2 if n == 4 else 3
         room = self.size.width - self.query_one("#side").outer_size.width
-        if room > 0:  # narrow terminals: stack panes rather than squeeze them under ~30 columns
+        if room > 0:  # stack panes rather than squeeze them under ~30 columns
             cols = max(1, min(cols, room // 30))
-        grid = self.query_one("#panes")
         grid.styles.grid_size_columns = cols
         grid.styles.grid_size_rows = -(-n // cols)
+
+    def show_pane(self, pane: ChatPane) -> None:
+        """Compact: make `pane` the one shown (and its tab the active one)."""
+        if self.compact:
+            self.screen.remove_class("show-cache")
+            for p in self.panes:
+                p.set_class(p is pane, "current")
+            switcher = self.query_one(PaneSwitcher)
+            if switcher.active != self._tab_id(pane.user):
+                switcher.active = self._tab_id(pane.user)
+
+    def action_toggle_cache(self) -> None:
+        if not self.compact:
+            self.query_one("#side").toggle_class("hidden")
+            return
+        switcher = self.query_one(PaneSwitcher)
+        if self.screen.has_class("show-cache"):
+            switcher.active = self._tab_id(self.current_pane().user)
+        else:
+            switcher.active = CACHE_TAB
+
+    @on(Tabs.TabActivated, "#switcher")
+    def _on_switch(self, event: Tabs.TabActivated) -> None:
+        if not self.compact:
+            return
+        if event.tab.id == CACHE_TAB:
+            self.screen.add_class("show-cache")
+            return
+        for p in self.panes:
+            if self._tab_id(p.user) == event.tab.id:
+                self.screen.remove_class("show-cache")
+                self._last_pane = p
+                for q in self.panes:
+                    q.set_class(q is p, "current")
+                if not p.input.has_focus:
+                    p.input.focus()
 
     def on_resize(self, event) -> None:
         self._check_size()
         self.call_after_refresh(self._layout_panes)
-        self.call_after_refresh(self._update_requests)
 
     def _check_size(self) -> None:
         w, h = self.size
@@ -482,9 +545,7 @@ class KvplayApp(ControlsMixin, App):
         self.query_one("#legend", Static).update(legend_text(self.looks))
 
     def _update_requests(self) -> None:
-        width = max(8, min(30, self.query_one("#bars", Static).size.width - 12))
-        self.query_one("#bars", Static).update(requests_text(list(self._requests)[-6:], self.looks, width))
-        self.query_one("#sparks", Static).update(ttft_text(self._ttft, self.looks) if self.timings else Text())
+        self.query_one(RequestBars).show(list(self._requests)[-6:], self._ttft, self.looks, self.timings)
 
     @on(BlockMap.CellSelected)
     def _on_cell(self, msg: BlockMap.CellSelected) -> None:

@@ -37,6 +37,7 @@ from .theme import FREE_STYLE, UNKNOWN_COLOUR
 
 CELL_W = 2
 OVERVIEW_ROWS = 12
+MAX_ROWS = 18  # the map's tallest (zoomed in, it scrolls)
 ZOOM_STEP = 4
 SYNC_BLOCKS = 65_536  # pools up to this size are summarised on the UI thread (< 2 ms)
 HIT_BG = "#5a5a5a"
@@ -93,11 +94,11 @@ class BlockMap(ScrollView, can_focus=True):
         Binding("right", "move(1, 0)", "Cell →", show=False, id="map.right"),
         Binding("up", "move(0, -1)", "Cell ↑", show=False, id="map.up"),
         Binding("down", "move(0, 1)", "Cell ↓", show=False, id="map.down"),
-        Binding("plus,equals_sign", "zoom(1)", "Zoom in", id="map.zoom_in", tooltip="Fewer blocks per cell, around the cursor"),
-        Binding("minus", "zoom(-1)", "Zoom out", id="map.zoom_out"),
+        Binding("plus,equals_sign", "zoom(1)", "Zoom in", show=False, id="map.zoom_in", tooltip="Fewer blocks per cell, around the cursor"),
+        Binding("minus", "zoom(-1)", "Zoom out", show=False, id="map.zoom_out"),
         Binding("0", "whole_pool", "Whole pool", show=False, id="map.whole"),
-        Binding("j", "jump_last", "Last request", id="map.jump", tooltip="Zoom to the blocks of the last request"),
-        Binding("slash", "filter_next", "Filter user", id="map.filter", tooltip="Show one user's blocks (again: next user)"),
+        Binding("j", "jump_last", "Last request", show=False, id="map.jump", tooltip="Zoom to the blocks of the last request"),
+        Binding("slash", "filter_next", "Filter user", show=False, id="map.filter", tooltip="Show one user's blocks (again: next user)"),
     ]
 
     cursor: var[int] = var(0)
@@ -299,7 +300,12 @@ class BlockMap(ScrollView, can_focus=True):
         cols = self.cols
         total_rows = -(-self.cell_count // cols)
         height = max(1, self.size.height or OVERVIEW_ROWS)
-        self.virtual_size = Size(cols * CELL_W, total_rows)
+        size = Size(cols * CELL_W, total_rows)
+        if size != self.virtual_size:
+            self.virtual_size = size
+        rows = max(2, min(total_rows, MAX_ROWS))
+        if self.styles.height is None or self.styles.height.value != rows:  # the height follows the rows
+            self.styles.height = rows
         top = min(int(self.scroll_offset.y), max(0, total_rows - 1))
         base = self._cells_for(top, height)
         if base is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from textual import work
 from textual.app import SystemCommand
-from textual.widgets import Log
+from textual.widgets import Log, Tab
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
 from kvplay.engine.errors import EngineError
@@ -28,6 +28,7 @@ APP_LABS = {
     "response-cache": ("kvplay.labs.response_cache", "ResponseCacheParams", {}),
 }
 from .theme import assign_looks
+from .widgets import CACHE_TAB
 
 # Counters a lab's own requests add to the engine's; the app subtracts them (without_labs).
 LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
@@ -66,6 +67,7 @@ class ControlsMixin:
             node = node.parent
         if node is not None:
             self._last_pane = node
+            self.show_pane(node)  # compact: the focused pane is the one shown
 
     def action_focus_pane(self, step: int) -> None:
         panes = self.panes
@@ -195,6 +197,8 @@ class ControlsMixin:
         self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
         pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
         self.query_one("#panes").mount(pane)
+        self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
+                                                id=self._tab_id(spec.name)), before=CACHE_TAB)
         self._layout_panes()
         self._update_legend()
         if self.engine is not None:
@@ -220,6 +224,7 @@ class ControlsMixin:
             if ok:
                 self.users = [u for u in self.users if u.name != pane.user]
                 pane.remove()
+                self.query_one("#switcher").remove_tab(self._tab_id(pane.user))
                 self.call_after_refresh(self._layout_panes)
                 self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
 

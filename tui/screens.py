@@ -28,15 +28,21 @@ Each user has a colour and a letter (`[A] alice`). Under every reply a badge:
 * **TTFT** – time to first token; **tok/s** – decoding speed of this reply
 
 ## The block map
-One cell per block of the pool, colour and letter = the user who first computed it.
+The whole pool at a glance, whatever its size: each cell stands for a run of blocks, and the
+line above the map says how many (`1 cell = 512 blocks`; small pools: one block per cell).
+Colour and letter = the user who created most of the cell's blocks.
 
-* `A` upper case on colour – **in use**: a running request reads it now
+* `A` upper case on colour – **in use**: running requests read most of it now
 * `a` lower case – **cached**: kept for reuse, evicted when space runs out
-* `·` – **free**
-* `+` after a cell – reused by the latest request (it flashes white when it happens)
+* faint `a` – fewer than half of the cell's blocks hold anything
+* `·` – **free**; `∘` – other users' blocks while you filter by one user
+* `a+` on a grey band – holds blocks the latest request reused (they flash white first)
 
-Move with the arrow keys (after clicking the map) or hover with the mouse: the panel below
-shows the block's hash, its tokens as text, creator, ref count, hits, age and users.
+In the map (ctrl+b, or click it): arrows move, `+`/`-` zoom in and out around the cursor down
+to single blocks, `0` shows the whole pool again, `j` jumps to the blocks of the last request,
+`/` shows one user's blocks (again: the next user, then everyone). The panel below shows what
+the cell holds: for a run of blocks how many are in use, cached and free and who created them;
+for a single block its hash, its tokens as text, creator, ref count, hits, age and users.
 
 ## Stats
 * **hit rate** – share of all prompt tokens served from the cache
@@ -62,6 +68,7 @@ clears the cache and switches modes while it runs, then shows its verdict.
 |---|---|
 | Enter | send the message in this pane |
 | Tab, alt+→ / alt+← | next / previous pane (ctrl+↓ / ctrl+↑ too) |
+| ctrl+t | under 120 columns one pane shows at a time: switch to the cache panel and back (or click the tabs) |
 | ctrl+b | move into the block map (arrows move, details below it) |
 | F2 / F3 | next isolation mode / eviction policy |
 | F4 | clear the cache |
@@ -76,7 +83,7 @@ clears the cache and switches modes while it runs, then shows its verdict.
 | ctrl+q | quit |
 
 Remap any key with binding ids, e.g. `KVPLAY_KEYMAP="mode.isolation=ctrl+o;cache.clear=ctrl+x" kvplay`
-(ids: help, pane.next, pane.previous, mode.isolation, mode.eviction, cache.clear, mode.deterministic,
+(ids: help, pane.next, pane.previous, view.cache, map.zoom_in, map.zoom_out, map.whole, map.jump, map.filter, mode.isolation, mode.eviction, cache.clear, mode.deterministic,
 prompt.system, user.settings, user.add, user.remove, view.events, view.map, replay.pause, replay.step,
 app.screenshot, app.quit).
 
