@@ -405,3 +405,27 @@ async def test_map_of_a_big_pool_shows_its_scale_zooms_jumps_and_filters(tiny_ll
         assert bm.user_filter == "alice" and "only alice's" in str(app.query_one("#map-title").render())
         await pilot.press("0")
         assert not bm.zoomed and bm.bpc == bm.overview_bpc
+
+
+async def test_small_terminal_shows_one_pane_and_panels_follow_resizes(tiny_llama):
+    from kvplay.tui.widgets import RequestBars
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello there")
+        bars = app.query_one(RequestBars)
+        wide = max(len(line) for line in bars.render().plain.splitlines())
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.3)
+        assert app.screen.has_class("compact")
+        shown = [p.user for p in app.panes if p.display and p.region.width]
+        assert shown == ["alice"] and app.pane("alice").region.width >= 70
+        await pilot.press("ctrl+t")  # the cache panel as a tab
+        await pilot.pause(0.2)
+        assert app.query_one("#side").region.width >= 70 and not app.pane("alice").region.width
+        await pilot.press("ctrl+t")
+        await pilot.resize_terminal(200, 48)
+        await pilot.pause(0.3)
+        assert not app.screen.has_class("compact") and all(p.region.width for p in app.panes)
+        assert max(len(line) for line in bars.render().plain.splitlines()) == wide >= 40

@@ -248,7 +248,7 @@ class KvplayApp(ControlsMixin, App):
 
     def show_pane(self, pane: ChatPane) -> None:
         """Compact: make `pane` the one shown (and its tab the active one)."""
-        if self.compact:
+        if self.compact and not (pane.has_class("current") and self.screen.has_class("show-cache")):
             self.screen.remove_class("show-cache")
             for p in self.panes:
                 p.set_class(p is pane, "current")
@@ -272,6 +272,7 @@ class KvplayApp(ControlsMixin, App):
             return
         if event.tab.id == CACHE_TAB:
             self.screen.add_class("show-cache")
+            self.query_one(BlockMap).focus()  # arrows move in the map; the hidden input keeps no focus
             return
         for p in self.panes:
             if self._tab_id(p.user) == event.tab.id:

@@ -296,7 +296,11 @@ class BlockMap(ScrollView, can_focus=True):
         if self.source is None:
             return
         if not self.zoomed:
-            self.bpc = self.overview_bpc
+            bpc = self.overview_bpc
+            if bpc != self.bpc:
+                self.bpc = bpc
+                if self.cursor_visible and self.num_blocks:  # the details follow the new scale
+                    self.call_after_refresh(self._select)
         cols = self.cols
         total_rows = -(-self.cell_count // cols)
         height = max(1, self.size.height or OVERVIEW_ROWS)
