@@ -21,7 +21,7 @@ def msgs(text):
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 
 
-def test_remote_backend_over_kvplay_serve(serve):
+def test_remote_backend_over_kvplay_serve(serve, tmp_path):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
     backend = None
@@ -32,6 +32,11 @@ def test_remote_backend_over_kvplay_serve(serve):
         assert backend.model_name == "tiny:llama"
         seen = []
         backend.subscribe(seen.append)
+        # the app's recorder takes a backend as it takes an engine (subscribe, stats)
+        from kvplay.sessions.recorder import Recorder
+
+        rec = Recorder.open(str(tmp_path / "s.db"), None, backend.model_name, "app", SYSTEM)
+        rec.attach(backend)
         sp = SamplingParams(max_tokens=4)
         backend.register_user("alice")
         backend.register_user("bob")
@@ -62,6 +67,14 @@ def test_remote_backend_over_kvplay_serve(serve):
         view = backend.block(stored[0].block_ids[0])
         assert view.state == "cached" and view.creator == "alice" and "bob" in view.users
         assert backend.block(backend.num_blocks - 1).state == "free"
+        rec.record_turn("bob", "hello again", msgs("hello again"), sp, rb)
+        rec.close()
+        import sqlite3
+
+        con = sqlite3.connect(tmp_path / "s.db")
+        assert con.execute("select user, cached_tokens, cached_from from turns").fetchall() == [
+            ("bob", rb.stats.cached_tokens, '{"alice":%d}' % rb.stats.cached_tokens)]
+        assert con.execute("select count(*) from cache_events where kind = 'BlockStored'").fetchone()[0] > 0
     finally:
         if backend is not None:
             backend.close()
