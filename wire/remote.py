@@ -222,7 +222,10 @@ class RemoteBackend:
             listeners = list(self._listeners)
         for ev in events:
             for fn in listeners:
-                fn(ev)
+                try:
+                    fn(ev)
+                except Exception:  # a view's error must not stop the mirror (it runs on our thread)
+                    pass
 
     def subscribe(self, listener: Callable) -> Callable[[], None]:
         with self._lock:
