@@ -49,3 +49,15 @@ def smollm():
     from kvplay.engine.model import load_model
 
     return load_model("default", device="cpu", dtype="float32")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` start a real vLLM CPU server (minutes each, both cores): they run only
+    when asked for, with `-m vllm` (`./dev test -m vllm`) or KVPLAY_VLLM_TESTS=1, so `./dev test`
+    and CI stay well inside their time on machines that happen to have a vLLM venv."""
+    if "vllm" in (config.option.markexpr or "") or os.environ.get("KVPLAY_VLLM_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a real vLLM: run ./dev test -m vllm (after scripts/vllm-cpu.sh setup)")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
