@@ -438,7 +438,10 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
-        identify(state, request)
+        ident = identify(state, request)
+        if ident is not None and not ident.admin:  # with keys, only an admin key may wipe everyone's cache
+            raise ApiError(403, "resetting the prefix cache drops every user's blocks: it needs a key "
+                                "with admin = true in --api-keys", code="permission_denied")
         dropped = await run_in_threadpool(state.engine.clear_cache)
         return JSONResponse({"ok": True, "dropped_blocks": dropped})
 

@@ -4,6 +4,7 @@
     key = "sk-alice-…"
     user = "alice"
     group = "team-a"     # optional
+    admin = true         # optional: may POST /reset_prefix_cache (wipes every user's cache)
 
 Each bearer token is bound to one user (and group); the server registers every user with the
 engine at start, so the salt of a request comes from its key, never from its body.
@@ -21,6 +22,7 @@ from kvplay.engine.errors import EngineError
 class Identity:
     user: str
     group: str | None = None
+    admin: bool = False  # may reset the whole prefix cache (everyone's blocks)
 
 
 def load_keys(path: str) -> dict[str, Identity]:
@@ -46,22 +48,24 @@ def load_keys(path: str) -> dict[str, Identity]:
         where = f"--api-keys {path}: [[keys]] #{i}"
         if not isinstance(e, dict):
             raise EngineError(f"{where}: must be a table")
-        extra = set(e) - {"key", "user", "group"}
+        extra = set(e) - {"key", "user", "group", "admin"}
         if extra:
-            raise EngineError(f"{where}: unknown field {sorted(extra)[0]!r} (key, user, group)")
-        key, user, group = e.get("key"), e.get("user"), e.get("group")
+            raise EngineError(f"{where}: unknown field {sorted(extra)[0]!r} (key, user, group, admin)")
+        key, user, group, admin = e.get("key"), e.get("user"), e.get("group"), e.get("admin", False)
         if not isinstance(key, str) or len(key.strip()) < 8 or key != key.strip():
             raise EngineError(f"{where}: key must be a string of at least 8 characters without spaces around it")
         if not isinstance(user, str) or not user.strip():
             raise EngineError(f"{where}: user must be a non-empty string")
         if group is not None and (not isinstance(group, str) or not group.strip()):
             raise EngineError(f"{where}: group must be a non-empty string when given")
+        if not isinstance(admin, bool):
+            raise EngineError(f"{where}: admin must be true or false")
         if key in out:
             raise EngineError(f"{where}: the same key is listed twice")
         if user in users and users[user] != group:
             raise EngineError(f"{where}: user {user!r} is listed with two different groups")
         users[user] = group
-        out[key] = Identity(user, group)
+        out[key] = Identity(user, group, admin)
     return out
 
 

@@ -27,6 +27,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type_ or ("authentication_error" if status == 401 else
+                              "permission_error" if status == 403 else
                               "not_found_error" if status == 404 else
                               "server_error" if status >= 500 else "invalid_request_error")
 

@@ -42,6 +42,7 @@ group = "team-a"
 key = "sk-bob-0123456789"
 user = "bob"
 group = "team-b"
+admin = true
 """
 ALICE = "sk-alice-0123456789"
 BOB = "sk-bob-0123456789"

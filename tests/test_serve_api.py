@@ -264,6 +264,8 @@ def test_metrics_and_reset(serve, tmp_path):
         chat(c, srv.url, BOB, "two")
         text = c.get(srv.url + "/metrics").text
         assert c.post(srv.url + "/reset_prefix_cache").status_code == 401
+        denied = c.post(srv.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {ALICE}"})
+        assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
         reset = c.post(srv.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {BOB}"})
         after = chat(c, srv.url, BOB, "two")
     assert reset.status_code == 200
