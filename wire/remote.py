@@ -175,17 +175,45 @@ class RemoteBackend:
             raise EngineError(f"{self.url}/v1/models lists no model") from None
 
     def _server_blocks(self) -> int | None:
-        """vLLM's pool size from /metrics (`cache_config_info`'s num_gpu_blocks), if it says."""
+        """The pool size from /metrics, if it says: vLLM's `cache_config_info` num_gpu_blocks, or
+        kvplay serve's `kvplay:blocks` gauges (by state) summed."""
         try:
             r = self._http.get("/metrics", timeout=5)
         except httpx.HTTPError:
             return None
+        kvplay_blocks = 0.0
         for line in r.text.splitlines() if r.status_code == 200 else ():
             if line.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in line:
                 v = line.split('num_gpu_blocks="', 1)[1].split('"', 1)[0]
                 if v.isdigit() and int(v) > 0:
                     return int(v)
-        return None
+            elif line.startswith("kvplay:blocks{"):
+                try:
+                    kvplay_blocks += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+        return int(kvplay_blocks) or None
+
+    def clear_cache(self) -> int | None:
+        """``POST /reset_prefix_cache`` (vLLM serves it only with VLLM_SERVER_DEV_MODE=1): the
+        blocks dropped when the server says, else None. A refusal is one line (EngineError). The
+        mirror empties when the server's AllBlocksCleared event arrives (vLLM: with its next step)."""
+        try:
+            r = self._http.post("/reset_prefix_cache", timeout=60)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"cannot reach {self.url}: {exc}") from None
+        if r.status_code in (404, 405):
+            raise EngineError(f"{self.url} does not offer /reset_prefix_cache (vLLM: start it with "
+                              "VLLM_SERVER_DEV_MODE=1)")
+        if r.status_code in (401, 403):
+            raise EngineError(f"{self.url} refused /reset_prefix_cache (HTTP {r.status_code}) for this API key")
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}/reset_prefix_cache answered HTTP {r.status_code}")
+        try:
+            n = r.json().get("dropped_blocks")
+        except (ValueError, AttributeError):
+            return None
+        return n if isinstance(n, int) else None
 
     # --- events -------------------------------------------------------------------------------
     def _code(self, user: str) -> int:
