@@ -34,7 +34,7 @@ async def say(app, pilot, user, text):
     pane.input.value = text
     await pilot.press("enter")
     await wait_until(pilot, lambda: not app.busy)
-    await wait_until(pilot, lambda: not app._dirty and not app._refreshing)
+    await wait_until(pilot, lambda: app.settled)
     await pilot.pause(0.1)
 
 
@@ -347,7 +347,7 @@ async def test_a_lab_leaves_no_blocks_and_none_of_its_requests_in_the_apps_numbe
         app._run_lab("response-cache")
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
         app._dirty = True
-        await wait_until(pilot, lambda: not app._dirty and not app._refreshing)
+        await wait_until(pilot, lambda: app.settled)
         await pilot.pause(0.2)
         st = app._stats
         assert app.engine.stats()["query_tokens"] > own.prompt_tokens  # the lab did run requests

@@ -38,7 +38,7 @@ async def played(pilot):
     bm = app.query_one("#map")
 
     def settled() -> bool:  # the last events, counters, replies and the map's own height have landed
-        return (not app._dirty and not app._refreshing and not any(p._replies for p in app.panes)
+        return (app.settled and not any(p._replies for p in app.panes)
                 and not bm._summarising
                 and (not bm.display or not bm.region or bm.size.height == min(18, max(2, bm.virtual_size.height)))
                 and all(len(p.query(".badge")) == len(p.history) // 2 for p in app.panes))

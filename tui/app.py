@@ -154,6 +154,7 @@ class KvplayApp(ControlsMixin, App):
         self._ttft: dict[str, list[float]] = {}
         self._inflight: dict[int, tuple[ChatPane, str]] = {}
         self._pending: list = []  # messages typed while the model was loading
+        self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
         self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
         self._last_blocks: set[int] = set()  # ... of the last request that finished
         self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)
@@ -299,12 +300,8 @@ class KvplayApp(ControlsMixin, App):
     # --- engine start -------------------------------------------------------------------------
     @work(thread=True, exclusive=True, exit_on_error=False, group="engine", description="Loading the model")
     def _load_engine(self) -> None:
-        from kvplay.engine.engine import Engine
-
         try:
-            eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
-            self._unsubscribe = eng.subscribe(lambda ev: self.post_message(EngineEvent(ev)))
-            eng.start()
+            backend = self.open_backend()
         except EngineError as exc:
             self.post_message(EngineFailed(str(exc), fix_for(str(exc), self.config)))
             return
@@ -312,7 +309,19 @@ class KvplayApp(ControlsMixin, App):
             msg = f"{type(exc).__name__}: {exc}"
             self.post_message(EngineFailed(msg, fix_for(msg, self.config)))
             return
-        self.post_message(EngineReady(eng))
+        self.post_message(EngineReady(backend))
+
+    def open_backend(self):
+        """The ChatBackend the panes and the map use, subscribed to (on a worker thread): an
+        in-process Engine here; `kvplay attach` returns a server's (tui/attach.py)."""
+        from kvplay.engine.engine import Engine
+
+        eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
+        # Events queue up here (deque.append is thread-safe) and the 15 Hz tick takes them in one
+        # go: one message per event (dozens per engine step) would crowd out keystrokes.
+        self._unsubscribe = eng.subscribe(self._event_queue.append)
+        eng.start()
+        return LocalEngineBackend(eng)
 
     def on_engine_loading(self, msg: EngineLoading) -> None:
         self.query_one("#status", Static).update(Text(msg.text.replace("kvplay: ", ""), style="bold"))
@@ -321,11 +330,11 @@ class KvplayApp(ControlsMixin, App):
         self.push_screen(ErrorScreen(msg.error, msg.fix))
 
     def on_engine_ready(self, msg: EngineReady) -> None:
-        self.engine = msg.engine
-        self.backend = LocalEngineBackend(msg.engine)
+        self.backend = msg.engine  # the backend open_backend returned
+        self.engine = getattr(self.backend, "engine", None)  # None on a remote server
         self.query_one(BlockMap).set_source(self.backend, self.looks)
         for u in self.users:  # each pane's identity is bound in the engine, not per message
-            self.engine.register_user(u.name, u.group)
+            self.backend.register_user(u.name, u.group)
         for p in self.panes:
             p.set_ready(True)
         self._dirty = True
@@ -363,12 +372,12 @@ class KvplayApp(ControlsMixin, App):
 
     def _open_recorder(self) -> None:
         Recorder = _load_recorder()
-        if Recorder is None or self.engine is None:
+        if Recorder is None or self.backend is None:
             return
-        rec = Recorder.open(self.db, self.engine.config, self.engine.model_name,
+        rec = Recorder.open(self.db, self.engine.config if self.engine else None, self.backend.model_name,
                             source="replay" if self.replay_of else "app", system_prompt=self.system_prompt,
                             title=self._title, replay_of=self.replay_of)
-        rec.attach(self.engine)
+        rec.attach(self.engine or self.backend)  # the engine: its step clock goes with each event
         self.recorder = rec
         for u in self.users:
             self._record_user(u)
@@ -389,7 +398,7 @@ class KvplayApp(ControlsMixin, App):
         self.send(msg.pane, msg.text)
 
     def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
-        if self.engine is None:
+        if self.backend is None:
             self._pending.append((pane, text, turn))
             pane.set_busy(True)
             pane.notice("The model is still loading; this message is sent as soon as it is ready.")
@@ -465,8 +474,24 @@ class KvplayApp(ControlsMixin, App):
         return bool(self._inflight)
 
     # --- engine events and the coalesced redraw ------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """Every engine event taken in and the counters and map redrawn (tests, screenshots)."""
+        return not self._event_queue and not self._dirty and not self._refreshing
+
     def on_engine_event(self, msg: EngineEvent) -> None:
-        ev = msg.event
+        self._take_event(msg.event)
+
+    def _take_events(self) -> None:
+        lines = []
+        while self._event_queue:
+            line = self._take_event(self._event_queue.popleft(), log=False)
+            if line:
+                lines.append(line)
+        if lines:
+            self.query_one("#events", Log).write_lines(lines)
+
+    def _take_event(self, ev, log: bool = True) -> str | None:
         self._dirty = True
         if ev.kind == "BlockHit":
             self._hit = set(ev.block_ids)
@@ -483,16 +508,18 @@ class KvplayApp(ControlsMixin, App):
         elif ev.kind == "RequestFinished":
             self._last_blocks = self._request_blocks.pop(ev.request_id, set()) or self._last_blocks
         line = event_line(ev, self.looks)
-        if line:
+        if line and log:
             self.query_one("#events", Log).write_line(line)
+        return line
 
     def _tick(self) -> None:
         if self.recorder_error and not self._recorder_error_shown:
             self._recorder_error_shown = True
             self.notify(f"Recording stopped working: {self.recorder_error}. The playground carries on; "
                         "use --no-record to silence this.", severity="warning", timeout=10)
-        if self.engine is None:
+        if self.backend is None:
             return
+        self._take_events()
         if self._flash and time.monotonic() > self._flash_until:
             self._flash = set()
             self._redraw_map()
@@ -518,11 +545,17 @@ class KvplayApp(ControlsMixin, App):
         if stats is not None:
             stats = without_labs(stats, self._excluded)
             self._stats = stats
-            self.query_one("#stats", Static).update(stats_text(stats))
-            self.query_one("#status", Static).update(mode_line(stats, self.backend.model_name, self.backend.device))
+            self.query_one("#stats", Static).update(self.stats_view(stats))
+            self.query_one("#status", Static).update(self.status_view(stats))
         self._redraw_map()
         if self._detail_block is not None:
             self._show_detail(*self._detail_block)
+
+    def stats_view(self, stats: dict) -> Text:
+        return stats_text(stats)
+
+    def status_view(self, stats: dict) -> Text:
+        return mode_line(stats, self.backend.model_name, self.backend.device)
 
     def _redraw_map(self) -> None:
         bm = self.query_one(BlockMap)
@@ -608,7 +641,7 @@ class KvplayApp(ControlsMixin, App):
         self._dirty = True
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if not self._dirty and not self._refreshing:
+            if self.settled:
                 break
         for p in self.panes:
             p.set_ready(True)
