@@ -201,10 +201,10 @@ class ControlsMixin:
                                                 id=self._tab_id(spec.name)), before=CACHE_TAB)
         self._layout_panes()
         self._update_legend()
-        if self.engine is not None:
+        if self.backend is not None:
             try:
-                self.engine.register_user(spec.name, spec.group)
-            except EngineError:  # a removed pane's user comes back in another group
+                self.backend.register_user(spec.name, spec.group)
+            except EngineError:  # a removed pane's user comes back in another group (local engine)
                 self.engine.set_group(spec.name, spec.group)
             pane.call_after_refresh(pane.set_ready, True)
         if self.record:

@@ -1,0 +1,107 @@
+"""`kvplay attach`: the playground on a real `kvplay serve` (tiny model, KV events on loopback),
+driven with Textual's pilot: panes talk to the server's API, the map mirrors its KV events."""
+from __future__ import annotations
+
+import sqlite3
+
+from serve_util import serve  # noqa: F401 (fixture)
+from test_tui_app import badges, wait_until
+from test_watch_subscriber import free_port
+
+from kvplay.cli import build_parser, main as cli_main
+from kvplay.sessions.script import UserSpec
+from kvplay.tui.attach import AttachApp
+from kvplay.tui.attach_cli import open_backend
+from kvplay.tui.blockmap import BlockMap
+from kvplay.wire.publisher import KVEventsConfig
+
+SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly and kindly. " * 3
+
+
+def attach_args(*argv):
+    return build_parser("attach").parse_args(["attach", *argv])
+
+
+def make_app(backend, tmp_path, record=True):
+    return AttachApp(backend, [UserSpec("alice", max_tokens=4), UserSpec("bob", max_tokens=4)], SYSTEM,
+                     db=str(tmp_path / "s.db"), record=record, timings=False)
+
+
+async def say(app, pilot, user, text):
+    n = len(app._requests)
+    pane = app.pane(user)
+    pane.input.focus()
+    pane.input.value = text
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: len(app._requests) > n and not app.busy)
+    return app._requests[-1]
+
+
+def status(app) -> str:
+    return str(app.query_one("#status").render())
+
+
+async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(kv_events=cfg, num_blocks=64)
+    backend = open_backend(attach_args(srv.url + "/v1", "--events-bind", ev, "--replay", rep, "--pod", "kv"))
+    app = make_app(backend, tmp_path)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        assert app.engine is None and backend.num_blocks == 64  # the pool size from kvplay serve's /metrics
+        a = await say(app, pilot, "alice", "Do you sell rye bread?")
+        assert a.user == "alice" and a.cached_tokens == 0 and a.prompt_tokens > 0
+        assert "cached 0" in badges(app, "alice")[-1]
+        b = await say(app, pilot, "bob", "Do you sell croissants?")
+        assert b.user == "bob" and b.cached_tokens >= 16
+        assert b.cached_from == {"alice": b.cached_tokens}
+        assert f"cached {b.cached_tokens} (alice {b.cached_tokens})" in badges(app, "bob")[-1]
+        bm = app.query_one(BlockMap)
+        # the map marks the blocks bob reused: alice's (mirrored from the server's KV events)
+        await wait_until(pilot, lambda: len(bm.hit) == b.cached_tokens // 16)
+        assert all(backend.block(i).creator == "alice" for i in bm.hit)
+        arr = backend.arrays()
+        cached = arr.state == 1
+        assert int(cached.sum()) == len(backend.fleet.pod("kv").blocks) == state.engine.stats()["blocks_cached"]
+        assert {arr.users[c] for c in arr.creator[cached]} == {"alice", "bob"}
+        await wait_until(pilot, lambda: "pod kv live" in status(app))
+        app.add_user(UserSpec("carol", max_tokens=4))  # a pane added later talks to the server too
+        await pilot.pause(0.1)
+        c = await say(app, pilot, "carol", "Do you sell scones?")
+        assert c.cached_from.get("alice", 0) >= 16 and "alice" in badges(app, "carol")[-1]
+        assert "alice" in bm.looks and "+" in "".join(bm.render_line(y).text for y in range(bm.size.height))
+        # controls the server owns say so; F4 resets the server's prefix cache
+        await pilot.press("f2")
+        await pilot.pause(0.1)
+        assert any("Isolation is the server's setting" in str(n.message) for n in app._notifications)
+        await pilot.press("f4")
+        await wait_until(pilot, lambda: state.engine.stats()["blocks_cached"] == 0)
+        await wait_until(pilot, lambda: int((backend.arrays().state == 1).sum()) == 0)
+    con = sqlite3.connect(tmp_path / "s.db")
+    assert con.execute("select user, cached_tokens, cached_from from turns order by rowid").fetchall() == [
+        ("alice", 0, "{}"), ("bob", b.cached_tokens, '{"alice":%d}' % b.cached_tokens),
+        ("carol", c.cached_tokens, '{"alice":%d}' % c.cached_from["alice"])]
+    assert con.execute("select count(*) from cache_events where kind = 'BlockStored'").fetchone()[0] > 0
+
+
+async def test_attach_without_events_shows_usage(serve, tmp_path):
+    srv, state = serve(num_blocks=64)
+    backend = open_backend(attach_args(srv.url))
+    app = make_app(backend, tmp_path, record=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        await say(app, pilot, "alice", "Do you sell rye bread?")
+        b = await say(app, pilot, "bob", "Do you sell croissants?")
+        assert b.cached_tokens >= 16 and b.cached_from == {}  # from usage; whose: no events to tell
+        assert f"cached {b.cached_tokens}" in badges(app, "bob")[-1]
+        await wait_until(pilot, lambda: "no KV events" in status(app))
+
+
+def test_attach_cli_bad_server_is_one_line(capsys):
+    assert cli_main(["attach", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert capsys.readouterr().err.startswith("kvplay: error: cannot reach")
+    assert cli_main(["attach", "localhost:8000"]) == 2
+    assert "give the server's base URL" in capsys.readouterr().err
+    assert cli_main(["attach", "http://127.0.0.1:8000", "--replay", "tcp://127.0.0.1:1"]) == 2
+    assert "pair with --events" in capsys.readouterr().err

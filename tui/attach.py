@@ -1,0 +1,114 @@
+"""The playground attached to a remote server (`kvplay attach`): the same KvplayApp, whose
+backend is a `RemoteBackend` (wire/remote.py) instead of an in-process engine.
+
+What differs is only what a remote server decides for itself: isolation, eviction and
+determinism are the server's settings and labs run on kvplay's own engine, so those keys say so
+in one line; F4 asks the server to reset its prefix cache (`POST /reset_prefix_cache`). The
+status panel shows each pod's state (waiting / live / replaying / stale) and its blocks, and the
+stats panel what the server's `usage` and KV events tell (no memory figures: the server's pool
+is not ours to weigh).
+"""
+from __future__ import annotations
+
+from rich.text import Text
+from textual import work
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.errors import EngineError
+
+from .app import KvplayApp
+
+DIM = "dim"
+POD_STYLE = {"live": "bold green", "replaying": "bold yellow", "stale": "bold red", "waiting": "bold"}
+
+
+class AttachApp(KvplayApp):
+    """KvplayApp over an open RemoteBackend (opened by the CLI, so a bad URL never opens the app)."""
+
+    SUB_TITLE = "attached to a server's shared KV cache"
+
+    def __init__(self, backend, users, system_prompt: str, turns=None, speed: float = 1.0,
+                 db: str | None = None, record: bool = True, title: str | None = None,
+                 timings: bool = True) -> None:
+        super().__init__(EngineConfig(model=backend.model_name), users, system_prompt, turns=turns, speed=speed,
+                         db=db, record=record, title=title or f"attached to {backend.url}", timings=timings)
+        self._remote = backend
+
+    def open_backend(self):
+        self._unsubscribe = self._remote.subscribe(self._event_queue.append)
+        return self._remote
+
+    # --- what the panels say --------------------------------------------------------------------
+    def status_view(self, stats: dict) -> Text:
+        b = self.backend
+        t = Text()
+        t.append(b.model_name, style="bold")
+        t.append(f" at {b.url}", style=DIM)
+        if not b.pods:
+            t.append("\nno KV events (--events): the map stays empty; each turn's badge shows the "
+                     "cached tokens the server's usage reports", style=DIM)
+            return t
+        size = f" × {stats['block_size']} tokens" if stats.get("block_size") else ""
+        t.append(f"\n{b.num_blocks:,} slots{size}, mirrored from KV events", style=DIM)
+        many = len(b.pods) > 1
+        for name, slots in list(b.pods.items()):
+            state = stats.get("pods", {}).get(name, "waiting")
+            t.append(f"\npod {name} ", style=DIM)
+            t.append(state, style=POD_STYLE.get(state, "bold"))
+            t.append(f" · {len(slots.slot_of):,} blocks", style=DIM)
+            if many:
+                t.append(f" · map {slots.offset:,}–{slots.offset + slots.capacity - 1:,}", style=DIM)
+        return t
+
+    def stats_view(self, stats: dict) -> Text:
+        t = Text()
+        t.append("hit rate ", style=DIM)
+        t.append(f"{stats['hit_rate'] * 100:.0f}%", style="bold")
+        t.append(f"  ({stats['hit_tokens']:,} of {stats['query_tokens']:,} prompt tokens of these panes "
+                 "cached, from usage)\n", style=DIM)
+        t.append("blocks   ", style=DIM)
+        if self.backend.pods:
+            t.append(f"cached {stats['blocks_cached']:,}")
+            t.append(f" (all pods) · removed {stats['evictions']:,}", style=DIM)
+        else:
+            t.append("not mirrored (no --events)", style=DIM)
+        t.append("\nrequests ", style=DIM)
+        t.append(f"{stats['requests_finished']:,}")
+        t.append(" finished from these panes", style=DIM)
+        return t
+
+    # --- controls the server owns ----------------------------------------------------------------
+    def _server_decides(self, what: str, how: str) -> None:
+        self.notify(f"{what} is the server's setting, not switchable from kvplay attach: {how}",
+                    severity="warning", timeout=8)
+
+    def set_isolation(self, mode: str) -> None:
+        self._server_decides("Isolation", "vLLM shares blocks unless a request sends cache_salt; "
+                             "kvplay serve isolates by API key with --isolation.")
+
+    def set_eviction(self, policy: str) -> None:
+        self._server_decides("Eviction", "vLLM evicts least recently used free blocks; kvplay serve takes --eviction.")
+
+    def action_toggle_deterministic(self) -> None:
+        self._server_decides("Deterministic mode", "vLLM: VLLM_BATCH_INVARIANT=1; kvplay serve: --deterministic.")
+
+    def action_run_lab(self, name: str) -> None:
+        target = "leak" if name == "leak" else "determinism"
+        self.notify(f"Labs run on kvplay's own engine. To measure this server: kvplay lab {target} "
+                    f"--target {self.backend.url}", severity="warning", timeout=10)
+
+    def action_clear_cache(self) -> None:
+        if self.backend is not None:
+            self._reset_remote()
+
+    @work(thread=True, exit_on_error=False, group="control", description="Resetting the server's prefix cache")
+    def _reset_remote(self) -> None:
+        try:
+            n = self.backend.clear_cache()
+        except EngineError as exc:
+            self.call_from_thread(self.notify, str(exc), severity="error", timeout=10)
+            return
+        self._dirty = True
+        self.call_from_thread(self.notify, "The server reset its prefix cache" +
+                              (f" ({n} blocks dropped)." if n is not None else ".") +
+                              " The map empties when its KV events say so.")

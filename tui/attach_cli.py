@@ -1,0 +1,127 @@
+"""`kvplay attach URL`: the playground on a running OpenAI-compatible server (vLLM, SGLang,
+kvplay serve), its block map mirrored from the server's KV events.
+
+    kvplay attach http://127.0.0.1:8000 --events-bind tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
+    kvplay attach http://pod-a:8000 --events tcp://pod-a:5557 --events tcp://pod-b:5557 --pod a --pod b
+
+Each pane's turn is a streamed chat completion with the pane's user as `user` and `session_id`
+(wire/remote.py). `--events`/`--events-bind`/`--replay`/`--pod` mean what they mean for
+`kvplay watch`; several pods share one map, pod after pod (the status panel gives each pod's
+range, state and blocks). Without `--events` the panes still work and show the cached tokens
+the server's `usage` reports. The server is checked (`/v1/models`) before the app opens: a bad
+URL, a refused key or an unreachable server is one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from urllib.parse import urlsplit
+
+from kvplay.cli import KvplayError
+from kvplay.wire.watch_cmd import _Source, sources_from_args
+
+from .cli import APP_SYSTEM, parse_users
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=os.environ.get("KVPLAY_API_KEY"), metavar="K",
+                   help="bearer token for the server (default: env KVPLAY_API_KEY)")
+    p.add_argument("--events", dest="sources", action=_Source, metavar="EP", default=[],
+                   help="connect to a pod's KV-event publisher that binds (tcp://host:port); one per pod")
+    p.add_argument("--events-bind", dest="sources", action=_Source, metavar="EP", default=[],
+                   help="bind EP for a publisher that connects (vLLM with a non-wildcard endpoint); one per pod")
+    p.add_argument("--replay", action="append", default=[], metavar="EP",
+                   help="the pod's replay endpoint (vLLM's replay_endpoint), in the order of the pods")
+    p.add_argument("--pod", action="append", default=[], metavar="NAME",
+                   help="a name for each pod, in order (default: its endpoint's host:port)")
+    p.add_argument("--topic", default="", help="topic prefix of the KV events (default: all)")
+    p.add_argument("--slots", type=int, default=None, metavar="N",
+                   help="map size per pod when the server's /metrics does not tell its pool size (default 4096)")
+    p.add_argument("--users", default=None, help="comma-separated user names (default alice,bob,carol)")
+    p.add_argument("--system", default=None, help="the shared system prompt")
+    p.add_argument("--script", default=None, metavar="FILE",
+                   help="a TOML script whose users and turns play through the panes (its engine settings "
+                        "are the server's business: ignored)")
+    p.add_argument("--speed", type=float, default=1.0, help="script pace multiplier (default 1)")
+    p.add_argument("--screenshot", default=None, metavar="OUT.svg",
+                   help="with --script: play it headless, save an SVG of the app, and exit")
+    p.add_argument("--size", default="160x48", help="--screenshot's terminal size, WIDTHxHEIGHT (default 160x48)")
+    p.add_argument("--db", default=None, metavar="PATH", help="session database (default: the user data dir)")
+    p.add_argument("--no-record", dest="record", action="store_false", help="do not record this session")
+
+
+def check_url(url: str) -> str:
+    """A server's base URL (http/https, a host); a trailing /v1 is dropped (the routes add it)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise KvplayError(f"URL {url!r}: give the server's base URL, like http://127.0.0.1:8000")
+    try:
+        parts.port
+    except ValueError:
+        raise KvplayError(f"URL {url!r}: the port is not a number") from None
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def open_backend(args):
+    """The RemoteBackend for `args` (EngineError, one line, when the server or a pod refuses)."""
+    from kvplay.wire.remote import RemoteBackend
+
+    url = check_url(args.url)
+    if args.sources:
+        sources = sources_from_args(args)
+    elif args.replay or args.pod:
+        raise KvplayError("--replay and --pod pair with --events/--events-bind: give the pod's events too")
+    else:
+        sources = []
+    if args.slots is not None and args.slots <= 0:
+        raise KvplayError(f"--slots {args.slots}: give a positive number of blocks")
+    return RemoteBackend(url, args.api_key, sources, slots=args.slots)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvplay.cli import check_output_file
+    from kvplay.sessions.script import load_script
+
+    from .screenshot import parse_size
+
+    users = parse_users(args.users or "alice,bob,carol")
+    system, turns = APP_SYSTEM, None
+    if args.script:
+        script = load_script(args.script)
+        system, turns = script.system, script.turns
+        if not args.users:
+            users = script.users
+    if args.system:
+        system = args.system
+    if args.screenshot:
+        if not turns:
+            raise KvplayError("--screenshot plays a script: give --script FILE with turns")
+        check_output_file(args.screenshot, "--screenshot", ".svg")
+        size = parse_size(args.size)
+    backend = open_backend(args)
+    from .attach import AttachApp
+
+    app = AttachApp(backend, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)
+    try:
+        if args.screenshot:
+            import asyncio
+            from pathlib import Path
+
+            from .screenshot import take_screenshot
+
+            asyncio.run(take_screenshot(app, Path(args.screenshot), size))
+            print(f"kvplay: saved {args.screenshot}", file=sys.stderr)
+        else:
+            app.run()
+    finally:
+        backend.close()
+    if app.recorder_error:
+        print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
+    if app.recorder is not None:
+        print(f"kvplay: recorded session {app.recorder.session_id} in {app.recorder.path}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # like `kvplay`: nothing left to keep; skip torch's slow teardown
