@@ -105,3 +105,31 @@ def test_attach_cli_bad_server_is_one_line(capsys):
     assert "give the server's base URL" in capsys.readouterr().err
     assert cli_main(["attach", "http://127.0.0.1:8000", "--replay", "tcp://127.0.0.1:1"]) == 2
     assert "pair with --events" in capsys.readouterr().err
+
+
+async def test_attach_two_pods_share_one_map_pod_after_pod(serve, tmp_path):
+    import httpx
+
+    from serve_util import chat
+
+    eps = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(2)]
+    servers = [serve(kv_events=KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep,
+                                               topic="kv-events"), num_blocks=32)[0] for ev, rep in eps]
+    argv = [servers[0].url]
+    for (ev, rep), name in zip(eps, ("a", "b")):
+        argv += ["--events-bind", ev, "--replay", rep, "--pod", name]
+    backend = open_backend(attach_args(*argv))
+    app = make_app(backend, tmp_path, record=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        await say(app, pilot, "alice", "Do you sell rye bread?")  # the panes talk to pod a
+        with httpx.Client() as client:  # another client of pod b
+            assert chat(client, servers[1].url, system=SYSTEM, user="zed", session_id="zed").status_code == 200
+        assert backend.num_blocks == 64 and backend.pods["b"].offset == 32
+        await wait_until(pilot, lambda: len(backend.pods["b"].slot_of) > 0)
+        arr = backend.arrays()
+        a_users = {arr.users[c] for c in arr.creator[:32][arr.state[:32] == 1]}
+        b_users = {arr.users[c] for c in arr.creator[32:][arr.state[32:] == 1]}
+        assert a_users == {"alice"} and b_users == {"zed"}
+        await wait_until(pilot, lambda: "pod a live" in status(app) and "pod b live" in status(app))
+        assert "map 0–31" in status(app) and "map 32–63" in status(app)
