@@ -133,3 +133,18 @@ async def test_attach_two_pods_share_one_map_pod_after_pod(serve, tmp_path):
         assert a_users == {"alice"} and b_users == {"zed"}
         await wait_until(pilot, lambda: "pod a live" in status(app) and "pod b live" in status(app))
         assert "map 0–31" in status(app) and "map 32–63" in status(app)
+
+
+async def test_attach_server_gone_is_one_line_in_the_pane(serve, tmp_path):
+    srv, state = serve(num_blocks=64)
+    backend = open_backend(attach_args(srv.url))
+    app = make_app(backend, tmp_path, record=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        await say(app, pilot, "alice", "Do you sell rye bread?")
+        srv.stop()
+        r = await say(app, pilot, "bob", "Do you sell croissants?")
+        assert r.user == "bob" and r.finish_reason == "error"
+        err = badges(app, "bob")[-1]
+        assert err.startswith("error: ConnectError") and "\n" not in err.strip()
+        assert not app.pane("bob").busy  # the pane takes the next turn
