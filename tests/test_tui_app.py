@@ -429,3 +429,59 @@ async def test_small_terminal_shows_one_pane_and_panels_follow_resizes(tiny_llam
         await pilot.pause(0.3)
         assert not app.screen.has_class("compact") and all(p.region.width for p in app.panes)
         assert max(len(line) for line in bars.render().plain.splitlines()) == wide >= 40
+
+
+async def test_live_timeline_shows_each_request_and_each_users_ttft(tiny_llama):
+    """The playground's timeline (the scrubber's widget, live): one column per finished turn on
+    the wall-clock axis, bob's reused tokens in his colour, a TTFT row per user, the cursor at
+    now on the right edge; drawn to the panel's width at 80×24 (cache tab) and back at 200."""
+    from kvplay.tui.timeline import Timeline
+
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64),
+                    [UserSpec(u, max_tokens=8) for u in ("alice", "bob")], SYSTEM,
+                    loaded=tiny_llama, record=False, timings=True)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
+        tl = app.query_one(Timeline)
+        assert [s["user"] for s in tl.spans] == ["alice", "bob"]
+        alice, bob = tl.spans
+        assert alice["cached"] == 0 and bob["cached"] == app._requests[-1].cached_tokens > 0
+        assert bob["cached_from"].get("alice", 0) > 0
+        assert alice["queued"] < bob["queued"] and all(s["ttft_ms"] is not None for s in tl.spans)
+        assert tl.users == ["alice", "bob"]
+        lines = tl.render().plain.splitlines()
+        assert len(lines) == tl.bar_rows + 2 + 1 and tl.region.height == len(lines)
+        ttft_rows = [ln for ln in lines if "TTFT" in ln]
+        assert len(ttft_rows) == 2 and all(any(c in ln[9:] for c in "▁▂▃▄▅▆▇█") for ln in ttft_rows)
+        bars = lines[:tl.bar_rows]
+        assert bars[0].startswith("computed") and bars[-1].startswith("reused")
+        # bob's column (the later one): at the bottom alice's blocks, in her colour; alice's
+        # column: all computed, in hers
+        from rich.color import Color
+
+        bottom = tl.render().split("\n")[tl.bar_rows - 1]
+        filled = [i for i, ch in enumerate(bottom.plain) if i >= 9 and ch != " "]
+        assert len(filled) == 2
+
+        def colour_at(i):
+            return next(sp.style.color for sp in bottom.spans if sp.start <= i < sp.end)
+
+        alice_colour = Color.parse(app.looks["alice"].colour)
+        assert bottom.plain[filled[1]] == "█" and colour_at(filled[1]) == alice_colour
+        assert bottom.plain[filled[0]] == "░" and colour_at(filled[0]) == alice_colour
+        axis = lines[-1]
+        assert axis.rstrip().endswith("▲ now") and tl.cursor_ts == tl.t1 >= bob["first"]
+        wide = len(axis)
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.3)
+        await pilot.press("ctrl+t")  # the cache tab
+        await pilot.pause(0.3)
+        assert tl.region.width >= 70
+        narrow = tl.render().plain.splitlines()
+        assert all(len(ln) <= tl.size.width for ln in narrow) and narrow[-1].rstrip().endswith("▲ now")
+        await pilot.press("ctrl+t")
+        await pilot.resize_terminal(200, 48)
+        await pilot.pause(0.3)
+        assert len(tl.render().plain.splitlines()[-1]) == wide

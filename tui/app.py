@@ -34,6 +34,7 @@ from .messages import (EngineEvent, EngineFailed, EngineLoading, EngineReady, Re
 from .panes import ChatPane, safe_id
 from .screens import ErrorScreen
 from .theme import assign_looks
+from .timeline import Timeline, result_span
 from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
 
 MIN_SIZE = (80, 24)
@@ -151,6 +152,9 @@ class KvplayApp(ControlsMixin, App):
         self._flash: set[int] = set()
         self._flash_until = 0.0
         self._requests: deque = deque(maxlen=200)
+        self._spans: deque = deque(maxlen=500)  # the timeline's requests (tui/timeline.py)
+        self._started: dict[int, float] = {}  # turn id -> wall time it was submitted
+        self._timeline_at = 0.0
         self._ttft: dict[str, list[float]] = {}
         self._inflight: dict[int, tuple[ChatPane, str]] = {}
         self._pending: list = []  # messages typed while the model was loading
@@ -184,6 +188,9 @@ class KvplayApp(ControlsMixin, App):
                 yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
                 yield Static("Requests · cached █ vs computed ░", classes="section")
                 yield RequestBars(id="bars")
+                yield Static("Timeline · cached █ computed ░" + (" · TTFT" if self.timings else ""),
+                             classes="section", id="timeline-title")
+                yield Timeline(live=True, timings=self.timings, id="timeline")
                 yield Static("Cache", classes="section")
                 yield Static(id="stats")
                 yield Log(id="events", max_lines=500)
@@ -425,6 +432,7 @@ class KvplayApp(ControlsMixin, App):
         if opened is not None:
             opened.result()  # the recorder listens before the first request is submitted
         started = time.time()
+        self._started[turn_id] = started  # the timeline places the turn here
         try:
             handle = self.backend.submit(user, messages, sampling)  # the group: the engine's registry
         except EngineError as exc:
@@ -458,6 +466,10 @@ class KvplayApp(ControlsMixin, App):
         if res.error is None:
             pane.history += [{"role": "user", "content": text}, {"role": "assistant", "content": res.text}]
         self._requests.append(res.stats)
+        started = self._started.pop(msg.turn_id, None)
+        if started is not None and res.stats.prompt_tokens:
+            self._spans.append(result_span(res.stats, started, msg.turn_id))
+            self.query_one(Timeline).set_spans(list(self._spans), self.looks, time.time())
         if res.stats.ttft_ms is not None:
             self._ttft.setdefault(msg.user, []).append(res.stats.ttft_ms)
         self._update_requests()
@@ -465,6 +477,7 @@ class KvplayApp(ControlsMixin, App):
 
     def on_reply_failed(self, msg: ReplyFailed) -> None:
         pane, _ = self._inflight.pop(msg.turn_id, (None, None))
+        self._started.pop(msg.turn_id, None)
         if pane is not None:
             pane.fail_reply(msg.turn_id, msg.error)
             pane.set_busy(False)
@@ -520,6 +533,9 @@ class KvplayApp(ControlsMixin, App):
         if self.backend is None:
             return
         self._take_events()
+        if self.timings and self._spans and time.monotonic() - self._timeline_at >= 1.0:
+            self._timeline_at = time.monotonic()  # the timeline's axis ends at now
+            self.query_one(Timeline).follow(time.time())
         if self._flash and time.monotonic() > self._flash_until:
             self._flash = set()
             self._redraw_map()

@@ -2,9 +2,9 @@
 
 The block map, the stats, the per-user panes and the event line show the pool as it stood after
 the event under the cursor (sessions.history rebuilds it from the recorded events alone). The
-timeline below puts every request on the session's wall-clock axis: its prompt tokens reused
-(colour of the user) and computed (grey), and each user's TTFT; the cursor is the ▲; click it
-to seek there.
+timeline below (tui/timeline.py, the playground's too) puts every request on the session's
+wall-clock axis: its prompt tokens reused (coloured by their blocks' creators) and computed (the
+user's colour), and each user's TTFT; the cursor is the ▲; click it to seek there.
 
 Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s (or 1/2/4/8) speed 1x/2x/4x/8x,
 g go to a turn, home/end, escape closes.
@@ -13,27 +13,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rich.style import Style
 from rich.text import Text
-from textual import events, on
+from textual import on
 from textual.app import App
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
 from textual.screen import Screen
-from textual.widget import Widget
 from textual.widgets import Footer, Header, Input, Static
 
 from kvplay.sessions.history import History, PoolState, Recording
 
 from .blockmap import BlockMap
-from .format import DIM, SPARK, badge, block_detail, event_line, legend_text, stats_text
-from .theme import UNKNOWN_COLOUR, assign_looks
+from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
+from .theme import assign_looks
+from .timeline import Timeline, request_spans
 
 SPEEDS = (1, 2, 4, 8)
 TICK_S = 0.05
 MAX_GAP_S = 1.0  # playing compresses idle gaps longer than this
-LABEL_W = 9
 
 
 class _IdsDecoder:
@@ -41,138 +38,6 @@ class _IdsDecoder:
 
     def decode(self, ids, **_) -> str:
         return " ".join(map(str, ids))
-
-
-def request_spans(rec: Recording) -> list[dict]:
-    """Per request: user, queued / first-token wall time, prompt and cached tokens, TTFT."""
-    by_id: dict[str, dict] = {}
-    turns = {t.get("request_id"): t for t in rec.turns}
-    for i, e in enumerate(rec.events):
-        rid = e.get("request_id")
-        if not rid:
-            continue
-        k = e.get("kind")
-        if k == "RequestQueued":
-            by_id[rid] = {"rid": rid, "user": e.get("user"), "queued": e.get("ts"), "event": i,
-                          "prompt": e.get("prompt_tokens") or 0, "cached": 0, "ttft_ms": None, "first": None,
-                          "cached_from": {}}
-        elif rid in by_id and k == "BlockHit":
-            by_id[rid]["cached"] = e.get("cached_tokens") or 0
-            by_id[rid]["cached_from"] = e.get("by_creator") or {}
-        elif rid in by_id and k == "FirstToken":
-            by_id[rid]["ttft_ms"], by_id[rid]["first"] = e.get("ttft_ms"), e.get("ts")
-    for rid, sp in by_id.items():
-        t = turns.get(rid)
-        if t is not None and t.get("cached_tokens") is not None and not sp["cached"]:
-            sp["cached"] = t["cached_tokens"]
-    return sorted(by_id.values(), key=lambda s: s["event"])
-
-
-class Timeline(Widget):
-    """Requests on the session's wall-clock axis: reuse per request, TTFT per user, the cursor."""
-
-    DEFAULT_CSS = "Timeline { height: auto; }"
-
-    class Seek(Message):
-        def __init__(self, ts: float) -> None:
-            super().__init__()
-            self.ts = ts
-
-    def __init__(self, spans: list[dict], looks: dict, t0: float, t1: float, **kw) -> None:
-        super().__init__(**kw)
-        self.spans, self.looks = spans, looks
-        self.t0, self.t1 = t0, max(t1, t0 + 1e-3)
-        self.cursor_ts = t0
-        self.bar_rows = 4
-        self.users = [u for u in looks if any(s["user"] == u and s["ttft_ms"] is not None for s in spans)]
-
-    def get_content_height(self, container, viewport, width) -> int:
-        return self.bar_rows + len(self.users) + 2
-
-    @property
-    def span_w(self) -> int:
-        return max(10, self.size.width - LABEL_W - 10)
-
-    def col(self, ts: float | None) -> int:
-        if ts is None:
-            return 0
-        f = (ts - self.t0) / (self.t1 - self.t0)
-        return max(0, min(self.span_w - 1, int(f * (self.span_w - 1) + 0.5)))
-
-    def ts_at(self, x: int) -> float:
-        c = max(0, min(self.span_w - 1, x - LABEL_W))
-        return self.t0 + (self.t1 - self.t0) * c / max(1, self.span_w - 1)
-
-    def set_cursor(self, ts: float | None) -> None:
-        self.cursor_ts = self.t0 if ts is None else ts
-        self.refresh()
-
-    def _bars(self) -> list[Text]:
-        w, rows = self.span_w, self.bar_rows
-        cols: list[tuple | None] = [None] * w
-        top = max((s["prompt"] for s in self.spans), default=1) or 1
-        for s in self.spans:
-            c = self.col(s["queued"])
-            while c < w - 1 and cols[c] is not None:  # requests queued together sit side by side
-                c += 1
-            cols[c] = (s, s["queued"] is not None and s["queued"] <= self.cursor_ts)
-        lines = []
-        for r in range(rows):  # r = 0 is the top row
-            t = Text()
-            t.append(("reused " if r == 0 else "computed" if r == rows - 1 else "").ljust(LABEL_W), style=DIM)
-            for cell in cols:
-                if cell is None:
-                    t.append(" ")
-                    continue
-                s, past = cell
-                h = max(1, round(rows * s["prompt"] / top))
-                hit = round(h * s["cached"] / s["prompt"]) if s["prompt"] else 0
-                level = rows - 1 - r  # 0 = bottom row
-                look = self.looks.get(s["user"])
-                colour = look.colour if look else UNKNOWN_COLOUR
-                if level >= h:
-                    t.append(" ")
-                elif level < hit:
-                    t.append("█", style=Style(color=colour, dim=not past))
-                else:
-                    t.append("░", style=Style(color="#8a8a8a", dim=not past))
-            lines.append(t)
-        return lines
-
-    def _ttft(self) -> list[Text]:
-        w = self.span_w
-        top = max((s["ttft_ms"] or 0 for s in self.spans), default=1) or 1
-        lines = []
-        for u in self.users:
-            look = self.looks[u]
-            t = Text()
-            t.append(f"{look.glyph} TTFT".ljust(LABEL_W), style=look.style)
-            row = [" "] * w
-            for s in self.spans:
-                if s["user"] == u and s["ttft_ms"] is not None:
-                    row[self.col(s["first"] or s["queued"])] = SPARK[min(len(SPARK) - 1, int(s["ttft_ms"] / top * (len(SPARK) - 1)))]
-            t.append("".join(row), style=look.colour)
-            lines.append(t)
-        return lines
-
-    def _axis(self) -> Text:
-        w = self.span_w
-        c = self.col(self.cursor_ts)
-        t = Text()
-        t.append(f"{self.cursor_ts - self.t0:6.2f} s ".ljust(LABEL_W), style="bold")
-        t.append("─" * c, style=DIM)
-        t.append("▲", style="bold")
-        t.append("─" * (w - c - 1), style=DIM)
-        t.append(f" {self.t1 - self.t0:.1f} s", style=DIM)
-        return t
-
-    def render(self) -> Text:
-        lines = self._bars() + self._ttft() + [self._axis()]
-        return Text("\n").join(lines)
-
-    def on_click(self, event: events.Click) -> None:
-        if event.x >= LABEL_W:
-            self.post_message(self.Seek(self.ts_at(event.x)))
 
 
 class ScrubScreen(Screen):
