@@ -49,6 +49,8 @@ for a single block its hash, its tokens as text, creator, ref count, hits, age a
 * **saved** – memory the sharing saves versus giving every user a private cache
 * bars – one per request: `█` cached tokens in the creator's colour, `░` computed tokens
 * TTFT sparklines per user – lower is better; cache hits make it drop
+* timeline – every request at the time it was sent (the scrubber shows the same): `█` reused
+  tokens in their creators' colours under `░` computed ones, each user's TTFT, `▲ now` on the right
 
 ## Modes (F-keys or the command palette, ctrl+p)
 * **isolation** – `shared` (everyone shares), `user` (each user private), `group`, `system`
