@@ -26,7 +26,7 @@ from kvplay.engine import events as ev
 from kvplay.engine.prefix import BlockHasher, block_extras
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, cached_cell, pyplot, quoted, token_messages
+from .common import LabContext, LabResult, Table, cached_cell, pyplot, quoted, token_messages, token_pool
 
 TEMPLATE = "{pad}Remember this: my locker code is {code}.\nWhat is my locker code? Reply with the code only."
 DIGITS = 8
@@ -65,14 +65,9 @@ def _hasher_and_extras(eng, n_blocks: int, user: str = "u"):
     return hasher, extras
 
 
-def _vocab(tok) -> list[int]:
-    special = set(getattr(tok, "all_special_ids", []) or [])
-    return [i for i in range(len(tok)) if i not in special]
-
-
 def offline_birthday(eng, n: int, rng: random.Random) -> dict:
     hasher, extras = _hasher_and_extras(eng, 1)
-    vocab, bs = _vocab(eng.tokenizer), eng.config.block_size
+    vocab, bs = token_pool(eng.tokenizer), eng.config.block_size
     counts = Counter(hasher.block_hash(None, [rng.choice(vocab) for _ in range(bs)], extras[0]) for _ in range(n))
     pairs = sum(c * (c - 1) // 2 for c in counts.values())
     return {"n": n, "pairs": pairs, "expected": expected_pairs(n, hasher.fn.bits)}
@@ -81,7 +76,7 @@ def offline_birthday(eng, n: int, rng: random.Random) -> dict:
 def engine_feed(eng, ctx: LabContext, n: int, rng: random.Random) -> dict:
     """Random one-block prompts, sequentially, verify-on-hit on: every collision must be caught."""
     hasher, extras = _hasher_and_extras(eng, 1)
-    vocab, bs = _vocab(eng.tokenizer), eng.config.block_size
+    vocab, bs = token_pool(eng.tokenizer), eng.config.block_size
     caught: list = []
     unsub = eng.subscribe(lambda e: caught.append(e) if isinstance(e, ev.CollisionCaught) else None)
     seen: dict[int, tuple] = {}

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
+
 
 @dataclass
 class Table:
@@ -47,26 +49,6 @@ def _jsonable(x):
     return x
 
 
-def fmt(v: Any) -> str:
-    """Short, readable cell text (never a Python repr: mappings read "alice 32, bob 16", lists
-    "a, b")."""
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {fmt(x)}" for k, x in v.items()) or "—"
-    if isinstance(v, (list, tuple, set, frozenset)):
-        return ", ".join(fmt(x) for x in v) or "—"
-    if isinstance(v, float):
-        if v == 0:
-            return "0"
-        if abs(v) >= 1000 or abs(v) < 1e-3:
-            return f"{v:.2e}"
-        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
-
-
 def renderables(result: LabResult) -> list:
     """The lab's tables, verdict and footer as rich renderables (the CLI prints them; the app
     shows them in a screen)."""
@@ -89,28 +71,21 @@ def renderables(result: LabResult) -> list:
 
 def render(result: LabResult, console=None) -> None:
     """Print the lab's tables and verdict with rich."""
-    from rich.console import Console
+    from kvplay.sessions.report import console as make_console
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=140)
+    console = console or make_console(width=140)
     for r in renderables(result):
         console.print(r)
 
 
-def cached_cell(cached: int, prompt: int, cached_from: dict | None, user: str) -> str:
-    """"32/34 (alice 32)": cached / prompt tokens and whose blocks they were."""
-    from kvplay.sessions.report import attribution
-
-    who = attribution(cached_from, user)
-    return f"{cached}/{prompt}" + (f" ({who})" if who else "")
+def token_pool(tokenizer) -> list[int]:
+    """Every token id of `tokenizer` but its special ones: what random prompts are drawn from."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [i for i in range(len(tokenizer)) if i not in special]
 
 
 def quoted(text: str) -> str:
     """A model's answer inside a sentence or a cell: in quotes, on one line."""
-    from kvplay.sessions.report import excerpt
-
     return f"“{excerpt(text, 400)}”"
 
 
@@ -203,11 +178,9 @@ class LabContext:
 
 
 def open_recorder(db_path: str | None, config, model_name: str, lab: str, engine):
-    """A session recorder attached to `engine`, or None when kvplay.sessions has no Recorder."""
-    try:
-        from kvplay.sessions.recorder import Recorder
-    except ImportError:
-        return None
+    """A session recorder attached to `engine`."""
+    from kvplay.sessions.recorder import Recorder
+
     rec = Recorder.open(db_path, config, model_name, source=f"lab:{lab}", system_prompt="")
     rec.attach(engine)
     return rec

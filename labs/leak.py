@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, pyplot, roc_auc, token_messages
+from .common import LabContext, LabResult, Table, pyplot, roc_auc, token_messages, token_pool
 
 PROBE = SamplingParams(max_tokens=1, temperature=0.0, stop_on_eos=False)
 VICTIM, ATTACKER = "victim", "mallory"
@@ -122,11 +122,6 @@ class Attacker:
         return (statistics.median(cold) + statistics.median(warm)) / 2
 
 
-def _token_pool(tokenizer) -> list[int]:
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    return [i for i in range(len(tokenizer)) if i not in special]
-
-
 def _ks(hit: list[float], miss: list[float]) -> tuple[float, float]:
     from scipy.stats import ks_2samp
 
@@ -173,7 +168,7 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
     ctx = ctx or LabContext()
     t_start = time.perf_counter()
     rng = random.Random(p.seed)
-    vocab = _token_pool(eng.tokenizer)
+    vocab = token_pool(eng.tokenizer)
     old_isolation = eng.config.isolation
     results = []
     kmax = max(p.blocks)
