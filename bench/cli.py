@@ -63,12 +63,7 @@ def main(args: argparse.Namespace) -> int:
         from .run import run_scale_report
 
         report = run_scale_report(progress=_progress(time.perf_counter()))
-        if args.json:
-            json.dump(report, sys.stdout, indent=2, default=str)
-            print()
-        else:
-            print_scale_report(report)
-        return 0
+        return _show(report, args.json, print_scale_report)
     if args.script and not Path(args.script).is_file():
         raise KvplayError(f"--script {args.script}: no such file")
     if args.workload is None and args.script:
@@ -93,9 +88,14 @@ def main(args: argparse.Namespace) -> int:
                        peer_url=args.peer_url, peer_model=args.peer_model)
     if args.plot:
         save_plot(lambda path: plot_report(report, path), args.plot)
-    if args.json:
+    return _show(report, args.json, print_report)
+
+
+def _show(report: dict, as_json: bool, print_text) -> int:
+    """The report as indented JSON on stdout, or as text by `print_text`."""
+    if as_json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
     else:
-        print_report(report)
+        print_text(report)
     return 0

@@ -4,28 +4,20 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvplay.sessions.report import console as make_console
+from kvplay.sessions.report import fmt, mib
+
 from .metrics import COMPARED
 
 
-def _f(v, fmt: str = "{:.1f}") -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    return fmt.format(v)
-
-
-def _mib(v) -> str:
-    return "–" if v is None else f"{v / 1024 / 1024:.1f}"
+def _f(v, spec: str = ".1f") -> str:
+    """A bench cell: `v` formatted by `spec`, "–" when missing (sessions.report.fmt)."""
+    return fmt(v, spec, none="–")
 
 
 def _load(v) -> str:
     """os.getloadavg() as "1.29 1.03 1.54" (1, 5, 15 minutes)."""
     return "–" if not v else " ".join(f"{x:.2f}" for x in v)
-
-
-def _ratio(v) -> str:
-    return "–" if v is None else f"{v:.2f}"
 
 
 def workload_table(w: dict) -> Table:
@@ -41,13 +33,13 @@ def workload_table(w: dict) -> Table:
             continue
         reused = p.get("reused_tokens")
         t.add_row(
-            key, _f(p["wall_s"], "{:.2f}"),
-            f"{_f(p['ttft_cold_p50_ms'], '{:.0f}')} / {_f(p['ttft_cold_p95_ms'], '{:.0f}')}",
-            f"{_f(p['ttft_warm_p50_ms'], '{:.0f}')} / {_f(p['ttft_warm_p95_ms'], '{:.0f}')}",
+            key, _f(p["wall_s"], ".2f"),
+            f"{_f(p['ttft_cold_p50_ms'], '.0f')} / {_f(p['ttft_cold_p95_ms'], '.0f')}",
+            f"{_f(p['ttft_warm_p50_ms'], '.0f')} / {_f(p['ttft_warm_p95_ms'], '.0f')}",
             _f(p["decode_tok_s"]),
-            f"{_f(p.get('computed_tokens'), '{:d}')} / {_f(reused, '{:d}')}",
-            _f(p.get("hit_rate"), "{:.0%}"), _mib(p.get("peak_kv_bytes")),
-            "(kvplay)" if key == "kvplay" else _ratio(w["speedups"].get(key)),
+            f"{_f(p.get('computed_tokens'), 'd')} / {_f(reused, 'd')}",
+            _f(p.get("hit_rate"), ".0%"), mib(p.get("peak_kv_bytes"), unit=False),
+            "(kvplay)" if key == "kvplay" else _f(w["speedups"].get(key), ".2f"),
         )
     return t
 
@@ -65,7 +57,7 @@ def ratio_table(w: dict) -> Table:
         if w["peers"][peer].get("unavailable"):
             t.add_row(peer, *["–"] * len(COMPARED))
             continue
-        t.add_row(peer, *[_ratio(r.get(k)) for k in COMPARED])
+        t.add_row(peer, *[_f(r.get(k), ".2f") for k in COMPARED])
     return t
 
 
@@ -77,7 +69,7 @@ def targets_table(report: dict) -> Table:
         goal = ("≤ " if tg["smaller_is_better"] else "≥ ") + f"{tg['threshold']:g}"
         met = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[tg["met"]]
         v = tg["value"]
-        shown = _ratio(v) if v is None or abs(v) >= 0.1 else f"{v:.3g}"  # e.g. a stats() cost of 0.004 ms
+        shown = _f(v, ".2f") if v is None or abs(v) >= 0.1 else f"{v:.3g}"  # e.g. a stats() cost of 0.004 ms
         t.add_row(tg["name"] + (f" ({tg['detail']})" if tg["detail"] else ""), shown, goal, met)
     return t
 
@@ -94,10 +86,7 @@ def legend(report: dict) -> Table:
 
 
 def print_report(report: dict, console: Console | None = None) -> None:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=140)
+    console = console or make_console(width=140)
     console.print(f"[bold]kvplay bench[/] · {report['model']} on {report['device']} ({report['dtype']}) · "
                   f"{report['cpu_count']} CPUs, torch threads {report['torch_threads']} · load avg "
                   f"{_load(report['load_avg_start'])} → {_load(report.get('load_avg_end'))} · {report['elapsed_s']:.0f} s"
@@ -117,8 +106,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
             console.print("1-minute load average before→after each peer: " + ", ".join(loads))
     probe = report.get("decode_probe")
     if probe:
-        console.print(f"latency probe: kvplay one request alone, TTFT cold {_f(probe['kvplay_alone_cold_ttft_ms'], '{:.0f}')}"
-                      f" ms, warm {_f(probe['kvplay_alone_warm_ttft_ms'], '{:.0f}')} ms")
+        console.print(f"latency probe: kvplay one request alone, TTFT cold {_f(probe['kvplay_alone_cold_ttft_ms'], '.0f')}"
+                      f" ms, warm {_f(probe['kvplay_alone_warm_ttft_ms'], '.0f')} ms")
         console.print(f"decode probe: kvplay 1 user {_f(probe['kvplay_1_user_tok_s'])} tok/s, "
                       f"{probe['users']} users {_f(probe['kvplay_n_users_tok_s'])} tok/s aggregate; "
                       f"HF generate + DynamicCache 1 user {_f(probe['hf_1_user_tok_s'])} tok/s")
@@ -130,10 +119,7 @@ def print_scale_report(report: dict, console: Console | None = None) -> None:
     """The `scale` workload: bench/scale.py's lines, then its targets."""
     from .scale import scale_lines
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=140)
+    console = console or make_console(width=140)
     console.print(f"[bold]kvplay bench --workload scale[/] · {report['cpu_count']} CPUs, torch threads "
                   f"{report['torch_threads']} · load avg {_load(report['load_avg_start'])} → {_load(report.get('load_avg_end'))} · "
                   f"{report['elapsed_s']:.0f} s")

@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import pool_blocks
 from kvplay.engine.errors import EngineError
 from kvplay.engine.model import load_model
 
@@ -25,17 +26,6 @@ def _load_avg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _pool_blocks(loaded, cfg: EngineConfig) -> int:
-    if cfg.num_blocks:
-        return cfg.num_blocks
-    from kvplay.engine.kv_store import KVStore
-    from kvplay.engine.runner import kv_geometry
-
-    layers, kv_heads, head_dim = kv_geometry(loaded.model)
-    per_block = KVStore.bytes_per_block(cfg.block_size, layers, kv_heads, head_dim, loaded.dtype)
-    return int(cfg.cache_mb * 1024 * 1024 // per_block)
 
 
 def run_bench(config: EngineConfig, workloads: list[str], users: int | None = None, turns: int | None = None,
@@ -113,7 +103,7 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
             elif peer in ("hf-generate", "hf-cache-per-user"):
                 r = P.run_hf_generate(hf_model, wl, peer == "hf-cache-per-user", progress)
             else:  # hf-cb
-                r = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, _pool_blocks(loaded_kv, cfg_kv),
+                r = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, pool_blocks(loaded_kv, cfg_kv),
                                 cfg_kv.prefill_budget + cfg_kv.max_running, progress)
             # the machine's 1-minute load around this peer: on a shared machine, ratios between
             # peers that ran under different loads mean little
