@@ -7,6 +7,8 @@ from rich.text import Text
 
 import time
 
+from kvplay.sessions.report import mib
+
 from .theme import FREE_STYLE, UNKNOWN_COLOUR, UserLook
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -63,10 +65,6 @@ def sparkline(values: list[float], width: int = 16) -> str:
     lo, hi = min(vals), max(vals)
     span = (hi - lo) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in vals)
-
-
-def mib(n: float) -> str:
-    return f"{n / 1024 / 1024:.1f} MiB"
 
 
 def stats_text(s: dict) -> Text:
