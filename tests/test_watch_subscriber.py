@@ -6,6 +6,7 @@ import socket
 import time
 
 import pytest
+import zmq
 
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError
 from kvplay.wire.mirror import SOMEONE_ELSE, Fleet
@@ -31,6 +32,16 @@ def pump(sub, until, timeout=10.0):
 
 def publish(pub, *events):
     pub.publish(EventBatch(time.time(), list(events)))
+
+
+def sent(pub, n, timeout=10.0):
+    """Wait until the publisher's thread has sent seq n - 1: `publish` only queues, so a target
+    taken from `pub.next_seq` before that may be met by an early seq (a busy box lags)."""
+    end = time.monotonic() + timeout
+    while pub.next_seq < n:
+        assert time.monotonic() < end, f"publisher stuck at seq {pub.next_seq}"
+        time.sleep(0.005)
+    return n
 
 
 @pytest.fixture
@@ -147,8 +158,10 @@ def test_restart_clears_the_pod(publisher, mode, tmp_path):
     try:
         m = fleet.pod("p")
         _sync(pub, sub, m)
+        n = pub.next_seq + 5
         for i in range(5):
             publish(pub, stored([200 + i]))
+        sent(pub, n)
         pump(sub, lambda: m.last_seq == pub.next_seq - 1)
         assert 204 in m.blocks
         pub.shutdown()
@@ -257,8 +270,10 @@ def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
         pub = publisher(ep, rep)
         m = fleet.pod("p")
         _sync(pub, sub, m)
+        n = pub.next_seq + 3
         for i in range(3):
             publish(pub, stored([200 + i]))
+        sent(pub, n)
         pump(sub, lambda: m.last_seq == pub.next_seq - 1)
         old_last = m.last_seq
         pub.shutdown()
@@ -266,7 +281,57 @@ def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
         pub2 = restart(publisher, ep, rep)
         for i in range(old_last + 4):  # the new server is already past our seq when we see it
             publish(pub2, stored([900 + i]))
+        # pub2.next_seq is only final once its thread sent them all: a target read earlier was met
+        # by seq 2 on a busy box and the assert below then missed 903.. (a test race)
+        sent(pub2, old_last + 4)
         pump(sub, lambda: m.restarts == 1 and m.last_seq == pub2.next_seq - 1 and sub.states()["p"] == "live")
         assert set(m.blocks) == {900 + i for i in range(old_last + 4)}  # nothing of the old server
+    finally:
+        sub.close()
+
+
+def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(publisher):
+    """The interleaving a busy box can produce: a restarted publisher's live batch (beyond our
+    last seq) is read before the monitor's CONNECTED event is handled. Taken as a gap, it used to
+    start a replay from last applied + 1 that applied the new server's batches as the old one's
+    continuation (and the connect-verify was skipped while that replay ran): old blocks kept, no
+    restart seen. It must verify our last batch first. Driven deterministically by holding the
+    monitor's events back until the live batch was handled."""
+    rep = f"tcp://127.0.0.1:{free_port()}"
+    fleet = Fleet()
+    sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet).open()
+    try:
+        ep = sub.endpoint("p")
+        pub = publisher(ep, rep)
+        m = fleet.pod("p")
+        _sync(pub, sub, m)
+        n = pub.next_seq + 3
+        for i in range(3):
+            publish(pub, stored([200 + i]))
+        sent(pub, n)
+        pump(sub, lambda: m.last_seq == n - 1)
+        old_last = m.last_seq
+        pub.shutdown()
+        pump(sub, lambda: sub.states()["p"] == "stale")
+        pod = sub._pods["p"]
+        monitor, pod.monitor = pod.monitor, None  # hold the new peer's CONNECTED back
+        sub._poller.unregister(monitor)
+        pub2 = restart(publisher, ep, rep)
+        for i in range(old_last + 4):
+            publish(pub2, stored([900 + i]))
+        k = sent(pub2, old_last + 4)
+        # the first live seq we hear is past ours (the slow-joiner drops the first ones)
+        info = sub.pod_info("p")
+        while sub.pod_info("p")["last_live"] == info["last_live"]:
+            publish(pub2, stored([900 + k]))
+            k += 1
+            pump_for(sub, 0.05)
+        k = sent(pub2, k)
+        pump(sub, lambda: m.restarts == 1 and m.last_seq == k - 1 and sub.pod_info("p")["buffered"] == 0)
+        assert set(m.blocks) == {900 + i for i in range(k)}  # nothing of the old server, nothing lost
+        pod.monitor = monitor  # the CONNECTED now: a verify that finds the same publisher
+        sub._poller.register(monitor, zmq.POLLIN)
+        pump(sub, lambda: sub.states()["p"] == "live" and m.last_seq == k - 1)
+        assert m.restarts == 1 and set(m.blocks) == {900 + i for i in range(k)}
     finally:
         sub.close()

@@ -20,6 +20,8 @@ ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
   restarted publisher may already be *past* our seq when we hear it again, which a seq-only
   consumer takes for a gap; so after a reconnect we replay from our last applied seq and compare
   its payload with the one we applied: the same bytes, the same publisher; anything else, a restart.
+  Nothing the peer sends after it left is applied before that check, whichever comes first: its
+  CONNECTED event or its first live batch (a gap replay under way is abandoned for it).
 - **reconnect**: ZeroMQ reconnects by itself (a short reconnect interval is set); the monitor
   notices the peer leaving, so the pod shows *stale* until it is back.
 - Without heartbeats a lost batch shows only when a later one arrives: an idle server's last
@@ -284,6 +286,12 @@ class Subscriber:
                 except zmq.ZMQError:
                     break
                 if kind == "sub":
+                    # A batch from a restarted publisher becomes readable only after its
+                    # CONNECTED/ACCEPTED event (and the old peer's DISCONNECTED) was queued on the
+                    # monitor: handle those first, so such a batch is never taken for the next one
+                    # of the publisher that left.
+                    if pod.monitor is not None and pod.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self._on_monitor(pod)
                     applied += self._on_live(pod, frames)
                 else:
                     applied += self._on_replay(pod, frames)
@@ -326,13 +334,25 @@ class Subscriber:
         whose seq has already passed ours. With a replay endpoint, ask at once: from 0 when we
         have nothing; else from our last applied seq, whose payload must come back unchanged
         (the same publisher) — anything else means a restart."""
-        if pod.dealer is None or pod.replaying:
+        if pod.dealer is None:
             return
+        if pod.replaying and (pod.verify is not None or pod.last_applied < 0):
+            return  # already verifying, or replaying from 0 (nothing to verify)
         if pod.last_applied < 0:
             self._start_replay(pod, 0)
         else:
-            pod.verify = (pod.last_applied, pod.last_payload)
-            self._start_replay(pod, pod.last_applied)
+            # A gap replay under way may be answered by the new publisher: verify first.
+            self._begin_verify(pod)
+
+    def _begin_verify(self, pod: _Pod) -> None:
+        """Replay from our last applied seq, whose payload must come back unchanged before
+        anything else of this publisher is applied. A replay under way (asked before the peer
+        left, for a gap) is abandoned on a fresh DEALER; its buffered live batches stay buffered
+        (kept if the publisher is the same, cleared with the mirror by `_restart` if not)."""
+        if pod.replaying:
+            self._reset_dealer(pod)
+        pod.verify = (pod.last_applied, pod.last_payload)
+        self._start_replay(pod, pod.last_applied)
 
     def _decode(self, pod: _Pod, payload: bytes):
         try:
@@ -388,12 +408,20 @@ class Subscriber:
             self._restart(pod)
         elif seq == pod.last_live:
             return 0  # a duplicate
+        # The peer left since our last live batch and this one is further on: it may come from a
+        # restarted publisher already past our seq. Never apply it (nor gap-replay from
+        # last_applied + 1) as the old one's continuation before the replay of our last batch
+        # says it is the same publisher.
+        verify_first = (pod.peer_left and pod.last_applied >= 0 and pod.dealer is not None
+                        and pod.verify is None)
         pod.last_live = seq
         pod.seen = True
         pod.peer_left = False
         batch = self._decode(pod, payload)
-        if pod.replaying:
+        if pod.replaying or verify_first:
             pod.buffer.append((seq, batch, payload))
+            if verify_first:
+                self._begin_verify(pod)
         elif pod.last_applied < 0 and seq > 0 and pod.dealer is not None:
             pod.buffer.append((seq, batch, payload))   # joined late: catch up from the publisher's start
             self._start_replay(pod, 0)
