@@ -80,14 +80,6 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-def _load_recorder():
-    try:
-        from kvplay.sessions.recorder import Recorder  # built by the sessions helper
-    except ImportError:
-        return None
-    return Recorder
-
-
 class KvplayApp(ControlsMixin, App):
     """kvplay: many users, one model, one shared KV block pool."""
 
@@ -378,8 +370,9 @@ class KvplayApp(ControlsMixin, App):
                 self.recorder_error = f"{type(exc).__name__}: {exc}"
 
     def _open_recorder(self) -> None:
-        Recorder = _load_recorder()
-        if Recorder is None or self.backend is None:
+        from kvplay.sessions.recorder import Recorder
+
+        if self.backend is None:
             return
         rec = Recorder.open(self.db, self.engine.config if self.engine else None, self.backend.model_name,
                             source="replay" if self.replay_of else "app", system_prompt=self.system_prompt,
