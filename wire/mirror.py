@@ -29,10 +29,15 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from .codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, hash_hex
+from .codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, hash_hex
 
 SOMEONE_ELSE = "someone else"
 STATES = ("waiting", "live", "replaying", "stale")
+
+
+def _elsewhere(ev: BlockStored | BlockRemoved) -> bool:
+    """Blocks not in the pod's device tier (another medium, or a remote locality): not mirrored."""
+    return (ev.medium is not None and ev.medium != MEDIUM_GPU) or ev.locality == "REMOTE"
 
 
 class MirrorBlock:
@@ -118,7 +123,7 @@ class Mirror:
         return h if not group_idx else (group_idx, h)
 
     def _stored(self, ev: BlockStored, seq: int, ts: float) -> int:
-        if (ev.medium is not None and ev.medium != "GPU") or ev.locality == "REMOTE":
+        if _elsewhere(ev):
             self.other_medium += len(ev.block_hashes)
             return 0
         blocks = self.blocks
@@ -162,7 +167,7 @@ class Mirror:
         return n
 
     def _removed(self, ev: BlockRemoved) -> int:
-        if (ev.medium is not None and ev.medium != "GPU") or ev.locality == "REMOTE":
+        if _elsewhere(ev):
             self.other_medium += len(ev.block_hashes)
             return 0
         blocks = self.blocks
