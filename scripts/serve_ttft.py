@@ -23,13 +23,6 @@ SYSTEM = ("You are a helpful assistant for a team of engineers. Answer briefly a
           "prefer concrete numbers, and say when you do not know. ") * 4
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def one(url: str, i: int, max_tokens: int, out: list, deadline: float) -> None:
     import httpx
 
@@ -69,6 +62,7 @@ def main() -> int:
     args = ap.parse_args()
     deadline = time.monotonic() + args.timeout
 
+    from kvplay.bench.metrics import percentile
     from kvplay.engine.config import EngineConfig
     from kvplay.engine.engine import Engine
     from kvplay.serve.server import ServerThread, build_state, close_state
@@ -103,7 +97,7 @@ def main() -> int:
             ttfts = [x["ttft_ms"] for x in ok]
             row = {"concurrency": conc, "requests": rounds * conc, "completed": len(ok),
                    "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-                   "ttft_p95_ms": round(pct(ttfts, 0.95), 1) if ttfts else None,
+                   "ttft_p95_ms": round(percentile(ttfts, 95), 1) if ttfts else None,
                    "server_ttft_p50_ms": round(statistics.median([x["server_ttft_ms"] for x in ok]), 1) if ok else None,
                    "cached_tokens_mean": round(statistics.mean([x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in ok]), 1) if ok else None,
                    "prompt_tokens": ok[0]["usage"]["prompt_tokens"] if ok else None,
