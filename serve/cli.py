@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     parser.add_argument("--ssl-certfile", default=None, help="… and this certificate (PEM): bearer keys then never cross the network in clear")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--no-record", action="store_true", help="do not record this server's turns")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default warning)")

@@ -8,10 +8,12 @@ import asyncio
 import sys
 from pathlib import Path
 
+from kvplay.options import add_db_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="session id (or a unique prefix)")
-    parser.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(parser)
     parser.add_argument("--at", type=int, default=None, metavar="N", help="start with the cursor after event N")
     parser.add_argument("--turn", type=int, default=None, metavar="K", help="start with the cursor after turn K")
     parser.add_argument("--screenshot", default=None, metavar="OUT.svg", help="save an SVG headless and exit")

@@ -22,6 +22,7 @@ import sys
 import time
 
 from kvplay.cli import KvplayError
+from kvplay.options import add_db_arg
 
 from .codec import WireError
 from .mirror import Fleet
@@ -52,7 +53,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
     p.add_argument("--replay-timeout", type=float, default=3.0, metavar="S",
                    help="give up a replay that is silent for S seconds (the pod shows stale)")
-    p.add_argument("--db", default=None, help="sessions database (default: XDG data dir, env KVPLAY_DB)")
+    add_db_arg(p)
     p.add_argument("--no-record", action="store_true", help="do not record the watched events as a session")
     p.add_argument("--drop", action="append", default=[], metavar="POD:SEQ", help=argparse.SUPPRESS)
 
