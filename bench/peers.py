@@ -161,8 +161,8 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
-    except ImportError as exc:  # kept: a real optional dependency (pyproject allows transformers 5.x
-        # releases whose continuous batching lacks these names); the peer is then reported unavailable
+    except ImportError as exc:  # kept: transformers' continuous batching is outside kvplay and its
+        # module layout moves between releases; without it this one peer is reported unavailable
         res.unavailable = f"unavailable: this transformers has no continuous batching ({exc})"
         return res
     import logging
