@@ -19,7 +19,7 @@ import sys
 from urllib.parse import urlsplit
 
 from kvplay.cli import KvplayError
-from kvplay.wire.watch_cmd import _Source, sources_from_args
+from kvplay.wire.watch_cmd import add_source_args, sources_from_args
 
 from .cli import APP_SYSTEM, parse_users
 
@@ -28,14 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("KVPLAY_API_KEY"), metavar="K",
                    help="bearer token for the server (default: env KVPLAY_API_KEY)")
-    p.add_argument("--events", dest="sources", action=_Source, metavar="EP", default=[],
-                   help="connect to a pod's KV-event publisher that binds (tcp://host:port); one per pod")
-    p.add_argument("--events-bind", dest="sources", action=_Source, metavar="EP", default=[],
-                   help="bind EP for a publisher that connects (vLLM with a non-wildcard endpoint); one per pod")
-    p.add_argument("--replay", action="append", default=[], metavar="EP",
-                   help="the pod's replay endpoint (vLLM's replay_endpoint), in the order of the pods")
-    p.add_argument("--pod", action="append", default=[], metavar="NAME",
-                   help="a name for each pod, in order (default: its endpoint's host:port)")
+    add_source_args(p)
     p.add_argument("--topic", default="", help="topic prefix of the KV events (default: all)")
     p.add_argument("--slots", type=int, default=None, metavar="N",
                    help="map size per pod when the server's /metrics does not tell its pool size (default 4096)")

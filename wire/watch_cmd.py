@@ -38,7 +38,9 @@ class _Source(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
-def configure(p: argparse.ArgumentParser) -> None:
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """The pods' KV-event sources (--events/--events-bind, --replay, --pod), read back by
+    `sources_from_args` (kvplay watch and kvplay attach)."""
     p.add_argument("--events", dest="sources", action=_Source, metavar="EP", default=[],
                    help="connect to a pod's KV-event publisher that binds (tcp://host:port); one per pod")
     p.add_argument("--events-bind", dest="sources", action=_Source, metavar="EP", default=[],
@@ -47,6 +49,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the pod's replay endpoint (vLLM's replay_endpoint), in the order of the pods")
     p.add_argument("--pod", action="append", default=[], metavar="NAME",
                    help="a name for each pod, in order (default: its endpoint's host:port)")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_source_args(p)
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all; vLLM's is in "
                                               "its kv-events-config)")
     p.add_argument("--json", action="store_true", help="one JSON line per applied batch, then a summary")
