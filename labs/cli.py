@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
 LABS = {
     "determinism": "kvplay.labs.determinism",
@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("lab", metavar="NAME", help="determinism | leak | collide | response-cache")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="save a plot of the measurements")
-    parser.add_argument("--db", help="session database to record the run in (default: the user DB)")
+    add_db_arg(parser)
     parser.add_argument("--no-record", action="store_true", help="do not record the run as a session")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--max-tokens", type=int, help="tokens to generate per answer")

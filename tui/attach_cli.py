@@ -19,6 +19,7 @@ import sys
 from urllib.parse import urlsplit
 
 from kvplay.cli import KvplayError
+from kvplay.options import add_db_arg
 from kvplay.wire.watch_cmd import add_source_args, sources_from_args
 
 from .cli import APP_SYSTEM, parse_users
@@ -41,7 +42,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--screenshot", default=None, metavar="OUT.svg",
                    help="with --script: play it headless, save an SVG of the app, and exit")
     p.add_argument("--size", default="160x48", help="--screenshot's terminal size, WIDTHxHEIGHT (default 160x48)")
-    p.add_argument("--db", default=None, metavar="PATH", help="session database (default: the user data dir)")
+    add_db_arg(p)
     p.add_argument("--no-record", dest="record", action="store_false", help="do not record this session")
 
 

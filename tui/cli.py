@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.script import UserSpec, load_script
 
 
@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", default=None, metavar="FILE",
                         help="a TOML script whose turns play through the panes (F11 pause, F12 step)")
     parser.add_argument("--speed", type=float, default=1.0, help="script pace multiplier (default 1)")
-    parser.add_argument("--db", default=None, metavar="PATH", help="session database (default: the user data dir)")
+    add_db_arg(parser)
     parser.add_argument("--no-record", dest="record", action="store_false", help="do not record this session")
     add_engine_args(parser)
 
