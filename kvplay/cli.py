@@ -17,7 +17,7 @@ COMMANDS = {
     "run": ("kvplay.sessions.run_cmd", "play a TOML script headless and report per-turn cache use"),
     "sessions": ("kvplay.sessions.cli_list", "list recorded sessions"),
     "show": ("kvplay.sessions.cli_show", "show one recorded session"),
-    "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md or a toml script"),
+    "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
     "replay": ("kvplay.sessions.cli_replay", "replay a recorded session and compare outputs"),
     "simulate": ("kvplay.sessions.cli_simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
     "scrub": ("kvplay.tui.scrub_cli", "step, play and seek through a recorded session's cache, no model loaded"),
