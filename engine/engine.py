@@ -29,7 +29,7 @@ from .errors import EngineError
 from .events import Event, RequestQueued, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
-from .observe import BlockArrays, BlockSummary, BlockView, Observer, block_view
+from .observe import BlockArrays, BlockSummary, BlockView, Observer
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
@@ -385,9 +385,6 @@ class Engine:
         return self.call(apply)
 
     # --- observation (engine/observe.py; its docstring is the block map API) --------------------
-    def _view(self, b) -> BlockView:
-        return block_view(self.pool, b.block_id)
-
     def _publish_snapshot(self) -> None:
         """After each step or command (engine thread, under the lock): record which blocks
         changed and refresh the published stats, O(changed blocks); then the step listeners."""
@@ -420,6 +417,3 @@ class Engine:
         """Global counters, O(1), consistent (taken between steps). If the engine is busy in a
         step for longer than `timeout` seconds, returns the copy published after the last step."""
         return self._observer.stats(timeout)
-
-    def _compute_stats(self) -> dict:
-        return self._observer.compute_stats()
