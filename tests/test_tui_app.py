@@ -39,7 +39,7 @@ async def say(app, pilot, user, text):
 
 
 def badges(app, user):
-    return [str(w.render()) for w in app.pane(user).query(".badge")]
+    return app.pane(user).chat.texts("badge")
 
 
 async def test_second_user_reuses_first_users_blocks(tiny_llama):
@@ -149,11 +149,11 @@ async def test_empty_and_too_long_messages_stay_in_their_pane(tiny_llama):
         alice.input.focus()
         alice.input.value = "   "
         await pilot.press("enter")
-        assert "empty message is ignored" in str(alice.query(".note").last().render())
+        assert "empty message is ignored" in alice.chat.texts("note")[-1]
         await say(app, pilot, "alice", "x" * 400)  # 12 blocks x 16 tokens cannot hold it
-        err = str(alice.query(".error").last().render())
+        err = alice.chat.texts("error")[-1]
         assert "pool holds 12 blocks" in err
-        assert not app.pane("bob").query(".error")
+        assert not app.pane("bob").chat.texts("error")
         await say(app, pilot, "bob", "Hi")
         assert "prompt" in badges(app, "bob")[-1]
 

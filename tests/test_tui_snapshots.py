@@ -41,7 +41,7 @@ async def played(pilot):
         return (app.settled and not any(p._replies for p in app.panes)
                 and not bm._summarising
                 and (not bm.display or not bm.region or bm.size.height == min(18, max(2, bm.virtual_size.height)))
-                and all(len(p.query(".badge")) == len(p.history) // 2 for p in app.panes))
+                and all(len(p.chat.texts("badge")) == len(p.history) // 2 for p in app.panes))
 
     for _ in range(3):  # settled three times in a row, on a busy machine too
         for _ in range(200):

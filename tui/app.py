@@ -35,13 +35,14 @@ from .panes import ChatPane, safe_id
 from .screens import ErrorScreen
 from .theme import assign_looks
 from .timeline import Timeline, result_span
-from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
+from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars, update_static
 
 MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
 # the keys a compact footer shows (by action); the rest stay on their keys and in ctrl+p
 COMPACT_KEYS = {"help", "toggle_cache", "focus_pane(1)", "focus_map", "quit"}
 REFRESH_HZ = 15
+EVENT_LINES = 500  # the event log (F-key toggled) keeps this many lines
 HINTS = [
     "① Start here: type a question as {name} and press Enter.",
     "② Then ask {name} something. The prompt starts with the same system prompt, so those "
@@ -120,6 +121,8 @@ class KvplayApp(ControlsMixin, App):
             raise EngineError("the playground needs at least one user")
         self.config = config
         self.users = list(users)
+        self._panes: dict[str, ChatPane] = {}
+        self._event_lines: deque[str] = deque(maxlen=EVENT_LINES)  # the event log, drawn when shown
         self.system_prompt = system_prompt
         self.turns = list(turns or [])
         self.speed = speed
@@ -171,7 +174,8 @@ class KvplayApp(ControlsMixin, App):
         with Horizontal(id="main"):
             with Vertical(id="panes"):
                 for i, u in enumerate(self.users):
-                    yield ChatPane(u, self.looks[u.name], self._hint(i, u.name))
+                    self._panes[u.name] = ChatPane(u, self.looks[u.name], self._hint(i, u.name))
+                    yield self._panes[u.name]
             with VerticalScroll(id="side"):
                 yield Static(Text(f"loading the model ({self.config.model}) …", style="bold"), id="status")
                 yield Static("Block pool", classes="section", id="map-title")
@@ -185,7 +189,7 @@ class KvplayApp(ControlsMixin, App):
                 yield Timeline(live=True, timings=self.timings, id="timeline")
                 yield Static("Cache", classes="section")
                 yield Static(id="stats")
-                yield Log(id="events", max_lines=500)
+                yield Log(id="events", max_lines=EVENT_LINES)
         yield Static(id="too-small")
         yield KvFooter()
 
@@ -198,13 +202,10 @@ class KvplayApp(ControlsMixin, App):
 
     @property
     def panes(self) -> list[ChatPane]:
-        return list(self.query(ChatPane))
+        return list(self._panes.values())
 
     def pane(self, user: str) -> ChatPane:
-        for p in self.panes:
-            if p.user == user:
-                return p
-        raise KeyError(user)
+        return self._panes[user]
 
     def on_mount(self) -> None:
         keymap = parse_keymap(os.environ.get("KVPLAY_KEYMAP", ""))
@@ -494,8 +495,24 @@ class KvplayApp(ControlsMixin, App):
             line = self._take_event(self._event_queue.popleft(), log=False)
             if line:
                 lines.append(line)
-        if lines:
-            self.query_one("#events", Log).write_lines(lines)
+        self._log_events(lines)
+
+    def _log_events(self, lines: list[str]) -> None:
+        """The event log keeps its last lines; the Log widget is written only while it is shown
+        (a hidden one still asked for a layout pass per write)."""
+        if not lines:
+            return
+        self._event_lines.extend(lines)
+        log = self.query_one("#events", Log)
+        if log.has_class("shown"):
+            log.write_lines(lines)
+
+    def show_events(self, shown: bool) -> None:
+        log = self.query_one("#events", Log)
+        log.set_class(shown, "shown")
+        log.clear()
+        if shown:
+            log.write_lines(list(self._event_lines))
 
     def _take_event(self, ev, log: bool = True) -> str | None:
         self._dirty = True
@@ -515,7 +532,7 @@ class KvplayApp(ControlsMixin, App):
             self._last_blocks = self._request_blocks.pop(ev.request_id, set()) or self._last_blocks
         line = event_line(ev, self.looks)
         if line and log:
-            self.query_one("#events", Log).write_line(line)
+            self._log_events([line])
         return line
 
     def _tick(self) -> None:
@@ -554,8 +571,8 @@ class KvplayApp(ControlsMixin, App):
         if stats is not None:
             stats = without_labs(stats, self._excluded)
             self._stats = stats
-            self.query_one("#stats", Static).update(self.stats_view(stats))
-            self.query_one("#status", Static).update(self.status_view(stats))
+            update_static(self.query_one("#stats", Static), self.stats_view(stats))
+            update_static(self.query_one("#status", Static), self.status_view(stats))
         self._redraw_map()
         if self._detail_block is not None:
             self._show_detail(*self._detail_block)
@@ -576,7 +593,7 @@ class KvplayApp(ControlsMixin, App):
         if isinstance(msg, BlockMap.JumpRequested):
             return self._on_map_jump(msg)
         for title in self.query("#map-title"):
-            title.update(Text.assemble(("Block pool", "bold"), ("  " + msg.blockmap.scale_text(), "")))
+            update_static(title, Text.assemble(("Block pool", "bold"), ("  " + msg.blockmap.scale_text(), "")))
 
     def _on_map_jump(self, msg: BlockMap.JumpRequested) -> None:
         if self._last_blocks:
@@ -614,7 +631,7 @@ class KvplayApp(ControlsMixin, App):
         self._show_detail(bm.cursor)
 
     def _show_detail(self, block_id: int, blocks: int = 1) -> None:
-        self.query_one("#detail", Static).update(self.block_detail(block_id, blocks))
+        update_static(self.query_one("#detail", Static), self.block_detail(block_id, blocks))
 
     # --- autoplay (scripts and replays) --------------------------------------------------------
     @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")

@@ -78,7 +78,7 @@ class ControlsMixin:
         self.query_one(BlockMap).focus()
 
     def action_toggle_events(self) -> None:
-        self.query_one("#events", Log).toggle_class("shown")
+        self.show_events(not self.query_one("#events", Log).has_class("shown"))
 
     def _reconfigure(self, **changes) -> None:
         if self.engine is None:
@@ -196,6 +196,7 @@ class ControlsMixin:
         self.users.append(spec)
         self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
         pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
+        self._panes[spec.name] = pane
         self.query_one("#panes").mount(pane)
         self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
                                                 id=self._tab_id(spec.name)), before=CACHE_TAB)
@@ -223,6 +224,7 @@ class ControlsMixin:
         def done(ok: bool | None) -> None:
             if ok:
                 self.users = [u for u in self.users if u.name != pane.user]
+                self._panes.pop(pane.user, None)
                 pane.remove()
                 self.query_one("#switcher").remove_tab(self._tab_id(pane.user))
                 self.call_after_refresh(self._layout_panes)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 
 from rich.text import Text
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Input, Static
+from textual.widgets import Input
 
+from .chatlog import ChatLog, Entry
 from .format import badge
 from .theme import UserLook
 
@@ -34,7 +35,7 @@ class ChatPane(Vertical):
         self.history: list[dict] = []  # user/assistant messages of this user's conversation
         self.busy = False
         self.ready = False
-        self._replies: dict[int, tuple[Static, Static]] = {}
+        self._replies: dict[int, tuple[Entry, Entry]] = {}  # turn → its reply and badge entries
         self._texts: dict[int, str] = {}
 
     @property
@@ -42,23 +43,26 @@ class ChatPane(Vertical):
         return self.spec.name
 
     def compose(self):
-        with VerticalScroll(classes="log"):
-            yield Static(self.hint, classes="hint")
-        yield Input(placeholder="type now; sent once loaded", id=f"input-{safe_id(self.user)}")
+        self._chat = ChatLog(classes="log")
+        self._input = Input(placeholder="type now; sent once loaded", id=f"input-{safe_id(self.user)}")
+        yield self._chat
+        yield self._input
 
     def on_mount(self) -> None:
         self.styles.border = ("round", self.look.colour)
         self.styles.border_title_color = self.look.colour
         self.border_title = f"[reverse] {self.look.glyph} [/reverse] {self.user}"
         self.refresh_subtitle()
+        if self.hint:
+            self.chat.add("hint", self.hint)
 
     @property
     def input(self) -> Input:
-        return self.query_one(Input)
+        return self._input
 
     @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one(".log", VerticalScroll)
+    def chat(self) -> ChatLog:
+        return self._chat
 
     def refresh_subtitle(self) -> None:
         s = self.spec
@@ -89,59 +93,45 @@ class ChatPane(Vertical):
         event.input.value = ""
         self.post_message(self.Submitted(self, text))
 
-    # --- content ------------------------------------------------------------------------------
-    def _drop_hint(self) -> None:
-        for w in self.query(".hint"):
-            w.remove()
-
+    # --- content (entries of one ChatLog: a streamed token repaints this pane only) ------------
     def notice(self, text: str, error: bool = False) -> None:
         """A one-line note in this pane only (empty input, errors)."""
-        self._drop_hint()
-        self.log_view.mount(Static(Text(text), classes="error" if error else "note"))
-        self._follow()
-
-    def _follow(self) -> None:
-        """Keep the newest text in view unless the user scrolled up to read."""
-        log = self.log_view
-        if log.max_scroll_y - log.scroll_y <= 3:
-            self.call_after_refresh(log.scroll_end, animate=False)
+        self.chat.remove_kind("hint")
+        self.chat.add("error" if error else "note", Text(text))
 
     def add_user_message(self, text: str) -> None:
-        self._drop_hint()
+        self.chat.remove_kind("hint")
         t = Text()
         t.append(f"{self.look.glyph} {self.user} › ", style=self.look.style)
         t.append(text)
-        self.log_view.mount(Static(t, classes="user-msg"))
-        self._follow()
+        self.chat.add("user", t)
 
     def start_reply(self, turn_id: int) -> None:
-        body = Static("…", classes="reply")
-        meta = Static("", classes="badge")
-        self._replies[turn_id] = (body, meta)
+        chat = self.chat
+        self._replies[turn_id] = (chat.add("reply", "…"), chat.add("badge", ""))
         self._texts[turn_id] = ""
-        self.log_view.mount(body, meta)
-        self._follow()
 
     def update_reply(self, turn_id: int, text: str) -> None:
-        if turn_id in self._replies:
+        if turn_id in self._replies and self.is_attached:
             self._texts[turn_id] = text
-            self._replies[turn_id][0].update(Text(text or "…"))
-            self._follow()
+            self.chat.set(self._replies[turn_id][0], Text(text or "…"))
 
     def finish_reply(self, turn_id: int, result, looks: dict, timings: bool = True) -> None:
-        if turn_id not in self._replies:
+        if turn_id not in self._replies or not self.is_attached:
             return
         body, meta = self._replies.pop(turn_id)
         more = {"length": " …", "pool_exhausted": " … (stopped: the pool is full)"}.get(result.finish_reason, "")
-        body.update(Text((result.text or "(no text)") + more))
-        meta.update(badge(result.stats, looks, timings))
+        chat = self.chat
+        chat.set(body, Text((result.text or "(no text)") + more))
         if result.error:
-            meta.update(Text(f"error: {result.error}", style="bold red"))
-        self._follow()
+            chat.set(meta, Text(f"error: {result.error}", style="bold red"))
+        else:
+            chat.set(meta, badge(result.stats, looks, timings))
 
     def fail_reply(self, turn_id: int, error: str) -> None:
+        if not self.is_attached:
+            return
         if turn_id in self._replies:
             body, meta = self._replies.pop(turn_id)
-            body.remove()
-            meta.remove()
+            self.chat.remove(body, meta)
         self.notice(f"✗ {error}", error=True)

@@ -19,6 +19,7 @@ from textual.message import Message
 from textual.widget import Widget
 
 from .format import DIM, SPARK
+from .widgets import refresh_if_taller
 from .theme import UNKNOWN_COLOUR
 
 LABEL_W = 9
@@ -116,7 +117,7 @@ class Timeline(Widget):
         self.spans, self.looks = sorted(spans, key=lambda s: s["event"]), dict(looks)
         self.t0 = min((s["queued"] for s in self.spans if s["queued"] is not None), default=self.t0)
         self.follow(now if now is not None else self.t1)
-        self.refresh(layout=True)  # a new user's TTFT row changes the height
+        refresh_if_taller(self, self.bar_rows + len(self.users) + 1)  # a new user's TTFT row
 
     def follow(self, now: float) -> None:
         """Live: the axis ends at `now`, with the cursor there."""
