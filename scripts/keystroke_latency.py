@@ -39,6 +39,7 @@ async def main():
                     p = app.pane(u)
                     if not p.busy:
                         k += 1
+                        p.history = p.history[-2:]  # stay inside the tiny model's context
                         app.send(p, f"Tell me a long story, part {k}")
                 await asyncio.sleep(0.01)
         feeder = asyncio.create_task(keep_streaming())
@@ -66,6 +67,7 @@ async def main():
         while app.busy:
             await pilot.pause(0.1)
         toks = [r.decode_tok_s for r in app._requests if r.decode_tok_s]
-        print(f"{len(app._requests)} replies while typing, decode tok/s median {statistics.median(toks):.0f}; "
-              f"output tokens {sum(r.output_tokens for r in app._requests)}")
+        failed = sum(len(p.chat.texts("error")) for p in app.panes)
+        print(f"{len(app._requests)} replies while typing ({failed} failed), decode tok/s median "
+              f"{statistics.median(toks):.0f}; output tokens {sum(r.output_tokens for r in app._requests)}")
 asyncio.run(main())
