@@ -16,6 +16,7 @@ import torch
 
 from .invariance import BatchInvariantLinear, LinearPlan
 from .paged import ATTN_NAME, PagedCache, StepPlan
+from .skinny import SkinnyLinear, max_rows, skinny_linear
 from .kv_store import KVStore
 
 
@@ -97,7 +98,13 @@ class ModelRunner:
         self.cache.plan = plan
         if deterministic and self.linear_plan is None:
             self.linear_plan = LinearPlan()  # calibrates each GEMM shape on first use (invariance.py)
-        mode = BatchInvariantLinear(self.linear_plan) if deterministic else contextlib.nullcontext()
+        threads = torch.get_num_threads()
+        if deterministic:
+            mode = BatchInvariantLinear(self.linear_plan)
+        elif self.device.type == "cpu" and input_ids.shape[1] <= max_rows(threads):
+            mode = SkinnyLinear(threads)  # a decode step: every weight read once, on every thread
+        else:
+            mode = contextlib.nullcontext()
         try:
             with mode:
                 # The 4-D placeholder tells transformers the mask is prepared (it returns it as is);
@@ -108,7 +115,12 @@ class ModelRunner:
                 hidden = out.last_hidden_state[0]  # [N, hidden]
                 last = torch.tensor([s + n - 1 for s, n in zip(plan.q_starts, plan.q_lens)],
                                     device=hidden.device)
-                logits = self.model.lm_head(hidden.index_select(0, last))
+                rows = hidden.index_select(0, last)
+                head = self.model.lm_head
+                if deterministic or type(head) is not torch.nn.Linear:
+                    logits = head(rows)
+                else:  # the biggest weight of a small model: a prefill step reads it for a few rows too
+                    logits = skinny_linear(rows, head.weight, head.bias, threads)
         finally:
             self.cache.plan = None
         self.forwards += 1
