@@ -16,7 +16,7 @@ import torch
 
 from .invariance import BatchInvariantLinear, LinearPlan
 from .paged import ATTN_NAME, PagedCache, StepPlan
-from .skinny import SkinnyLinear, max_rows, skinny_linear
+from .skinny import decode_step, install, max_rows, skinny_linear
 from .kv_store import KVStore
 
 
@@ -61,6 +61,8 @@ class ModelRunner:
         params = inspect.signature(self.model.model.forward).parameters
         # transformers >= 5.24 names it `cache` (`past_key_values` is a deprecated alias).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if self.device.type == "cpu":
+            install(self.model.model)  # decode steps' Linear layers (skinny.py); lm_head below
 
     def _plan(self, rows: list[Row], deterministic: bool):
         """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
@@ -102,7 +104,7 @@ class ModelRunner:
         if deterministic:
             mode = BatchInvariantLinear(self.linear_plan)
         elif self.device.type == "cpu" and input_ids.shape[1] <= max_rows(threads):
-            mode = SkinnyLinear(threads)  # a decode step: every weight read once, on every thread
+            mode = decode_step(threads)  # every weight read once, on every thread (skinny.py)
         else:
             mode = contextlib.nullcontext()
         try:

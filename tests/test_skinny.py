@@ -3,7 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvplay.engine.skinny import SkinnyLinear, max_rows, skinny_linear
+import threading
+
+from kvplay.engine.skinny import decode_step, install, max_rows, skinny_linear
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -20,11 +22,23 @@ def test_matches_f_linear(threads, rows):
         assert torch.equal(y, F.linear(x, w, b))
 
 
-def test_mode_routes_only_linear():
-    w = torch.randn(40, 16)
+def test_installed_only_inside_decode_step_on_its_thread():
+    lin = torch.nn.Linear(16, 40)
+    install(lin)
     x = torch.randn(2, 16)
-    with SkinnyLinear(threads=2):
-        y = F.linear(x, w)
-        z = torch.relu(x)  # anything else passes through
-    torch.testing.assert_close(y, x @ w.T)
-    assert torch.equal(z, torch.relu(x))
+    calls = []
+    real = torch.mm
+    try:
+        torch.mm = lambda *a: (calls.append(1), real(*a))[1]
+        ref = F.linear(x, lin.weight, lin.bias)
+        assert torch.equal(lin(x), ref) and not calls  # outside: F.linear, bit for bit
+        with decode_step(2):
+            torch.testing.assert_close(lin(x), ref)
+            assert calls == [1]
+            other = []
+            th = threading.Thread(target=lambda: other.append(torch.equal(lin(x), ref)))
+            th.start(), th.join()
+            assert other == [True] and calls == [1]  # another thread is not in the step
+        assert torch.equal(lin(x), ref) and calls == [1]
+    finally:
+        torch.mm = real
