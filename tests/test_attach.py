@@ -107,7 +107,11 @@ def test_attach_cli_bad_server_is_one_line(capsys):
     assert "pair with --events" in capsys.readouterr().err
 
 
-async def test_attach_two_pods_share_one_map_pod_after_pod(serve, tmp_path):
+def map_text(bm) -> str:
+    return "".join(bm.render_line(y).text for y in range(bm.size.height))
+
+
+async def test_attach_two_pods_one_map_each(serve, tmp_path):
     import httpx
 
     from serve_util import chat
@@ -133,6 +137,18 @@ async def test_attach_two_pods_share_one_map_pod_after_pod(serve, tmp_path):
         assert a_users == {"alice"} and b_users == {"zed"}
         await wait_until(pilot, lambda: "pod a live" in status(app) and "pod b live" in status(app))
         assert "map 0–31" in status(app) and "map 32–63" in status(app)
+        # one map per pod, each titled by its pod, each showing only its own pod's blocks
+        maps = list(app.query(BlockMap))
+        assert [m.label for m in maps] == ["pod a", "pod b"] and [m.num_blocks for m in maps] == [32, 32]
+        # alice's blocks (a) on pod a's map; zed, a client kvplay does not know, is "?" on pod b's
+        await wait_until(pilot, lambda: "a" in map_text(maps[0]) and "?" in map_text(maps[1]))
+        assert "?" not in map_text(maps[0]) and "a" not in map_text(maps[1])
+        titles = [str(app.query_one(f"#{m.id}-title").render()) for m in maps]
+        assert titles[0].startswith("pod a") and titles[1].startswith("pod b") and "32 blocks" in titles[1]
+        # a click in pod b's map names pod b's block (zed's), not pod a's block with that number
+        maps[1].focus()
+        await pilot.pause(0.1)
+        await wait_until(pilot, lambda: "zed" in str(app.query_one("#detail").render()))
 
 
 async def test_attach_server_gone_is_one_line_in_the_pane(serve, tmp_path):

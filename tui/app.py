@@ -323,6 +323,9 @@ class KvplayApp(ControlsMixin, App):
         eng.start()
         return LocalEngineBackend(eng)
 
+    def _maps_ready(self) -> None:
+        """The map has its source; an attached fleet adds one map per pod here (attach.py)."""
+
     def on_engine_loading(self, msg: EngineLoading) -> None:
         self.query_one("#status", Static).update(Text(msg.text.replace("kvplay: ", ""), style="bold"))
 
@@ -333,6 +336,7 @@ class KvplayApp(ControlsMixin, App):
         self.backend = msg.engine  # the backend open_backend returned
         self.engine = getattr(self.backend, "engine", None)  # None on a remote server
         self.query_one(BlockMap).set_source(self.backend, self.looks)
+        self._maps_ready()
         for u in self.users:  # each pane's identity is bound in the engine, not per message
             self.backend.register_user(u.name, u.group)
         for p in self.panes:
@@ -584,22 +588,25 @@ class KvplayApp(ControlsMixin, App):
         return mode_line(stats, self.backend.model_name, self.backend.device)
 
     def _redraw_map(self) -> None:
-        bm = self.query_one(BlockMap)
-        bm.looks, bm.hit, bm.flash = self.looks, frozenset(self._hit), frozenset(self._flash)
-        bm._rebuild()
+        for bm in self.query(BlockMap):  # one map, or one per pod of an attached fleet
+            bm.looks, bm.hit, bm.flash = self.looks, bm.local(self._hit), bm.local(self._flash)
+            bm._rebuild()
 
-    @on(BlockMap.ViewChanged, "#map")
+    @on(BlockMap.ViewChanged)
     def _on_map_view(self, msg: BlockMap.ViewChanged) -> None:
         if isinstance(msg, BlockMap.JumpRequested):
             return self._on_map_jump(msg)
-        for title in self.query("#map-title"):
-            update_static(title, Text.assemble(("Block pool", "bold"), ("  " + msg.blockmap.scale_text(), "")))
+        bm = msg.blockmap
+        for title in self.query(f"#{bm.id}-title"):
+            update_static(title, Text.assemble((bm.label, "bold"), ("  " + bm.scale_text(), "")))
 
     def _on_map_jump(self, msg: BlockMap.JumpRequested) -> None:
-        if self._last_blocks:
-            msg.blockmap.show_blocks(self._last_blocks)
-        else:
+        if not self._last_blocks:
             self.notify("No request has finished yet: nothing to jump to.")
+        elif not msg.blockmap.local(self._last_blocks):
+            self.notify(f"The last request's blocks are not in {msg.blockmap.label}.")
+        else:
+            msg.blockmap.show_blocks(msg.blockmap.local(self._last_blocks))
 
     def _update_legend(self) -> None:
         self.query_one("#legend", Static).update(legend_text(self.looks))
@@ -609,8 +616,9 @@ class KvplayApp(ControlsMixin, App):
 
     @on(BlockMap.CellSelected)
     def _on_cell(self, msg: BlockMap.CellSelected) -> None:
-        self._detail_block = (msg.block_id, msg.blocks)
-        self._show_detail(msg.block_id, msg.blocks)
+        first = msg.block_id + (msg.blockmap.offset if msg.blockmap is not None else 0)
+        self._detail_block = (first, msg.blocks)
+        self._show_detail(first, msg.blocks)
 
     def block_detail(self, block_id: int, blocks: int = 1) -> Text:
         if self.backend is None or not 0 <= block_id < self.backend.num_blocks:

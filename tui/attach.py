@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual import work
+from textual.widgets import Static
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
@@ -37,6 +38,29 @@ class AttachApp(KvplayApp):
     def open_backend(self):
         self._unsubscribe = self._remote.subscribe(self._event_queue.append)
         return self._remote
+
+    def _maps_ready(self) -> None:
+        """A fleet: one map per pod (each its own scale, zoom and filter), titled by the pod; the
+        status panel gives each pod's state and blocks, the stats panel the totals."""
+        from kvplay.wire.remote import PodRange
+
+        from .blockmap import BlockMap
+        from .panes import safe_id
+
+        pods = list(self._remote.pods)
+        if len(pods) < 2:
+            return
+        first = self.query_one("#map", BlockMap)
+        first.label = f"pod {pods[0]}"
+        first.set_source(PodRange(self._remote, pods[0]), self.looks)
+        after = first
+        for name in pods[1:]:
+            pid = f"map-pod-{safe_id(name)}"
+            title = Static(Text(f"pod {name}", style="bold"), classes="section", id=f"{pid}-title")
+            bm = BlockMap(label=f"pod {name}", id=pid, classes="podmap")
+            self.query_one("#side").mount(title, bm, after=after)
+            bm.set_source(PodRange(self._remote, name), self.looks)
+            after = bm
 
     # --- what the panels say --------------------------------------------------------------------
     def status_view(self, stats: dict) -> Text:

@@ -106,10 +106,11 @@ class BlockMap(ScrollView, can_focus=True):
     class CellSelected(Message):
         """The cursor or the mouse is on a cell: blocks [block_id, block_id + blocks)."""
 
-        def __init__(self, block_id: int, blocks: int = 1) -> None:
+        def __init__(self, block_id: int, blocks: int = 1, blockmap: "BlockMap | None" = None) -> None:
             super().__init__()
-            self.block_id = block_id
+            self.block_id = block_id  # in the map's own numbering (see `BlockMap.offset`)
             self.blocks = blocks
+            self.blockmap = blockmap
 
     class ViewChanged(Message):
         """Scale, zoom, window or filter changed: the scale line should be redrawn."""
@@ -125,8 +126,9 @@ class BlockMap(ScrollView, can_focus=True):
     class JumpRequested(ViewChanged):
         """`j`: the app knows the last request's blocks and calls `show_blocks`."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, label: str = "Block pool", **kwargs) -> None:
         super().__init__(**kwargs)
+        self.label = label  # the title line's first words
         self.source = None
         self.looks: dict = {}
         self.hit: frozenset[int] = frozenset()
@@ -141,6 +143,16 @@ class BlockMap(ScrollView, can_focus=True):
         self._summarising = False  # a summary thread is running (big pools)
         self.rows_refreshed = 0  # how many row refreshes the last update asked for (tests)
         self.cursor_visible = False  # while focused (or pinned by App.select_block)
+
+    @property
+    def offset(self) -> int:
+        """The source's block 0 in the app's numbering (a pod's first slot in a fleet; else 0)."""
+        return getattr(self.source, "offset", 0)
+
+    def local(self, block_ids) -> frozenset:
+        """The app's block ids that this map shows, in its own numbering."""
+        off, n = self.offset, self.num_blocks
+        return frozenset(b - off for b in block_ids if off <= b < off + n)
 
     # --- source -------------------------------------------------------------------------------
     def set_source(self, source, looks=None, hit=None, flash=None) -> None:
@@ -385,7 +397,7 @@ class BlockMap(ScrollView, can_focus=True):
     # --- cursor, zoom, filter -----------------------------------------------------------------
     def _select(self) -> None:
         first, count = self.cell_blocks(self.cursor)
-        self.post_message(self.CellSelected(first, count))
+        self.post_message(self.CellSelected(first, count, self))
 
     def watch_cursor(self, cursor: int) -> None:
         if self.num_blocks:
@@ -450,7 +462,7 @@ class BlockMap(ScrollView, can_focus=True):
         i = self.cell_at(event.x, event.y)
         if i is not None:
             first, count = self.cell_blocks(i)
-            self.post_message(self.CellSelected(first, count))
+            self.post_message(self.CellSelected(first, count, self))
 
     def on_click(self, event: events.Click) -> None:
         i = self.cell_at(event.x, event.y)

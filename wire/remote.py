@@ -92,6 +92,44 @@ class SlotMap:
         self._free = list(range(self.capacity))
 
 
+class PodRange:
+    """One pod's slots of a RemoteBackend as a block-map source of their own (a fleet shows one
+    map per pod): block 0 here is the backend's block `offset`."""
+
+    def __init__(self, backend: "RemoteBackend", pod: str):
+        self.backend, self.pod = backend, pod
+
+    @property
+    def offset(self) -> int:
+        return self.backend.pods[self.pod].offset
+
+    @property
+    def num_blocks(self) -> int:
+        return self.backend.pods[self.pod].capacity
+
+    @property
+    def version(self) -> int:
+        return self.backend._version
+
+    def arrays(self, start: int = 0, stop: int | None = None):
+        from kvplay.engine.observe import BlockArrays
+
+        b = self.backend
+        with b._lock:  # the pod's own arrays: right even after a pod before it grew
+            slots = b.pods[self.pod]
+            stop = slots.capacity if stop is None else min(stop, slots.capacity)
+            return BlockArrays(b._version, start, slots.state[start:stop].copy(),
+                               slots.creator[start:stop].copy(), tuple(b.users))
+
+    def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
+        from kvplay.engine.observe import summarize
+
+        return summarize(self.arrays(start, stop), cells, user)
+
+    def block(self, block_id: int):
+        return self.backend.block(self.offset + block_id) if 0 <= block_id < self.num_blocks else None
+
+
 class RemoteTurn:
     """One streamed turn: iterate for TokenDeltas (`.text`), then `result()`."""
 
