@@ -142,6 +142,149 @@ def measure_socket(payloads: list[bytes]) -> float:
     return dt
 
 
+def _publish(eps: list[str], per_pod: int, pool_blocks: int, rate: int, go, done, sent) -> None:
+    """The publishers, in a process of their own as a server's are: bind each endpoint, send
+    empty probes (seq 0) until `go`, then each pod's synthetic stream paced to `rate` events/s
+    in all; `sent[k]`: the last seq sent to pod k."""
+    import zmq
+
+    streams = [synthetic_stream(per_pod, pool_blocks, seed=20 + k) for k in range(len(eps))]
+    counts = [[len(decode_batch(p).events) for p in st] for st in streams]
+    ctx = zmq.Context()
+    pubs = []
+    for ep in eps:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.bind(ep)
+        pubs.append(pub)
+    probe = encode_batch(EventBatch(0.0, []))
+    while not go.wait(0.02):
+        for pub in pubs:
+            pub.send_multipart(encode_frames("", 0, probe))
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(max(len(st) for st in streams)):
+        for k, pub in enumerate(pubs):
+            if i < len(streams[k]):
+                pub.send_multipart(encode_frames("", i + 1, streams[k][i]), copy=False)
+                sent[k] = i + 1
+                total += counts[k][i]
+        ahead = total / rate - (time.perf_counter() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+    done.set()
+    time.sleep(0.5)
+    for pub in pubs:
+        pub.close(0)
+    ctx.term()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 100_000, pods: int = 1,
+                record: bool = False, size: tuple[int, int] = (160, 48), progress=None) -> dict:
+    """The attach app (headless, `size`) while its pods' KV events arrive at `rate` events/s in all
+    over real ZMQ sockets on loopback (the publishers bind, as `kvplay serve` does; the app's
+    RemoteBackend connects): the frame time (each screen update: layout, compositing, the map's
+    and panels' lines) and the event loop's lag (how late a 10 ms timer fires: what a keystroke
+    waits), p50/p95/max, and how many events/s the mirror applied (`kept_up`: it drained what was
+    sent within a second of the end)."""
+    import asyncio
+    import os
+    import socket as _socket
+    import tempfile
+
+    import zmq
+
+    from kvplay.sessions.script import UserSpec
+    from kvplay.tui.attach import AttachApp
+    from kvplay.wire.remote import RemoteBackend
+    from kvplay.wire.subscriber import PodSource
+
+    def free_port() -> int:
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    import multiprocessing
+
+    per_pod = max(1, int(rate * seconds) // pods)
+    counts = [[len(decode_batch(p).events) for p in synthetic_stream(per_pod, pool_blocks, seed=20 + k)]
+              for k in range(pods)]
+    eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(pods)]
+    mp = multiprocessing.get_context("spawn")
+    go, done, sent = mp.Event(), mp.Event(), mp.Array("i", pods)
+    publisher = mp.Process(target=_publish, args=(eps, per_pod, pool_blocks, rate, go, done, sent), daemon=True)
+    publisher.start()
+    backend = RemoteBackend("http://127.0.0.1:9", model="synthetic", slots=pool_blocks + 1024,  # + what a batch stores before it evicts
+                            sources=[PodSource(f"pod{k}", ep) for k, ep in enumerate(eps)])
+    tmp = tempfile.TemporaryDirectory()
+    app = AttachApp(backend, [UserSpec("alice"), UserSpec("bob")], "", record=record,
+                    db=os.path.join(tmp.name, "bench.db"), timings=True)
+    frames: list[float] = []
+    lags: list[float] = []
+
+    async def main() -> dict:
+        async with app.run_test(size=size) as pilot:
+            while app.backend is None:
+                await pilot.pause(0.05)
+            while any(backend.fleet.pod(f"pod{k}").last_seq < 0 for k in range(pods)):
+                await pilot.pause(0.02)  # the publishers' probes arrive: subscribed
+            timer = app.screen._update_timer  # the screen's update: one call, one frame
+            real_update = timer._callback
+
+            def timed_update():
+                t = time.perf_counter()
+                real_update()
+                frames.append((time.perf_counter() - t) * 1000)
+
+            timer._callback = timed_update
+            try:
+                t0 = time.perf_counter()
+                go.set()
+                last_report = t0
+                while not done.is_set():
+                    t = time.perf_counter()
+                    await asyncio.sleep(0.01)
+                    lags.append((time.perf_counter() - t - 0.01) * 1000)
+                    if progress and time.perf_counter() - last_report > 2:
+                        last_report = time.perf_counter()
+                        progress(f"app: {time.perf_counter() - t0:.0f} s of {seconds:.0f}")
+                send_s = time.perf_counter() - t0
+                end = time.perf_counter() + 10
+                while time.perf_counter() < end and any(
+                        backend.fleet.pod(f"pod{k}").last_seq < sent[k] for k in range(pods)):
+                    await asyncio.sleep(0.01)
+                drain_s = time.perf_counter() - t0
+                await pilot.pause(0.3)
+                scale = app.query_one("#map").scale_text()
+            finally:
+                timer._callback = real_update
+            return {"send_s": send_s, "drain_s": drain_s, "scale": scale}
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        backend.close()
+        publisher.join(5)
+        if publisher.is_alive():
+            publisher.kill()
+        tmp.cleanup()
+    applied = sum(sum(counts[k][:backend.fleet.pod(f"pod{k}").last_seq]) for k in range(pods))
+    offered = sum(sum(c) for c in counts)
+    return {"rate": rate, "pods": pods, "pool_blocks": pool_blocks, "record": record,
+            "events": offered, "applied": applied, "send_s": round(r["send_s"], 2),
+            "offered_per_s": round(offered / r["send_s"]), "applied_per_s": round(applied / r["drain_s"]),
+            "kept_up": applied == offered and r["drain_s"] - r["send_s"] < 1.0,
+            "frames": len(frames), "frame_ms_p50": round(_pct(frames, 0.5), 1),
+            "frame_ms_p95": round(_pct(frames, 0.95), 1), "frame_ms_max": round(max(frames, default=0), 1),
+            "lag_ms_p50": round(_pct(lags, 0.5), 1), "lag_ms_p95": round(_pct(lags, 0.95), 1),
+            "lag_ms_max": round(max(lags, default=0), 1), "map": r["scale"]}
+
+
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False) -> dict:
     warm = synthetic_stream(pool_blocks // 4, pool_blocks, seed=1)  # a pool already filling up
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
@@ -168,8 +311,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=100_000)
     ap.add_argument("--no-socket", action="store_true")
     ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
+    ap.add_argument("--app", action="store_true",
+                    help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
+    ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="how long to send, with --app")
+    ap.add_argument("--pods", type=int, default=1, help="publishers, with --app (the rate is split)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.app:
+        r = measure_app(args.rate, args.seconds, args.pool_blocks, args.pods, args.record,
+                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"attach app, {r['pods']} pod(s), {r['pool_blocks']:,} slots each ({r['map']}), "
+                  f"recording {'on' if r['record'] else 'off'}: offered {r['offered_per_s']:,} events/s, "
+                  f"applied {r['applied_per_s']:,} events/s ({'kept up' if r['kept_up'] else 'fell behind'})")
+            print(f"frame time p50 {r['frame_ms_p50']} ms, p95 {r['frame_ms_p95']} ms, max {r['frame_ms_max']} ms "
+                  f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
+                  f"max {r['lag_ms_max']} ms")
+        return 0
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record)
     if args.json:
         print(json.dumps(r))

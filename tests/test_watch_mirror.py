@@ -111,3 +111,13 @@ def test_mirror_bench_runs_small():
     assert len(m.blocks) <= 400 and m.removed > 0 and m.reannounced > 0
     r = run(2000, 400, socket=True, record=True)  # every path runs (no timing asserted)
     assert r["events"] >= 2000 and r["socket_events_per_s"] > 0 and r["record_events_per_s"] > 0
+
+
+def test_mirror_bench_app_runs_small():
+    """The attach app fed by two publishers in another process: every event applied, frames
+    drawn, one map per pod (no timing asserted: the figures are `kvplay bench` output)."""
+    from kvplay.bench.mirror_bench import measure_app
+
+    r = measure_app(rate=3000, seconds=1.0, pool_blocks=500, pods=2, record=True)
+    assert r["applied"] == r["events"] >= 2900 and r["kept_up"]
+    assert r["frames"] > 0 and r["frame_ms_p95"] > 0 and "blocks" in r["map"]

@@ -494,11 +494,21 @@ class KvplayApp(ControlsMixin, App):
         self._take_event(msg.event)
 
     def _take_events(self) -> None:
-        lines = []
-        while self._event_queue:
-            line = self._take_event(self._event_queue.popleft(), log=False)
+        q = self._event_queue
+        n = len(q)
+        if not n:
+            return
+        events = [q.popleft() for _ in range(n)]
+        for ev in events:
+            self._note_event(ev)
+        lines = []  # only the newest lines survive in the event log: format those alone
+        for ev in reversed(events):
+            line = event_line(ev, self.looks)
             if line:
                 lines.append(line)
+                if len(lines) == EVENT_LINES:
+                    break
+        lines.reverse()
         self._log_events(lines)
 
     def _log_events(self, lines: list[str]) -> None:
@@ -518,26 +528,36 @@ class KvplayApp(ControlsMixin, App):
         if shown:
             log.write_lines(list(self._event_lines))
 
-    def _take_event(self, ev, log: bool = True) -> str | None:
+    def _take_event(self, ev) -> str | None:
+        """One event now (a local engine's listener); the timer takes the rest in bulk."""
+        self._note_event(ev)
+        line = event_line(ev, self.looks)
+        if line:
+            self._log_events([line])
+        return line
+
+    def _note_event(self, ev) -> None:
+        """What the map and the jump key need from an event: hit and flash sets, the blocks of
+        each running request (a remote server's events name no request)."""
         self._dirty = True
-        if ev.kind == "BlockHit":
+        kind = ev.kind
+        if kind == "BlockHit":
             self._hit = set(ev.block_ids)
             if self.flash_s:
                 self._flash = set(ev.block_ids)
                 self._flash_until = time.monotonic() + self.flash_s
-        elif ev.kind == "RequestStarted" and ev.cached_tokens == 0:
+        elif kind == "RequestStarted" and ev.cached_tokens == 0:
             self._hit = set()
-        elif ev.kind in ("AllBlocksCleared",):
+        elif kind == "AllBlocksCleared":
             self._hit = set()
             self._last_blocks = set()
-        if ev.kind in ("BlockHit", "BlockStored"):
-            self._request_blocks.setdefault(ev.request_id, set()).update(ev.block_ids)
-        elif ev.kind == "RequestFinished":
-            self._last_blocks = self._request_blocks.pop(ev.request_id, set()) or self._last_blocks
-        line = event_line(ev, self.looks)
-        if line and log:
-            self._log_events([line])
-        return line
+        rid = getattr(ev, "request_id", None)
+        if rid is None:
+            return
+        if kind in ("BlockHit", "BlockStored"):
+            self._request_blocks.setdefault(rid, set()).update(ev.block_ids)
+        elif kind == "RequestFinished":
+            self._last_blocks = self._request_blocks.pop(rid, set()) or self._last_blocks
 
     def _tick(self) -> None:
         if self.recorder_error and not self._recorder_error_shown:

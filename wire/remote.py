@@ -292,6 +292,11 @@ class RemoteBackend:
                     fn(ev)
                 except Exception:  # a view's error must not stop the mirror (it runs on our thread)
                     pass
+        # Let the app's thread in. A busy server keeps this thread computing; each time the UI
+        # thread waits in select() it must take the GIL back, which takes up to the 5 ms switch
+        # interval from a thread that never blocks: its loop crawled (~100 ms lags at 50,000
+        # events/s). Releasing it after every batch hands it over at once.
+        time.sleep(0)
 
     def subscribe(self, listener: Callable) -> Callable[[], None]:
         with self._lock:
@@ -408,16 +413,28 @@ class RemoteBackend:
                     "deterministic": False, "hash": "remote", "verify_on_hit": False,
                     "pods": {name: m.state for name, m in self.fleet.pods.items()}}
 
+    @property
+    def version(self) -> int:
+        """Bumped by every applied batch: the map redraws when it moves (no copy, no lock)."""
+        return self._version
+
     def arrays(self, start: int = 0, stop: int | None = None):
+        """The blocks [start, stop) of all pods, pod after pod: only the pods' slices in range
+        are copied (the map asks for a window of a pool of hundreds of thousands)."""
         from kvplay.engine.observe import BlockArrays
 
         with self._lock:
-            state = np.concatenate([s.state for s in self.pods.values()]) if self.pods else np.zeros(0, np.int8)
-            creator = (np.concatenate([s.creator for s in self.pods.values()]) if self.pods
-                       else np.zeros(0, np.int32))
-            stop = len(state) if stop is None else min(stop, len(state))
-            return BlockArrays(self._version, start, state[start:stop].copy(), creator[start:stop].copy(),
-                               tuple(self.users))
+            stop = self.num_blocks if stop is None else min(stop, self.num_blocks)
+            states, creators, at = [], [], 0
+            for slots in self.pods.values():
+                lo, hi = max(start, at), min(stop, at + slots.capacity)
+                if lo < hi:
+                    states.append(slots.state[lo - at:hi - at])
+                    creators.append(slots.creator[lo - at:hi - at])
+                at += slots.capacity
+            state = np.concatenate(states) if states else np.zeros(0, np.int8)
+            creator = np.concatenate(creators) if creators else np.zeros(0, np.int32)
+            return BlockArrays(self._version, start, state, creator, tuple(self.users))
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
         from kvplay.engine.observe import summarize
