@@ -3,15 +3,11 @@ mirrors vLLM's KV events in the panes' colours, and the numbers agree with vLLM'
 (`usage.prompt_tokens_details.cached_tokens`, `/metrics`)."""
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
-from test_attach import SYSTEM, attach_args, make_app, say, status
+from test_attach import attach_args, make_app, say, status
 from test_tui_app import badges, wait_until
-from test_watch_subscriber import free_port
-from test_watch_vllm import SCRIPT, VLLM_VENV, hits_total
+from test_watch_vllm import VllmServer, hits_total
 
 from kvplay.tui.attach_cli import open_backend
 from kvplay.tui.blockmap import BlockMap
@@ -19,16 +15,9 @@ from kvplay.tui.blockmap import BlockMap
 
 @pytest.mark.vllm
 async def test_attach_real_vllm_two_panes(tmp_path):
-    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-    port, evp, rep = free_port(), free_port(), free_port()
-    ev, rep_ep = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
-               KVPLAY_VLLM_PORT=str(port))
-    out = subprocess.run([SCRIPT, "start", "--port", str(port), "--events", ev, "--replay", rep_ep],
-                         env=env, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-2000:]
+    vllm = VllmServer(tmp_path)
+    ev, rep_ep, base = vllm.events, vllm.replay, vllm.base
+    vllm.start()
     try:
         # vLLM connects to a non-wildcard endpoint, so attach binds (nothing is published before a request)
         backend = open_backend(attach_args(base, "--events-bind", ev, "--replay", rep_ep, "--pod", "vllm",
@@ -58,4 +47,4 @@ async def test_attach_real_vllm_two_panes(tmp_path):
             await wait_until(pilot, lambda: "pod vllm live" in status(app))
         backend.close()
     finally:
-        subprocess.run([SCRIPT, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
+        vllm.stop()

@@ -60,28 +60,43 @@ def quiet(w, seconds=2.0, timeout=60):
     return got
 
 
+class VllmServer:
+    """A vLLM CPU server on free loopback ports, driven by scripts/vllm-cpu.sh (skips the test
+    when there is no vLLM venv): `base` for HTTP, `events`/`replay` for its KV events."""
+
+    def __init__(self, tmp_path):
+        if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
+            pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
+        self.port, evp, rep = free_port(), free_port(), free_port()
+        self.events, self.replay = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
+                        KVPLAY_VLLM_PORT=str(self.port))
+
+    def __call__(self, cmd, *args):
+        out = subprocess.run([SCRIPT, cmd, "--port", str(self.port), *args], env=self.env, capture_output=True,
+                             text=True, timeout=400)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+    def start(self):
+        self("start", "--events", self.events, "--replay", self.replay)
+
+    def stop(self):
+        subprocess.run([SCRIPT, "stop", "--port", str(self.port)], env=self.env, capture_output=True, timeout=60)
+
+
 @pytest.mark.vllm
 def test_watch_real_vllm_gap_and_restart(tmp_path):
-    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-    port, evp, rep = free_port(), free_port(), free_port()
-    ev, rep_ep = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
-               KVPLAY_VLLM_PORT=str(port))
+    vllm = VllmServer(tmp_path)
+    ev, rep_ep, base = vllm.events, vllm.replay, vllm.base
     db = tmp_path / "s.db"
-
-    def vllm(cmd, *args):
-        out = subprocess.run([SCRIPT, cmd, "--port", str(port), *args], env=env, capture_output=True, text=True,
-                             timeout=400)
-        assert out.returncode == 0, out.stderr[-2000:]
 
     # vLLM connects to a non-wildcard endpoint, so watch binds; seq 1 (bob's) is lost in transit
     w = Watch("--events-bind", ev, "--replay", rep_ep, "--pod", "vllm", "--topic", "kv-events", "--json",
               "--db", str(db), "--drop", "vllm:1")
     try:
         w.wait_err("recording")
-        vllm("start", "--events", ev, "--replay", rep_ep)
+        vllm.start()
         alice = chat(base, "alice", "When do you open on Sundays?")
         bob = chat(base, "bob", "Do you sell rye bread?")
         again = chat(base, "alice", "And cakes?")  # a later batch: only it reveals the lost one
@@ -91,14 +106,14 @@ def test_watch_real_vllm_gap_and_restart(tmp_path):
         assert any(d.get("replayed") for d in first), (first, w.err)  # the lost batch came back by replay
         # kill vLLM and start it again: a new publisher, seq from 0, an empty cache
         vllm("stop")
-        vllm("start", "--events", ev, "--replay", rep_ep)
+        vllm.start()
         carol = chat(base, "carol", "Can I order a cake?")
         quiet(w)
         rest = w.stop()
     finally:
         if w.p.poll() is None:
             w.p.kill()
-        subprocess.run([SCRIPT, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
+        vllm.stop()
     assert w.p.returncode == 0, w.err
     pod = rest[-1]["pods"]["vllm"]
     assert pod["restarts"] == 1 and pod["gaps"] >= 1 and pod["replayed"] >= 1
