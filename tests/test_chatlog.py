@@ -63,3 +63,18 @@ async def test_entries_by_kind_and_removal():
         await pilot.pause()
         assert log.texts() == ["a note"] and lines(log)[0] == "a note"
         assert log.virtual_size.height == 1
+
+
+async def test_kinds_keep_their_theme_colours():
+    """A badge or a note is drawn in its kind's colour ($text-muted, $warning), not the reply's."""
+    app = LogApp()
+    async with app.run_test(size=(40, 10)) as pilot:
+        log = app.query_one(ChatLog)
+        log.add("reply", "an answer")
+        log.add("badge", "prompt 3 · cached 0")
+        log.add("note", "a note")
+        await pilot.pause()
+        colour = [log.render_line(y)._segments[0].style.color for y in (0, 1, 3)]  # line 2: the note's gap
+        assert colour[0] != colour[1] and colour[1] != colour[2] and colour[0] != colour[2]
+        muted = log.get_component_rich_style("chatlog--badge").color
+        assert colour[1] == muted

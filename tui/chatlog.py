@@ -131,8 +131,8 @@ class ChatLog(ScrollView, can_focus=False):
         """The widget's rich style ("") or a kind's on top of it, computed once per theme."""
         if kind not in self._styles:
             own = self.rich_style
-            self._styles[kind] = own if not kind else own + self.get_component_rich_style(
-                f"chatlog--{kind}", partial=True)
+            # the full component style: $text-muted and friends are blends that need the background
+            self._styles[kind] = own if not kind else own + self.get_component_rich_style(f"chatlog--{kind}")
         return self._styles[kind]
 
     def notify_style_update(self) -> None:
