@@ -32,3 +32,16 @@ def test_looks_are_distinct_and_stable():
 def test_sparkline():
     assert sparkline([1, 2, 3]) == "▁▄█"
     assert sparkline([]) == ""
+
+
+def test_event_log_names_a_group_change(make_engine):
+    from kvplay.tui.format import event_line
+
+    seen = []
+    with make_engine(num_blocks=16) as eng:
+        eng.subscribe(seen.append)
+        eng.register_user("mallory", None)
+        eng.set_group("mallory", "alice")
+        eng.stats(timeout=5)  # the engine thread has taken the command
+    lines = [event_line(ev, {}) for ev in seen if ev.kind == "UserGroupChanged"]
+    assert len(lines) == 1 and "mallory: (none) → alice" in lines[0]
