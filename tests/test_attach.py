@@ -2,6 +2,7 @@
 driven with Textual's pilot: panes talk to the server's API, the map mirrors its KV events."""
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 
 from serve_util import serve  # noqa: F401 (fixture)
@@ -35,6 +36,16 @@ async def say(app, pilot, user, text):
     await pilot.press("enter")
     await wait_until(pilot, lambda: len(app._requests) > n and not app.busy)
     return app._requests[-1]
+
+
+@contextlib.asynccontextmanager
+async def attached_without_events(serve, tmp_path):
+    """The attach app (panes only, no --events) on a fresh `kvplay serve`: (server, app, pilot)."""
+    srv, _state = serve(num_blocks=64)
+    app = make_app(open_backend(attach_args(srv.url)), tmp_path, record=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        yield srv, app, pilot
 
 
 def status(app) -> str:
@@ -86,11 +97,7 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
 
 
 async def test_attach_without_events_shows_usage(serve, tmp_path):
-    srv, state = serve(num_blocks=64)
-    backend = open_backend(attach_args(srv.url))
-    app = make_app(backend, tmp_path, record=False)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+    async with attached_without_events(serve, tmp_path) as (srv, app, pilot):
         await say(app, pilot, "alice", "Do you sell rye bread?")
         b = await say(app, pilot, "bob", "Do you sell croissants?")
         assert b.cached_tokens >= 16 and b.cached_from == {}  # from usage; whose: no events to tell
@@ -152,11 +159,7 @@ async def test_attach_two_pods_one_map_each(serve, tmp_path):
 
 
 async def test_attach_server_gone_is_one_line_in_the_pane(serve, tmp_path):
-    srv, state = serve(num_blocks=64)
-    backend = open_backend(attach_args(srv.url))
-    app = make_app(backend, tmp_path, record=False)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+    async with attached_without_events(serve, tmp_path) as (srv, app, pilot):
         await say(app, pilot, "alice", "Do you sell rye bread?")
         srv.stop()
         r = await say(app, pilot, "bob", "Do you sell croissants?")

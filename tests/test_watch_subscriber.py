@@ -2,6 +2,7 @@
 loopback: late join, gaps filled by replay in seq order, restarts, bind mode, lost batches."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -258,45 +259,10 @@ def test_two_pods_keep_their_own_seq(publisher):
         assert sub.fleet.summary()["pods"]["one"]["by_session"] == {"a": 1}
 
 
-def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
-    """A new publisher whose seq has already passed ours looks like a gap to a seq-only consumer
-    (it would keep the dead server's blocks). On reconnect the subscriber asks for its last seq
-    and compares the payload: a different batch means a restart."""
-    rep = f"tcp://127.0.0.1:{free_port()}"
-    fleet = Fleet()
-    sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet).open()
-    try:
-        ep = sub.endpoint("p")
-        pub = publisher(ep, rep)
-        m = fleet.pod("p")
-        _sync(pub, sub, m)
-        n = pub.next_seq + 3
-        for i in range(3):
-            publish(pub, stored([200 + i]))
-        sent(pub, n)
-        pump(sub, lambda: m.last_seq == pub.next_seq - 1)
-        old_last = m.last_seq
-        pub.shutdown()
-        pump(sub, lambda: sub.states()["p"] == "stale")
-        pub2 = restart(publisher, ep, rep)
-        for i in range(old_last + 4):  # the new server is already past our seq when we see it
-            publish(pub2, stored([900 + i]))
-        # pub2.next_seq is only final once its thread sent them all: a target read earlier was met
-        # by seq 2 on a busy box and the assert below then missed 903.. (a test race)
-        sent(pub2, old_last + 4)
-        pump(sub, lambda: m.restarts == 1 and m.last_seq == pub2.next_seq - 1 and sub.states()["p"] == "live")
-        assert set(m.blocks) == {900 + i for i in range(old_last + 4)}  # nothing of the old server
-    finally:
-        sub.close()
-
-
-def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(publisher):
-    """The interleaving a busy box can produce: a restarted publisher's live batch (beyond our
-    last seq) is read before the monitor's CONNECTED event is handled. Taken as a gap, it used to
-    start a replay from last applied + 1 that applied the new server's batches as the old one's
-    continuation (and the connect-verify was skipped while that replay ran): old blocks kept, no
-    restart seen. It must verify our last batch first. Driven deterministically by holding the
-    monitor's events back until the live batch was handled."""
+@contextlib.contextmanager
+def _publisher_gone(publisher):
+    """A binding subscriber with replay that applied three batches of a publisher which then went
+    away (the pod is stale): yields (sub, its mirror, endpoint, replay endpoint, last seq)."""
     rep = f"tcp://127.0.0.1:{free_port()}"
     fleet = Fleet()
     sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet).open()
@@ -310,9 +276,36 @@ def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(p
             publish(pub, stored([200 + i]))
         sent(pub, n)
         pump(sub, lambda: m.last_seq == n - 1)
-        old_last = m.last_seq
         pub.shutdown()
         pump(sub, lambda: sub.states()["p"] == "stale")
+        yield sub, m, ep, rep, m.last_seq
+    finally:
+        sub.close()
+
+
+def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
+    """A new publisher whose seq has already passed ours looks like a gap to a seq-only consumer
+    (it would keep the dead server's blocks). On reconnect the subscriber asks for its last seq
+    and compares the payload: a different batch means a restart."""
+    with _publisher_gone(publisher) as (sub, m, ep, rep, old_last):
+        pub2 = restart(publisher, ep, rep)
+        for i in range(old_last + 4):  # the new server is already past our seq when we see it
+            publish(pub2, stored([900 + i]))
+        # pub2.next_seq is only final once its thread sent them all: a target read earlier was met
+        # by seq 2 on a busy box and the assert below then missed 903.. (a test race)
+        sent(pub2, old_last + 4)
+        pump(sub, lambda: m.restarts == 1 and m.last_seq == pub2.next_seq - 1 and sub.states()["p"] == "live")
+        assert set(m.blocks) == {900 + i for i in range(old_last + 4)}  # nothing of the old server
+
+
+def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(publisher):
+    """The interleaving a busy box can produce: a restarted publisher's live batch (beyond our
+    last seq) is read before the monitor's CONNECTED event is handled. Taken as a gap, it used to
+    start a replay from last applied + 1 that applied the new server's batches as the old one's
+    continuation (and the connect-verify was skipped while that replay ran): old blocks kept, no
+    restart seen. It must verify our last batch first. Driven deterministically by holding the
+    monitor's events back until the live batch was handled."""
+    with _publisher_gone(publisher) as (sub, m, ep, rep, old_last):
         pod = sub._pods["p"]
         monitor, pod.monitor = pod.monitor, None  # hold the new peer's CONNECTED back
         sub._poller.unregister(monitor)
@@ -333,5 +326,3 @@ def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(p
         sub._poller.register(monitor, zmq.POLLIN)
         pump(sub, lambda: sub.states()["p"] == "live" and m.last_seq == k - 1)
         assert m.restarts == 1 and set(m.blocks) == {900 + i for i in range(k)}
-    finally:
-        sub.close()

@@ -36,7 +36,6 @@ class ChatPane(Vertical):
         self.busy = False
         self.ready = False
         self._replies: dict[int, tuple[Entry, Entry]] = {}  # turn → its reply and badge entries
-        self._texts: dict[int, str] = {}
 
     @property
     def user(self) -> str:
@@ -109,11 +108,9 @@ class ChatPane(Vertical):
     def start_reply(self, turn_id: int) -> None:
         chat = self.chat
         self._replies[turn_id] = (chat.add("reply", "…"), chat.add("badge", ""))
-        self._texts[turn_id] = ""
 
     def update_reply(self, turn_id: int, text: str) -> None:
         if turn_id in self._replies and self.is_attached:
-            self._texts[turn_id] = text
             self.chat.set(self._replies[turn_id][0], Text(text or "…"))
 
     def finish_reply(self, turn_id: int, result, looks: dict, timings: bool = True) -> None:

@@ -18,10 +18,11 @@ def update_static(w: Static, content) -> None:
     a second while users stream (each pass took ~13 ms and keystrokes queued behind them)."""
     w.update(content, layout=False)
     width = w.content_size.width
-    height = w.visual.get_height(w.styles, width) if width else None
-    if height is None or height != getattr(w, "_kv_height", None):
-        w._kv_height = height
+    if not width:  # not laid out yet: the layout pass sizes it
+        w._kv_height = None
         w.refresh(layout=True)
+    else:
+        refresh_if_taller(w, w.visual.get_height(w.styles, width))
 
 
 def refresh_if_taller(w: Widget, height: int) -> None:
