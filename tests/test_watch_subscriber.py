@@ -97,10 +97,20 @@ def restart(publisher, ep, rep):
             time.sleep(0.05)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never one this process was given before (two calls
+    in a row could otherwise get the same port back: a test's events and replay endpoints
+    then collide)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def pump_for(sub, seconds):
