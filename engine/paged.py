@@ -79,10 +79,10 @@ class PagedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the step's new K/V ([1, H, N, D]) into the pool; hand attention the pool."""
         plan = self.owner.plan
-        store = self.owner.store.data[self.layer_idx]  # [2, slots, H, D]
+        store = self.owner.store.data[self.layer_idx]  # [2, H, slots, D]
         kpool, vpool = store[0], store[1]
-        kpool.index_copy_(0, plan.write_slots, key_states[0].transpose(0, 1).to(kpool.dtype))
-        vpool.index_copy_(0, plan.write_slots, value_states[0].transpose(0, 1).to(vpool.dtype))
+        kpool.index_copy_(1, plan.write_slots, key_states[0].to(kpool.dtype))
+        vpool.index_copy_(1, plan.write_slots, value_states[0].to(vpool.dtype))
         return kpool, vpool
 
     def get_mask_sizes(self, query_length: int):
@@ -115,22 +115,22 @@ def _row_kv(pool, plan: StepPlan, row: int, start: int):
     first = plan.row_runs[row]
     if first is not None and not plan.deterministic:
         end = first + plan.past_lens[row] + plan.q_lens[row]
-        return pool[first + start:end].transpose(0, 1).unsqueeze(0)
+        return pool[:, first + start:end].unsqueeze(0)
     slots = plan.row_slots[row]
     if start:
         slots = slots[start:]
-    return pool.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    return pool.index_select(1, slots).unsqueeze(0)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     sliding_window=None, **kwargs):
-    """query [1, Hq, N, D] (rows packed); key/value: the layer's pool [slots, Hkv, D]."""
+    """query [1, Hq, N, D] (rows packed); key/value: the layer's pool [Hkv, slots, D]."""
     plan: StepPlan | None = kwargs.get("kvplay_plan")
     if plan is None:  # the model used outside the engine (e.g. HF generate): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     window = sliding_window or None
-    gqa = query.shape[1] != key.shape[1]
+    gqa = query.shape[1] != key.shape[0]
     h, d = query.shape[1], query.shape[3]
     out = query.new_empty((1, query.shape[2], h, d))
     for row, (s, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
