@@ -82,8 +82,27 @@ class LinearPlan:
         return plan
 
 
+def tiled_linear(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed in the calibrated tiles and buckets of `weight`'s shape."""
+    shape = plan.for_weight(weight)
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    if m == shape.tile:
+        return F.linear(x, weight, bias)
+    parts = []
+    for i, n, rows in shape.pieces(m):
+        part = flat[i:i + n]
+        if rows > n:
+            part = torch.cat([part, part.new_zeros((rows - n, part.shape[1]))])
+        parts.append(F.linear(part, weight, bias)[:n])
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class BatchInvariantLinear(TorchFunctionMode):
-    """Computes every F.linear in calibrated tiles and buckets (see the module doc)."""
+    """Computes every F.linear in calibrated tiles and buckets (see the module doc): for models
+    run through transformers' modules (llama_step.py calls `tiled_linear` itself)."""
 
     def __init__(self, plan: LinearPlan):
         super().__init__()
@@ -93,17 +112,7 @@ class BatchInvariantLinear(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
-        x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
-        shape = self.plan.for_weight(w)
-        flat = x.reshape(-1, x.shape[-1])
-        m = flat.shape[0]
-        if m == shape.tile:
-            return func(*args, **kwargs)
-        parts = []
-        for i, n, rows in shape.pieces(m):
-            part = flat[i:i + n]
-            if rows > n:
-                part = torch.cat([part, part.new_zeros((rows - n, part.shape[1]))])
-            parts.append(func(part, *args[1:], **kwargs)[:n])
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        x = args[0]
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        return tiled_linear(self.plan, x, w, b)
