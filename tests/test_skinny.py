@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import threading
 
-from kvplay.engine.skinny import decode_step, install, max_rows, skinny_linear
+from kvplay.engine.skinny import decode_step, install, max_rows, skinny_linear, skinny_mm
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -20,6 +20,17 @@ def test_matches_f_linear(threads, rows):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     if rows > max_rows(threads) or (rows == 1 and threads == 1):  # left to F.linear, bit for bit
         assert torch.equal(y, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 26, 40, 256])
+def test_skinny_mm_pads_to_sixteens_and_returns_the_rows(threads, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 48, generator=g)
+    x = torch.randn(rows, 48, generator=g)
+    y = skinny_mm(x, w, threads)
+    assert y.shape == (rows, 200)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_installed_only_inside_decode_step_on_its_thread():
