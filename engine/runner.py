@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .invariance import BatchInvariantLinear, LinearPlan
+from .invariance import BatchInvariantLinear, LinearPlan, tiled_linear
 from .paged import ATTN_NAME, PagedCache, StepPlan
 from .skinny import decode_step, install, max_rows, skinny_linear
 from .kv_store import KVStore
+from .llama_step import LlamaStep
 
 
 @dataclass
@@ -61,6 +62,8 @@ class ModelRunner:
         params = inspect.signature(self.model.model.forward).parameters
         # transformers >= 5.24 names it `cache` (`past_key_values` is a deprecated alias).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Steps on CPU run the decoder written out (llama_step.py) when the model fits it.
+        self.llama_step = LlamaStep.for_model(self.model) if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             install(self.model.model)  # decode steps' Linear layers (skinny.py); lm_head below
 
@@ -101,28 +104,34 @@ class ModelRunner:
         if deterministic and self.linear_plan is None:
             self.linear_plan = LinearPlan()  # calibrates each GEMM shape on first use (invariance.py)
         threads = torch.get_num_threads()
-        if deterministic:
-            mode = BatchInvariantLinear(self.linear_plan)
-        elif self.device.type == "cpu" and input_ids.shape[1] <= max_rows(threads):
-            mode = decode_step(threads)  # every weight read once, on every thread (skinny.py)
-        else:
-            mode = contextlib.nullcontext()
+        det = self.linear_plan if deterministic else None
         try:
-            with mode:
-                # The 4-D placeholder tells transformers the mask is prepared (it returns it as is);
-                # paged attention builds each row's own causal/window mask from the plan.
-                out = self.model.model(input_ids=input_ids, attention_mask=self._no_mask,
-                                       position_ids=positions, use_cache=True, kvplay_plan=plan,
-                                       **{self._cache_kw: self.cache})
+            if self.llama_step is not None:  # the decoder written out (llama_step.py)
+                hidden = self.llama_step.forward(input_ids, positions, plan, self.store, threads, det)
+            else:
+                if deterministic:
+                    mode = BatchInvariantLinear(self.linear_plan)
+                elif self.device.type == "cpu" and input_ids.shape[1] <= max_rows(threads):
+                    mode = decode_step(threads)  # every weight read once, on every thread (skinny.py)
+                else:
+                    mode = contextlib.nullcontext()
+                with mode:
+                    # The 4-D placeholder tells transformers the mask is prepared (it returns it
+                    # as is); paged attention builds each row's own causal/window mask from the plan.
+                    out = self.model.model(input_ids=input_ids, attention_mask=self._no_mask,
+                                           position_ids=positions, use_cache=True, kvplay_plan=plan,
+                                           **{self._cache_kw: self.cache})
                 hidden = out.last_hidden_state[0]  # [N, hidden]
-                last = torch.tensor([s + n - 1 for s, n in zip(plan.q_starts, plan.q_lens)],
-                                    device=hidden.device)
-                rows = hidden.index_select(0, last)
-                head = self.model.lm_head
-                if deterministic or type(head) is not torch.nn.Linear:
-                    logits = head(rows)
-                else:  # the biggest weight of a small model: a prefill step reads it for a few rows too
-                    logits = skinny_linear(rows, head.weight, head.bias, threads)
+            last = torch.tensor([s + n - 1 for s, n in zip(plan.q_starts, plan.q_lens)],
+                                device=hidden.device)
+            rows = hidden.index_select(0, last)
+            head = self.model.lm_head
+            if type(head) is not torch.nn.Linear:
+                logits = head(rows)
+            elif det is not None:
+                logits = tiled_linear(det, rows, head.weight, head.bias)
+            else:  # the biggest weight of a small model: a prefill step reads it for a few rows too
+                logits = skinny_linear(rows, head.weight, head.bias, threads)
         finally:
             self.cache.plan = None
         self.forwards += 1

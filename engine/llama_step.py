@@ -1,0 +1,172 @@
+"""One forward of a Llama-family decoder (Llama, Mistral, Qwen2) written out over the pool.
+
+The engine's steps on CPU skip transformers' module stack: a decode step of SmolLM2 ran
+~3,000 small ops and ~20 ms of Python around ~25 ms of GEMMs (torch.profiler, 2 threads); here a
+layer is one RMSNorm, one GEMM for q/k/v, rotary, the K/V write, paged attention, one GEMM for
+o, one RMSNorm, one GEMM for gate/up, SiLU x up, one GEMM for down. q/k/v (and gate/up) become
+row blocks of one weight each: `LlamaStep` concatenates them once and makes the modules' own
+weights views of it, so transformers' own forward (HF generate, the bench's HF peers) still
+runs on the same memory, and nothing is held twice.
+
+The arithmetic is transformers' (the same RMSNorm, rotary and activation ops, attention by
+`paged.paged_attention`); only the GEMMs are grouped differently, so logits agree with the
+module path to float32 rounding, as they do between any two batch shapes in the default mode.
+In deterministic mode every GEMM (the fused ones included) runs in its calibrated tiles
+(`invariance.tiled_linear`) and attention takes its exact per-query path, as on the module path,
+but without a TorchFunctionMode's Python call on every op.
+
+Used only for models whose layers have exactly this structure (`LlamaStep.for_model` checks
+each class and config flag it relies on) and on CPU (the GPU path is not measured here).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .invariance import LinearPlan, tiled_linear
+from .paged import StepPlan, paged_attention
+from .skinny import skinny_mm, written_out_rows
+
+_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' rows in order; the linears keep views of it.
+    A second runner on the same model finds the first one's (the views still point into it)."""
+    done = getattr(linears[0], "_kvplay_fused", None)
+    if done is not None and all(lin.weight.data_ptr() == done[0][i].data_ptr()
+                                for i, lin in zip(done[2], linears)):
+        return done[0], done[1]
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears])
+    start, starts = 0, []
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[start:start + n], requires_grad=False)
+        starts.append(start)
+        start += n
+    linears[0]._kvplay_fused = (weight, bias, starts)
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    norm1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    act: object
+    attn: torch.nn.Module  # for its scaling and the attention call's `module` argument
+    window: int | None
+
+
+class LlamaStep:
+    def __init__(self, model):
+        inner = model.model
+        cfg = inner.config
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm.weight
+        self.eps = inner.norm.variance_epsilon
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, _ = _fuse([m.gate_proj, m.up_proj])
+            window = getattr(a, "sliding_window", getattr(cfg, "sliding_window", None)) or None
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, qkv_bias,
+                a.o_proj.weight, layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.variance_epsilon, gate_up, m.down_proj.weight,
+                m.act_fn, a, window))
+
+    @classmethod
+    def for_model(cls, model) -> "LlamaStep | None":
+        """A LlamaStep when every part of `model` is one this module writes out, else None."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or not layers or not hasattr(inner, "rotary_emb"):
+            return None
+        cfg = inner.config
+        if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) != 1:
+            return None
+        if type(inner.norm).__name__ not in _NORMS or type(inner.embed_tokens) is not torch.nn.Embedding:
+            return None
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            if (type(layer).__name__ not in _LAYERS
+                    or {type(layer.input_layernorm).__name__, type(layer.post_attention_layernorm).__name__} - _NORMS
+                    or any(type(lin) is not torch.nn.Linear for lin in
+                           (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj))
+                    or a.o_proj.bias is not None
+                    or len({lin.bias is None for lin in (a.q_proj, a.k_proj, a.v_proj)}) != 1):
+                return None
+        return cls(model)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, threads: int):
+        if self._det is not None:
+            return tiled_linear(self._det, x, w, b)
+        if self._few:
+            y = skinny_mm(x, w, threads)
+            return y if b is None else y + b
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, op for op (float32 models: no dtype round trip)
+        if x.dtype is not torch.float32:
+            h = x.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+                store, threads: int, det: LinearPlan | None = None) -> torch.Tensor:
+        """input_ids, positions: [1, N]; returns the final hidden states [N, hidden]. `det`:
+        deterministic mode's calibrated GEMM shapes (every GEMM in its tiles, invariance.py)."""
+        n = input_ids.shape[1]
+        x = self.embed(input_ids[0])  # [N, hidden]
+        self._det = det
+        self._few = det is None and x.dtype is torch.float32 and n <= written_out_rows(threads)
+        cos, sin = self.rotary(x, positions)  # [1, N, D]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        q_end, k_end = hq * d, (hq + hk) * d
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L.norm1, L.eps1)
+            qkv = self._linear(h, L.qkv, L.qkv_bias, threads)  # [N, (hq + 2 hk) d]
+            q = self._rotate(qkv[:, :q_end].view(n, hq, d), cos, sin)
+            k = self._rotate(qkv[:, q_end:k_end].view(n, hk, d), cos, sin)
+            v = qkv[:, k_end:].view(n, hk, d)
+            kpool, vpool = store.data[i][0], store.data[i][1]  # [hk, slots, d]
+            kpool.index_copy_(1, plan.write_slots, k.transpose(0, 1).to(kpool.dtype))
+            vpool.index_copy_(1, plan.write_slots, v.transpose(0, 1).to(vpool.dtype))
+            if n > 1 and self._few:  # SDPA takes its math path for strided multi-token queries
+                q = q.contiguous()
+            o, _ = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), kpool, vpool, None,
+                                   scaling=L.attn.scaling, sliding_window=L.window, kvplay_plan=plan)
+            x = x + self._linear(o.view(n, hq * d), L.o, None, threads)
+            h = self._rms(x, L.norm2, L.eps2)
+            gu = self._linear(h, L.gate_up, None, threads)
+            inter = gu.shape[1] // 2
+            x = x + self._linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None, threads)
+        return self._rms(x, self.norm, self.eps)
