@@ -125,3 +125,16 @@ def test_embedded_model_greedy_tokens_match_the_modules(smollm):
             runner.llama_step = saved
         out[written_out] = toks
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 33])
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_rms_norm_is_the_modules_bit_for_bit(rows, hidden):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g)
+    x = torch.randn(rows, hidden, generator=g)
+    with torch.no_grad():
+        assert torch.equal(LlamaStep._rms(x, norm.weight, norm.variance_epsilon), norm(x))
