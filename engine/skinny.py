@@ -67,6 +67,8 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tens
         x = torch.cat([x, x])
     elif m > 8 and m % 16:
         x = torch.cat([x, x.new_zeros((16 - m % 16, x.shape[1]))])
+    else:  # x row-major, so x.T reaches MKL as a transposed operand: a column-major x.T (the
+        x = x.contiguous()  # view an earlier skinny_mm returns) took 4x as long for 4 rows
     return torch.mm(weight, x.T).T[:m]
 
 
