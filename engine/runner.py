@@ -3,8 +3,10 @@
 Takes rows of (block table, tokens already in the pool, new tokens), packs every row's new
 tokens into one sequence (no padding: the linear layers see exactly the step's N tokens), builds
 the StepPlan (where each new token's K/V goes, each row's key slots and positions), runs the
-transformers model with a PagedCache and paged attention (paged.py), and returns the logits of
-each row's last new token. Deterministic mode adds BatchInvariantLinear (invariance.py).
+model — on CPU, for Llama, Qwen2 and Mistral, as the decoder written out (llama_step.py);
+otherwise transformers' modules with a PagedCache and paged attention (paged.py) — and returns
+the logits of each row's last new token. Deterministic mode runs every GEMM in calibrated tiles
+(invariance.py: `tiled_linear`, or BatchInvariantLinear around the modules).
 """
 from __future__ import annotations
 
