@@ -13,7 +13,8 @@ import time
 
 from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
-from .query import resolve_session, session_script, session_turns, session_users
+from .history import session_events
+from .query import group_timeline, resolve_session, session_script, session_turns, session_users
 from .report import console, excerpt, fmt_num, print_json
 from .store import open_db
 
@@ -50,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
         session = resolve_session(db, args.id)
         turns = session_turns(db, session["id"])
         users = session_users(db, session["id"])
+        events = session_events(db, session["id"])
         script = session_script(db, session, timed=True)
     finally:
         db.close()
@@ -62,10 +64,10 @@ def main(args: argparse.Namespace) -> int:
         return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
                            db=args.db, record=not args.no_record,
                            title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
-    return headless(args, session, turns, users, config)
+    return headless(args, session, turns, users, events, config)
 
 
-def headless(args, session: dict, turns: list[dict], users: list[dict], config) -> int:
+def headless(args, session: dict, turns: list[dict], users: list[dict], events: list[dict], config) -> int:
     from rich.live import Live
     from rich.table import Table
 
@@ -86,8 +88,8 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], config) 
             for u in users:
                 rec.add_user(u["name"], group=u["group"], colour=u["colour"], seed=u["seed"],
                              temperature=u["temperature"], max_tokens=u["max_tokens"], top_p=u["top_p"], top_k=u["top_k"])
-        groups = {u["name"]: u["group"] for u in users}
-        it = replay(engine, turns, session.get("system_prompt") or "", groups, args.speed, rec)
+        groups, regroup = group_timeline(users, turns, events)
+        it = replay(engine, turns, session.get("system_prompt") or "", groups, args.speed, rec, regroup)
         if args.json:
             for c in it:
                 comps.append(c)

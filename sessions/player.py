@@ -27,6 +27,7 @@ class Job:
     sampling: SamplingParams
     at: float | None = None
     messages: list[dict] | None = None  # fixed prompt (replay); None: build from the conversation
+    group: str | None = None  # the user's group from this turn on ("" = none); None: unchanged
 
 
 @dataclass
@@ -92,6 +93,8 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 messages.append({"role": "user", "content": job.text})
             started, offset = time.time(), time.monotonic() - t0
             try:
+                if job.group is not None:  # through the engine's queue, so it applies before this turn
+                    engine.set_group(job.user, job.group or None)
                 handle = engine.submit(job.user, messages, job.sampling)
                 try:
                     res = handle.result(TURN_TIMEOUT_S)

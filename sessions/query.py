@@ -39,6 +39,30 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
+def group_timeline(users: list[dict], turns: list[dict], events: list[dict]) -> tuple[dict, dict]:
+    """(each user's group when the session began, {turn seq: the group its user moved to before
+    it}) from the recorded `UserGroupChanged` events. A group only salts its own user's requests,
+    so a change applies at that user's next turn ("" = no group). The users table holds a user's
+    group as first registered (`kvplay run`) or as last set (the app): the first change's
+    `old_group` is the starting one either way."""
+    start = {u["name"]: u.get("group") for u in users}
+    seq_of = {t["request_id"]: t for t in turns if t.get("request_id")}
+    seen, pending, at_turn = set(), {}, {}
+    for e in events:
+        kind = e.get("kind")
+        if kind == "UserGroupChanged":
+            user = e.get("user")
+            if user not in seen:
+                seen.add(user)
+                start[user] = e.get("old_group")
+            pending[user] = e.get("new_group") or ""
+        elif kind == "RequestQueued" and e.get("request_id") in seq_of:
+            t = seq_of[e["request_id"]]
+            if t["user"] in pending:
+                at_turn[t["seq"]] = pending.pop(t["user"])
+    return start, at_turn
+
+
 def submit_order(turns: list[dict]) -> list[dict]:
     """Turns in the order they were submitted (seq is the order they finished)."""
     return sorted(turns, key=lambda t: (t.get("started") or 0.0, t["seq"]))
@@ -61,9 +85,15 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
     """A `kvplay run` script reproducing the session: engine table, system prompt, users with
     seeds, and every turn with its exact sampling (and `at` where the original had one).
     `timed`: give every turn `at` = its recorded submit offset (to play at the recorded pace)."""
+    from .history import session_events
+
     cfg = dict(session.get("engine_config") or {})
+    rows = session_users(db, session["id"])
+    recorded = session_turns(db, session["id"])
+    start, regroup = group_timeline(rows, recorded, session_events(db, session["id"]))
     users = []
-    for u in session_users(db, session["id"]):
+    for u in rows:
+        u = dict(u, group=start.get(u["name"]))
         kw = {k: u[k] for k in ("group", "seed", "colour") if u.get(k) is not None}
         for k in ("temperature", "max_tokens", "top_p", "top_k"):
             if u.get(k) is not None:
@@ -71,14 +101,14 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
         users.append(UserSpec(u["name"], **kw))
     turns = []
     names = {u.name for u in users}
-    ordered = submit_order(session_turns(db, session["id"]))
+    ordered = submit_order(recorded)
     t0 = min((t["started"] for t in ordered if t.get("started") is not None), default=0.0)
     for t in ordered:
         s = t["sampling"]
         at = t.get("at")
         if timed and t.get("started") is not None:
             at = round(t["started"] - t0, 3)
-        turns.append(TurnSpec(t["user"], t["text"], at=at,
+        turns.append(TurnSpec(t["user"], t["text"], at=at, group=regroup.get(t["seq"]),
                               **{k: s.get(k) for k in SAMPLING_KEYS if s.get(k) is not None}))
         if t["user"] not in names:  # a user the app never registered
             users.append(UserSpec(t["user"]))

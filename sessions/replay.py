@@ -58,7 +58,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def recorded_jobs(turns: list[dict], speed: float | None = None) -> list[Job]:
+def recorded_jobs(turns: list[dict], speed: float | None = None, regroup: dict | None = None) -> list[Job]:
+    """The recorded turns as player jobs, in submit order; `regroup` ({seq: group}, from
+    query.group_timeline) moves a turn's user to the group it had when that turn was recorded."""
     t0 = min((t["started"] for t in turns if t.get("started") is not None), default=0.0)
     jobs = []
     for t in submit_order(turns):
@@ -66,7 +68,8 @@ def recorded_jobs(turns: list[dict], speed: float | None = None) -> list[Job]:
         at = t.get("at")
         if speed is not None and t.get("started") is not None:
             at = max(0.0, t["started"] - t0)
-        jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"]))
+        jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"],
+                        group=(regroup or {}).get(t["seq"])))
     return jobs
 
 
@@ -97,12 +100,14 @@ def compare(turn: dict, done: Done, tokenizer) -> Comparison:
 
 
 def replay(engine, turns: list[dict], system: str = "", groups: dict | None = None, speed: float | None = None,
-           recorder=None) -> Iterator[Comparison]:
+           recorder=None, regroup: dict | None = None) -> Iterator[Comparison]:
     """Re-drive `turns` (rows from query.session_turns) through `engine`; yield a Comparison per
-    finished turn, in finish order. With `recorder`, each new turn is recorded as it finishes."""
-    for name, group in (groups or {}).items():  # the recorded users, in their recorded groups
+    finished turn, in finish order. `groups`: each user's group when the session began;
+    `regroup`: {seq: group} changes made during it (query.group_timeline), applied before those
+    turns. With `recorder`, each new turn is recorded as it finishes."""
+    for name, group in (groups or {}).items():  # the recorded users, in their starting groups
         engine.register_user(name, group)
-    jobs = recorded_jobs(turns, speed)
+    jobs = recorded_jobs(turns, speed, regroup)
     by_seq = {t["seq"]: t for t in turns}
     out: "queue.Queue" = queue.Queue()
     failure: list[BaseException] = []

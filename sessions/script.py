@@ -21,9 +21,12 @@ user = "alice"
 text = "What is a KV cache?"
 max_tokens = 32          # optional: temperature, seed, top_p, top_k too
 at = 0.0                 # optional: seconds from start; turns with `at` run concurrently
+group = "team-b"         # optional: the user's group from this turn on ("" = none), applied by
+                         # the engine's registry right before the turn (recorded as a change)
 ```
 Turns of one user form that user's conversation: a later turn includes the earlier turns and
-their replies.
+their replies. A user's group matters only to that user's own requests (it salts their block
+hashes), so a group change recorded anywhere in a session is written on the user's next turn.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from pathlib import Path
 from kvplay.engine.errors import EngineError
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
-TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at"}
+TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group"}
 USER_KEYS = {"name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour", "color"}
 
 
@@ -86,6 +89,7 @@ class TurnSpec:
     top_p: float | None = None
     top_k: int | None = None
     at: float | None = None
+    group: str | None = None  # the user's group from this turn on ("" = none); None: unchanged
 
 
 @dataclass
@@ -219,7 +223,7 @@ def dump_script(script: Script) -> str:
         out.append("")
     out += ["[system]", f"prompt = {_toml_value(script.system)}", ""]
     user_keys = ("name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour")
-    turn_keys = ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at")
+    turn_keys = ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group")
     for header, items, keys in (("[[users]]", script.users, user_keys), ("[[turns]]", script.turns, turn_keys)):
         for item in items:
             out.append(header)

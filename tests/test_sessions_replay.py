@@ -166,3 +166,73 @@ def test_replay_in_app_gets_recorded_turns(tmp_path, capsys, monkeypatch):
     assert [(t.user, t.text) for t in play][:2] == [("alice", "Question 0 from alice?"), ("bob", "Question 0 from bob?")]
     assert all(t.at is not None for t in play) and play[0].at == 0
     assert all(t.seed is not None and t.temperature == 0.7 for t in play)
+
+
+REGROUP = f"""[engine]
+model = "tiny:llama"
+num_blocks = 96
+isolation = "group"
+deterministic = true
+
+[system]
+prompt = {json.dumps(SYSTEM)}
+
+[[users]]
+name = "alice"
+group = "a"
+max_tokens = 4
+
+[[users]]
+name = "mallory"
+max_tokens = 4
+
+[[turns]]
+user = "alice"
+text = "How do I keep a sourdough starter alive over a long holiday?"
+
+[[turns]]
+user = "mallory"
+text = "How do I keep a sourdough starter alive over a long holiday?"
+
+[[turns]]
+user = "mallory"
+text = "And a rye starter?"
+group = "a"
+"""
+
+
+def test_a_group_change_mid_session_replays_and_exports_at_its_turn(tmp_path, capsys):
+    """mallory joins alice's group before her second turn: only that turn reuses alice's blocks,
+    in the run, in its headless replay (which starts mallory in no group and moves her before
+    turn 3) and in the exported script."""
+    path = tmp_path / "regroup.toml"
+    path.write_text(REGROUP)
+    db = str(tmp_path / "g.db")
+    assert cli(["run", str(path), "--json", "--db", db]) == 0
+    objs = json_lines(capsys.readouterr().out)
+    turns, sid = {t["turn"]: t for t in objs[:-1]}, objs[-1]["session"]
+    assert turns[2]["cached_tokens"] == 0  # no group: private
+    assert turns[3]["cached_tokens"] > 0 and set(turns[3]["cached_from"]) == {"alice"}
+
+    assert cli(["replay", sid, "--db", db, "--headless", "--json", "--no-record"]) == 0
+    comps = {c["turn"]: c for c in json_lines(capsys.readouterr().out)[:-1]}
+    assert all(c["equal"] for c in comps.values())
+    assert {k: c["cached_now"] for k, c in comps.items()} == {k: t["cached_tokens"] for k, t in turns.items()}
+    # from whom, too: in no group mallory's third turn would hit her own second turn's blocks
+    assert {k: c["cached_from_now"] for k, c in comps.items()} == {k: t["cached_from"] for k, t in turns.items()}
+
+    out = tmp_path / "exported.toml"
+    assert cli(["export", sid, "--db", db, "--format", "toml", "-o", str(out)]) == 0
+    capsys.readouterr()
+    exported = out.read_text()
+    assert exported.count('group = "a"') == 2  # alice's [[users]] entry and mallory's third turn
+    assert cli(["run", str(out), "--json", "--no-record"]) == 0
+    again = {t["turn"]: t for t in json_lines(capsys.readouterr().out)[:-1]}
+    assert {k: t["cached_from"] for k, t in again.items()} == {k: t["cached_from"] for k, t in turns.items()}
+
+
+def test_a_turn_group_must_be_a_string(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(REGROUP.replace('text = "And a rye starter?"\ngroup = "a"', 'text = "And a rye starter?"\ngroup = 3'))
+    assert cli(["run", str(path), "--no-record"]) == 2
+    assert "`group` must be a string" in capsys.readouterr().err

@@ -258,6 +258,29 @@ async def test_replay_pause_and_step(tiny_llama):
         assert [r.user for r in app._requests] == ["alice", "bob"]
 
 
+async def test_a_scripted_group_change_moves_the_user_before_that_turn(tiny_llama):
+    """A replayed or scripted turn with `group` moves its user there first (through the engine's
+    registry, recorded as UserGroupChanged), so only that turn shares the group's blocks."""
+    from kvplay.engine.events import UserGroupChanged
+    from kvplay.sessions.script import TurnSpec
+
+    q = "How do I keep a sourdough starter alive over a long holiday?"
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=96, isolation="group"),
+                    [UserSpec("alice", group="a", max_tokens=4), UserSpec("mallory", max_tokens=4)], SYSTEM,
+                    turns=[TurnSpec("alice", q), TurnSpec("mallory", q), TurnSpec("mallory", "And rye?", group="a")],
+                    speed=0, loaded=tiny_llama, record=False, timings=False)
+    seen = []
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.engine.subscribe(lambda ev: seen.append(ev) if isinstance(ev, UserGroupChanged) else None)
+        await wait_until(pilot, app.autoplay_done.is_set)
+        stats = list(app._requests)
+        assert [s.user for s in stats] == ["alice", "mallory", "mallory"]
+        assert stats[1].cached_tokens == 0 and set(stats[2].cached_from) == {"alice"}
+        assert app.pane("mallory").spec.group == "a"
+        assert [(e.user, e.old_group, e.new_group) for e in seen] == [("mallory", None, "a")]
+
+
 def test_cli_rejects_bad_users_before_opening_the_app(capsys):
     from kvplay.cli import main
 

@@ -688,6 +688,8 @@ class KvplayApp(ControlsMixin, App):
             paused_for += time.monotonic() - pause_start if self.paused else 0.0
             if self._step:
                 self._step -= 1
+            if turn.group is not None and (turn.group or None) != pane.spec.group:
+                self.set_user_group(pane, turn.group or None)  # a recorded or scripted change
             self.send(pane, turn.text, turn)
         while self.busy:
             await asyncio.sleep(0.02)

@@ -147,6 +147,16 @@ class ControlsMixin:
         self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
                                     self.system_prompt), done)
 
+    def set_user_group(self, pane, group: str | None) -> None:
+        """Move the pane's user to `group`: the engine's registry decides (recorded as
+        UserGroupChanged, applied from the user's next request); the users table keeps the
+        latest settings."""
+        pane.spec.group = group
+        if self.engine is not None:
+            self.engine.set_group(pane.spec.name, group)
+        pane.refresh_subtitle()
+        self._recorder_call(self._record_user, pane.spec)
+
     def action_user_settings(self) -> None:
         pane = self.current_pane()
         s = pane.spec
@@ -165,11 +175,7 @@ class ControlsMixin:
                             severity="error")
                 return
             s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
-            s.group = values["group"].strip() or None
-            if self.engine is not None:  # the engine's registry decides; recorded as UserGroupChanged
-                self.engine.set_group(s.name, s.group)
-            pane.refresh_subtitle()
-            self._recorder_call(self._record_user, s)  # replays use the users' latest settings
+            self.set_user_group(pane, values["group"].strip() or None)  # records the user too
             self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
 
         self.push_screen(FormScreen(f"Settings for {s.name}", [
