@@ -399,7 +399,7 @@ def create_app(state: ServeState) -> FastAPI:
 
             def on_result(result):  # on the bridge thread: SQLite never blocks the event loop
                 state._safe_record(state.recorder.record_turn, user, text, messages, sampling, result,
-                                   started=started)
+                                   started=started, prompt=(list(prompt_ids), system_tokens))
         turn = Turn(state, g, user, rid, sampling, HandleStream(handle, on_result=on_result))
         if g.stream:
             return StreamingResponse(stream_turn(turn), media_type="text/event-stream",

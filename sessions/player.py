@@ -28,6 +28,8 @@ class Job:
     at: float | None = None
     messages: list[dict] | None = None  # fixed prompt (replay); None: build from the conversation
     group: str | None = None  # the user's group from this turn on ("" = none); None: unchanged
+    prompt: tuple[list[int], int] | None = None  # (token ids, system tokens): a recorded prompt
+    # that has no messages (a server's completion turn), sent as it was
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Done:
         engine never answered (no result) is not recorded."""
         if recorder is not None and self.result is not None:
             recorder.record_turn(self.job.user, self.job.text, self.messages, self.job.sampling, self.result,
-                                 at=self.job.at, started=self.started)
+                                 at=self.job.at, started=self.started, prompt=self.job.prompt)
 
 
 def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] | None = None,
@@ -84,8 +86,8 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
             p = prev_same_user[i]
             if p is not None:
                 finished[p].wait()
-            if job.messages is not None:
-                messages = job.messages
+            if job.messages is not None or job.prompt is not None:
+                messages = job.messages or []
             else:
                 messages = [{"role": "system", "content": system}] if system else []
                 for q, a in history.get(job.user, []):
@@ -95,7 +97,11 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
             try:
                 if job.group is not None:  # through the engine's queue, so it applies before this turn
                     engine.set_group(job.user, job.group or None)
-                handle = engine.submit(job.user, messages, job.sampling)
+                if job.prompt is not None:
+                    handle = engine.submit(job.user, sampling=job.sampling, prompt_ids=job.prompt[0],
+                                           system_tokens=job.prompt[1])
+                else:
+                    handle = engine.submit(job.user, messages, job.sampling)
                 try:
                     res = handle.result(TURN_TIMEOUT_S)
                 except TimeoutError:

@@ -145,8 +145,11 @@ class Recorder:
             }, pk=("session_id", "name"))
 
     def record_turn(self, user: str, text: str, messages: list[dict], sampling: SamplingParams,
-                    result: RequestResult, at: float | None = None, started: float | None = None) -> str:
-        """Write one finished turn (and the events buffered so far) in one transaction."""
+                    result: RequestResult, at: float | None = None, started: float | None = None,
+                    prompt: tuple[list[int], int] | None = None) -> str:
+        """Write one finished turn (and the events buffered so far) in one transaction. `prompt`:
+        the (token ids, system tokens) the engine was given, when the caller has them (a server's
+        completion turn has no messages to encode again)."""
         ended = time.time()
         st = result.stats
         if started is None:
@@ -155,7 +158,7 @@ class Recorder:
         sampled = sampling.to_dict()
         if sampled.get("seed") is None:  # the engine drew one: record it, so the turn replays
             sampled["seed"] = st.seed
-        prompt_ids, system_tokens = self._prompt_ids(messages, result)
+        prompt_ids, system_tokens = prompt if prompt is not None else self._prompt_ids(messages, result)
         with self._lock:
             self._seq += 1
             row = {

@@ -68,8 +68,11 @@ def recorded_jobs(turns: list[dict], speed: float | None = None, regroup: dict |
         at = t.get("at")
         if speed is not None and t.get("started") is not None:
             at = max(0.0, t["started"] - t0)
+        prompt = None
+        if not t["messages"] and t.get("prompt_ids"):  # a completion turn: its token ids as sent
+            prompt = (list(t["prompt_ids"]), t.get("system_tokens") or 0)
         jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"],
-                        group=(regroup or {}).get(t["seq"])))
+                        group=(regroup or {}).get(t["seq"]), prompt=prompt))
     return jobs
 
 

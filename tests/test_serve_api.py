@@ -297,6 +297,32 @@ def test_serve_records_turns(serve, tmp_path):
     assert db.execute("select source from sessions").fetchone()[0] == "serve"
 
 
+def test_a_served_session_replays_its_completion_turns_too(serve, tmp_path, capsys):
+    """A completion turn has no messages: it is recorded with the token ids the engine was given,
+    and `kvplay replay` sends those again (it used to fail the turn as an empty message)."""
+    import sqlite3
+
+    from kvplay.cli import main
+
+    srv, _ = serve(keys=keys(tmp_path), record=True, deterministic=True)
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, ALICE, "one")
+        r = c.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {BOB}"},
+                   json={"prompt": "abc abc abc def", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200
+    db = tmp_path / "sessions.db"
+    assert wait_until(lambda: sqlite3.connect(db).execute("select count(*) from turns").fetchone()[0] == 2)
+    con = sqlite3.connect(db)
+    sid = con.execute("select id from sessions").fetchone()[0]
+    messages, ids = con.execute("select messages, prompt_ids from turns where user = 'bob'").fetchone()
+    assert json.loads(messages) == [] and len(json.loads(ids)) == r.json()["usage"]["prompt_tokens"]
+    capsys.readouterr()
+    assert main(["replay", sid, "--db", str(db), "--headless", "--json", "--no-record"]) == 0
+    comps = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()][:-1]
+    assert sorted(c["user"] for c in comps) == ["alice", "bob"]
+    assert all(c["equal"] and not c["error"] for c in comps)
+
+
 def test_cli_refuses_unsafe_setups(tmp_path, capsys):
     from kvplay.cli import main
 
