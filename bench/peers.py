@@ -293,8 +293,10 @@ def warm_up_engine(engine: Engine, prompt_ids: list[int]) -> None:
 def run_kvplay(loaded, workload: Workload, base: EngineConfig, deterministic: bool = False,
                progress: Progress = _quiet) -> PeerResult:
     key = "kvplay-det" if deterministic else "kvplay"
-    res = PeerResult(key, LABELS[key])
     cfg = kvplay_config(base, workload, deterministic)
+    # what a server peer may set otherwise (vLLM CPU: block 32, up to 2048 prompt tokens a step)
+    res = PeerResult(key, f"{LABELS[key]} · block {cfg.block_size}, prefill budget {cfg.prefill_budget} "
+                          "tokens a step")
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
     engine = Engine(cfg, loaded).start()
     try:
