@@ -12,6 +12,7 @@ status; a client that goes away mid-request has its request cancelled (blocks fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import threading
@@ -176,11 +177,22 @@ def finish_reason(result, stopped: bool) -> str:
     return "abort"
 
 
-def usage_of(result) -> dict:
-    st = result.stats
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.output_tokens,
-            "total_tokens": st.prompt_tokens + st.output_tokens,
+def usage_of(*results) -> dict:
+    """OpenAI usage of one request's choices: the prompt once (as the first choice computed or
+    reused it), the completion tokens of every choice."""
+    st = results[0].stats
+    out = sum(r.stats.output_tokens for r in results)
+    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": out, "total_tokens": st.prompt_tokens + out,
             "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+
+
+def kvplay_of_all(turns: list, user: str) -> dict:
+    """The kvplay extension for a response: one request's details, or with n > 1 the first
+    choice's at the top level and every choice's under `choices`."""
+    out = kvplay_of(turns[0].result, user)
+    if len(turns) > 1:
+        out["choices"] = [kvplay_of(t.result, user) for t in turns]
+    return out
 
 
 def kvplay_of(result, user: str) -> dict:
@@ -235,14 +247,15 @@ class Turn:
     """One accepted request on its way through the engine."""
 
     def __init__(self, state: ServeState, g: GenRequest, user: str, rid: str, sampling: SamplingParams,
-                 stream: HandleStream):
+                 stream: HandleStream, index: int = 0, rid_base: str | None = None):
         self.state, self.g, self.user, self.rid, self.sampling, self.stream = state, g, user, rid, sampling, stream
+        self.index = index  # the choice this request answers (n > 1)
         self.result = None
         self.matcher = StopMatcher(g.stop)
         self.logprobs: list = []  # (token id, logprob, [(id, logprob)…]) per token, when asked for
         self._lp_sent = 0
         self.created = int(time.time())
-        self.id = ("chatcmpl-" if g.kind == "chat" else "cmpl-") + rid
+        self.id = ("chatcmpl-" if g.kind == "chat" else "cmpl-") + (rid_base or rid)
 
     async def pieces(self, request: Request | None = None):
         """Yield released text; ends with self.result set. Cancels the request if abandoned."""
@@ -288,10 +301,10 @@ class Turn:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self._new_logprobs(), "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": self._new_logprobs(), "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._new_logprobs(), "finish_reason": finish}
+            choice = {"index": self.index, "text": text or "", "logprobs": self._new_logprobs(), "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
@@ -304,45 +317,92 @@ class Turn:
         entries, self._lp_sent = self.logprobs[start:], len(self.logprobs)
         return format_logprobs(self.state.engine.tokenizer, entries, self.g.kind)
 
-    def full_response(self) -> dict:
+    def full_response(self, others: list | None = None) -> dict:
+        """The non-streamed response; `others`: the Turns of choices 1..n-1."""
+        turns = [self] + list(others or [])
+        body = self._full_one()
+        body["choices"] = [t._full_one()["choices"][0] for t in turns]
+        body["usage"] = usage_of(*(t.result for t in turns))
+        body["kvplay"] = kvplay_of_all(turns, self.user)
+        return body
+
+    def _full_one(self) -> dict:
         text = self.matcher.released
         if self.g.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text},
                       "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
+            choice = {"index": self.index, "text": text, "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
-                "choices": [choice], "usage": usage_of(self.result), "kvplay": kvplay_of(self.result, self.user)}
+                "choices": [choice]}
 
 
 def sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-async def stream_turn(turn: Turn):
+async def _merged(turns: list):
+    """(turn, piece) from every choice's stream as they come; (turn, None) when one ends."""
+    if len(turns) == 1:
+        async for piece in turns[0].pieces():
+            yield turns[0], piece
+        yield turns[0], None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(t):
+        try:
+            async for piece in t.pieces():
+                await queue.put((t, piece))
+        finally:
+            await queue.put((t, None))
+
+    tasks = [asyncio.create_task(pump(t)) for t in turns]
+    try:
+        for _ in range(len(turns)):
+            while True:
+                item = await queue.get()
+                yield item
+                if item[1] is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_turn(turn: Turn, others: list | None = None):
+    """SSE for one request: its choices' chunks interleaved as they come (each with its index),
+    each choice's final chunk with its finish reason, then usage over all of them."""
+    turns = [turn] + list(others or [])
     try:
         if turn.g.kind == "chat":
-            yield sse(turn.chunk("", role=True))
-        async for piece in turn.pieces():
-            yield sse(turn.chunk(piece))
-        res = turn.result
-        if res.error is not None:
-            yield sse(engine_failure(res).body())
-            yield "data: [DONE]\n\n"
-            return
-        final = turn.chunk(None if turn.g.kind == "chat" else "", finish=turn.finish)
-        final["kvplay"] = kvplay_of(res, turn.user)
-        yield sse(final)
+            for t in turns:
+                yield sse(t.chunk("", role=True))
+        async for t, piece in _merged(turns):
+            if piece is not None:
+                yield sse(t.chunk(piece))
+                continue
+            res = t.result
+            if res is None:  # cancelled under us (the client left)
+                return
+            if res.error is not None:
+                yield sse(engine_failure(res).body())
+                yield "data: [DONE]\n\n"
+                return
+            final = t.chunk(None if t.g.kind == "chat" else "", finish=t.finish)
+            final["kvplay"] = kvplay_of(res, t.user)
+            yield sse(final)
         if turn.g.include_usage:
-            yield sse({"id": turn.id, "object": final["object"], "created": turn.created,
-                       "model": turn.state.model_name, "choices": [], "usage": usage_of(res),
-                       "kvplay": kvplay_of(res, turn.user)})
+            yield sse({"id": turn.id, "object": "chat.completion.chunk" if turn.g.kind == "chat" else "text_completion",
+                       "created": turn.created, "model": turn.state.model_name, "choices": [],
+                       "usage": usage_of(*(t.result for t in turns)), "kvplay": kvplay_of_all(turns, turn.user)})
         yield "data: [DONE]\n\n"
     finally:
-        if turn.result is None:
-            turn.stream.cancel()
+        for t in turns:
+            if t.result is None:
+                t.stream.cancel()
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -380,37 +440,52 @@ def create_app(state: ServeState) -> FastAPI:
         rid = uuid.uuid4().hex[:16]
         if state.recorder is not None:
             await run_in_threadpool(state.note_user, user, group)
-        if state.events is not None:
-            state.events.set_mode(rid, g.report_mode)
         eng = state.engine
-        try:
-            handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling, system_tokens=system_tokens,
-                                request_id=rid, trace_logits=g.logprobs)
-        except EngineError as exc:
+        text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "")
+        messages = g.messages if g.kind == "chat" else []
+        turns: list[Turn] = []
+        for i in range(g.n):  # n choices: n requests for the prompt (the later ones reuse its blocks)
+            rid_i = rid if g.n == 1 else f"{rid}-{i}"
+            sampling_i = sampling if g.n == 1 or g.seed is None else dataclasses.replace(
+                sampling, seed=(g.seed + i) % (1 << 64))
             if state.events is not None:
-                state.events.forget(rid)
-            status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
-            raise ApiError(status, str(exc)) from None
-        started = time.time()
-        on_result = None
-        if state.recorder is not None:
-            text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "")
-            messages = g.messages if g.kind == "chat" else []
-
-            def on_result(result):  # on the bridge thread: SQLite never blocks the event loop
-                state._safe_record(state.recorder.record_turn, user, text, messages, sampling, result,
-                                   started=started, prompt=(list(prompt_ids), system_tokens))
-        turn = Turn(state, g, user, rid, sampling, HandleStream(handle, on_result=on_result))
+                state.events.set_mode(rid_i, g.report_mode)
+            try:
+                handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling_i, system_tokens=system_tokens,
+                                    request_id=rid_i, trace_logits=g.logprobs)
+            except EngineError as exc:
+                if state.events is not None:
+                    state.events.forget(rid_i)
+                for t in turns:  # the choices already queued go too: the request failed as a whole
+                    t.stream.cancel()
+                status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
+                raise ApiError(status, str(exc)) from None
+            on_result = None
+            if state.recorder is not None:
+                def on_result(result, sampling_i=sampling_i, started=time.time()):  # on the bridge thread
+                    state._safe_record(state.recorder.record_turn, user, text, messages, sampling_i, result,
+                                       started=started, prompt=(list(prompt_ids), system_tokens))
+            turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle, on_result=on_result),
+                              index=i, rid_base=rid))
+        first, others = turns[0], turns[1:]
         if g.stream:
-            return StreamingResponse(stream_turn(turn), media_type="text/event-stream",
+            return StreamingResponse(stream_turn(first, others), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        async for _ in turn.pieces(request):
-            pass
-        if turn.result is None:  # the client went away; its request is cancelled
+
+        async def drain(t):
+            async for _ in t.pieces(request):
+                pass
+
+        await asyncio.gather(*(drain(t) for t in turns))
+        if any(t.result is None for t in turns):  # the client went away; its requests are cancelled
+            for t in turns:
+                if t.result is None:
+                    t.stream.cancel()
             return Response(status_code=499)
-        if turn.result.error is not None:
-            raise engine_failure(turn.result)
-        return JSONResponse(turn.full_response(), headers={"X-Request-Id": rid})
+        failed = next((t for t in turns if t.result.error is not None), None)
+        if failed is not None:
+            raise engine_failure(failed.result)
+        return JSONResponse(first.full_response(others), headers={"X-Request-Id": rid})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_N = 16  # choices per request
 MAX_STOP = 8
 MAX_LOGPROBS = 20
 
@@ -60,6 +61,7 @@ class GenRequest:
     report_mode: str | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    n: int = 1  # choices: n requests for the same prompt (the later ones reuse its blocks)
 
 
 def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open=False):
@@ -167,9 +169,7 @@ def parse(body, kind: str) -> GenRequest:
     req.seed = _num(body, "seed", None, integer=True)
     if req.seed is not None and not -(1 << 63) <= req.seed < (1 << 64):
         raise bad("'seed' must fit in 64 bits", "seed")
-    n = _num(body, "n", 1, integer=True)
-    if n != 1:
-        raise bad("only n = 1 is supported", "n")
+    req.n = _num(body, "n", 1, lo=1, hi=MAX_N, integer=True)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):

@@ -132,7 +132,9 @@ def test_bad_inputs_get_openai_errors(serve):
         (dict(json={"messages": msgs, "temperature": "hot"}), 400),
         (dict(json={"messages": msgs, "top_p": 0}), 400),
         (dict(json={"messages": msgs, "stream": "yes"}), 400),
-        (dict(json={"messages": msgs, "n": 2}), 400),
+        (dict(json={"messages": msgs, "n": 0}), 400),
+        (dict(json={"messages": msgs, "n": 17}), 400),
+        (dict(json={"messages": msgs, "n": 1.5}), 400),
         (dict(json={"messages": [{"role": "user", "content": "x" * 5000}]}), 400),  # > 4096 context
         (dict(json={"messages": [{"role": "user", "content": "x" * 300}]}), 413),  # > the pool
     ]
@@ -321,6 +323,46 @@ def test_a_served_session_replays_its_completion_turns_too(serve, tmp_path, caps
     comps = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()][:-1]
     assert sorted(c["user"] for c in comps) == ["alice", "bob"]
     assert all(c["equal"] and not c["error"] for c in comps)
+
+
+def test_n_choices_share_the_prompt_and_stream_with_their_index(serve, tmp_path):
+    """n > 1: n requests for one prompt, each its own sample (seed, seed + 1, ...); the later
+    ones reuse the first one's blocks; usage counts the prompt once and every completion."""
+    import sqlite3
+
+    srv, _ = serve(keys=keys(tmp_path), record=True)
+    with httpx.Client(timeout=60) as c:
+        kw = dict(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+        r = chat(c, srv.url, ALICE, "tell me a story", **kw).json()
+        again = chat(c, srv.url, ALICE, "tell me a story", **kw).json()
+        with c.stream("POST", srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {BOB}"}, json={
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+                "max_tokens": 5, "temperature": 0, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True}}) as s:
+            events = sse_events(s)
+    assert [ch["index"] for ch in r["choices"]] == [0, 1, 2]
+    texts = [ch["message"]["content"] for ch in r["choices"]]
+    assert texts == [ch["message"]["content"] for ch in again["choices"]]  # seeded per choice
+    assert len(set(texts)) > 1  # different samples
+    assert r["usage"]["completion_tokens"] == 18 and r["usage"]["prompt_tokens"] == again["usage"]["prompt_tokens"]
+    per = r["kvplay"]["choices"]
+    assert len(per) == 3 and len({p["request_id"] for p in per}) == 3
+    assert max(p["cached_tokens"] for p in per[1:]) > 0  # the prompt's blocks are shared
+    chunks = [e for e in events[:-1] if e.get("choices")]
+    by_index = {}
+    for e in chunks:
+        ch = e["choices"][0]
+        by_index.setdefault(ch["index"], []).append(ch)
+    assert set(by_index) == {0, 1}
+    for idx, chs in by_index.items():
+        assert chs[0]["delta"].get("role") == "assistant" and chs[-1]["finish_reason"] == "length"
+    greedy = ["".join(ch["delta"].get("content") or "" for ch in chs) for chs in by_index.values()]
+    assert greedy[0] == greedy[1]  # temperature 0: the same reply twice
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 10 and events[-2]["choices"] == []
+    assert wait_until(lambda: sqlite3.connect(tmp_path / "sessions.db").execute(
+        "select count(*) from turns").fetchone()[0] == 8)  # every choice is a recorded turn
 
 
 def test_cli_refuses_unsafe_setups(tmp_path, capsys):
