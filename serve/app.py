@@ -317,26 +317,22 @@ class Turn:
         entries, self._lp_sent = self.logprobs[start:], len(self.logprobs)
         return format_logprobs(self.state.engine.tokenizer, entries, self.g.kind)
 
-    def full_response(self, others: list | None = None) -> dict:
-        """The non-streamed response; `others`: the Turns of choices 1..n-1."""
-        turns = [self] + list(others or [])
-        body = self._full_one()
-        body["choices"] = [t._full_one()["choices"][0] for t in turns]
-        body["usage"] = usage_of(*(t.result for t in turns))
-        body["kvplay"] = kvplay_of_all(turns, self.user)
-        return body
-
-    def _full_one(self) -> dict:
+    def full_choice(self) -> dict:
+        """This choice in a non-streamed response."""
         text = self.matcher.released
         if self.g.kind == "chat":
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": self.index, "text": text, "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name,
-                "choices": [choice]}
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
+        return {"index": self.index, "text": text, "logprobs": self._new_logprobs(True), "finish_reason": self.finish}
+
+
+def full_response(turns: list[Turn]) -> dict:
+    """The non-streamed response to one request: its choices' Turns, in index order."""
+    first = turns[0]
+    return {"id": first.id, "object": "chat.completion" if first.g.kind == "chat" else "text_completion",
+            "created": first.created, "model": first.state.model_name,
+            "choices": [t.full_choice() for t in turns], "usage": usage_of(*(t.result for t in turns)),
+            "kvplay": kvplay_of_all(turns, first.user)}
 
 
 def sse(obj) -> str:
@@ -372,10 +368,10 @@ async def _merged(turns: list):
             task.cancel()
 
 
-async def stream_turn(turn: Turn, others: list | None = None):
+async def stream_turn(turns: list[Turn]):
     """SSE for one request: its choices' chunks interleaved as they come (each with its index),
     each choice's final chunk with its finish reason, then usage over all of them."""
-    turns = [turn] + list(others or [])
+    turn = turns[0]
     try:
         if turn.g.kind == "chat":
             for t in turns:
@@ -467,9 +463,8 @@ def create_app(state: ServeState) -> FastAPI:
                                        started=started, prompt=(list(prompt_ids), system_tokens))
             turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle, on_result=on_result),
                               index=i, rid_base=rid))
-        first, others = turns[0], turns[1:]
         if g.stream:
-            return StreamingResponse(stream_turn(first, others), media_type="text/event-stream",
+            return StreamingResponse(stream_turn(turns), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
         async def drain(t):
@@ -477,15 +472,12 @@ def create_app(state: ServeState) -> FastAPI:
                 pass
 
         await asyncio.gather(*(drain(t) for t in turns))
-        if any(t.result is None for t in turns):  # the client went away; its requests are cancelled
-            for t in turns:
-                if t.result is None:
-                    t.stream.cancel()
+        if any(t.result is None for t in turns):  # the client went away: pieces() cancelled them
             return Response(status_code=499)
         failed = next((t for t in turns if t.result.error is not None), None)
         if failed is not None:
             raise engine_failure(failed.result)
-        return JSONResponse(first.full_response(others), headers={"X-Request-Id": rid})
+        return JSONResponse(full_response(turns), headers={"X-Request-Id": rid})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
