@@ -118,13 +118,17 @@ class LlamaStep:
                 return None
         return cls(model)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, threads: int):
-        if self._det is not None:
-            return tiled_linear(self._det, x, w, b)
-        if self._few:
-            y = skinny_mm(x, w, threads)
-            return y if b is None else y + b
-        return F.linear(x, w, b)
+    @staticmethod
+    def _linear_for(det: LinearPlan | None, few: bool, threads: int):
+        """This step's GEMM: deterministic mode's tiles, `skinny_mm` for few rows, else F.linear."""
+        if det is not None:
+            return lambda x, w, b: tiled_linear(det, x, w, b)
+        if few:
+            def few_rows(x, w, b):
+                y = skinny_mm(x, w, threads)
+                return y if b is None else y + b
+            return few_rows
+        return F.linear
 
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,15 +150,15 @@ class LlamaStep:
         deterministic mode's calibrated GEMM shapes (every GEMM in its tiles, invariance.py)."""
         n = input_ids.shape[1]
         x = self.embed(input_ids[0])  # [N, hidden]
-        self._det = det
-        self._few = det is None and x.dtype is torch.float32 and n <= written_out_rows(threads)
+        few = det is None and x.dtype is torch.float32 and n <= written_out_rows(threads)
+        linear = self._linear_for(det, few, threads)
         cos, sin = self.rotary(x, positions)  # [1, N, D]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         k_end = (hq + hk) * d
         for i, L in enumerate(self.layers):
             h = self._rms(x, L.norm1, L.eps1)
-            qkv = self._linear(h, L.qkv, L.qkv_bias, threads)  # [N, (hq + 2 hk) d]
+            qkv = linear(h, L.qkv, L.qkv_bias)  # [N, (hq + 2 hk) d]
             qk = self._rotate(qkv[:, :k_end].view(n, hq + hk, d), cos, sin)  # q and k heads at once
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, k_end:].view(n, hk, d)
@@ -165,9 +169,9 @@ class LlamaStep:
                 q = q.contiguous()
             o, _ = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), kpool, vpool, None,
                                    scaling=L.attn.scaling, sliding_window=L.window, kvplay_plan=plan)
-            x = x + self._linear(o.view(n, hq * d), L.o, None, threads)
+            x = x + linear(o.view(n, hq * d), L.o, None)
             h = self._rms(x, L.norm2, L.eps2)
-            gu = self._linear(h, L.gate_up, None, threads)
+            gu = linear(h, L.gate_up, None)
             inter = gu.shape[1] // 2
-            x = x + self._linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None, threads)
+            x = x + linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None)
         return self._rms(x, self.norm, self.eps)

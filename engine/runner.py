@@ -66,8 +66,8 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # Steps on CPU run the decoder written out (llama_step.py) when the model fits it.
         self.llama_step = LlamaStep.for_model(self.model) if self.device.type == "cpu" else None
-        if self.device.type == "cpu":
-            install(self.model.model)  # decode steps' Linear layers (skinny.py); lm_head below
+        if self.device.type == "cpu" and self.llama_step is None:
+            install(self.model.model)  # the modules' decode steps take skinny.py; lm_head below
 
     def _plan(self, rows: list[Row], deterministic: bool):
         """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
