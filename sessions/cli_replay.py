@@ -51,8 +51,9 @@ def main(args: argparse.Namespace) -> int:
         session = resolve_session(db, args.id)
         turns = session_turns(db, session["id"])
         users = session_users(db, session["id"])
-        events = session_events(db, session["id"])
-        script = session_script(db, session, timed=True)
+        # the app replays the session as a script (session_script reads its events itself)
+        events = session_events(db, session["id"]) if args.headless else []
+        script = None if args.headless else session_script(db, session, timed=True)
     finally:
         db.close()
     if not turns:
