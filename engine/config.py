@@ -12,6 +12,8 @@ from .errors import EngineError
 ISOLATION_MODES = ("shared", "user", "group", "system")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 HASH_NAMES = ("sha256", "blake2b64", "builtin", "trunc:N")
+# fields a running engine cannot change (Engine.reconfigure refuses them: they need a new engine)
+RESTART_FIELDS = ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads")
 
 
 @dataclass

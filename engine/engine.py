@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .chat import encode_chat
-from .config import EngineConfig
+from .config import RESTART_FIELDS, EngineConfig
 from .errors import EngineError
-from .events import Event, RequestQueued, UserGroupChanged
+from .events import Event, RequestQueued, SettingsChanged, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
 from .observe import BlockArrays, BlockSummary, BlockView, Observer
@@ -348,7 +348,8 @@ class Engine:
 
     # --- control ------------------------------------------------------------------------------
     def clear_cache(self) -> int:
-        """Drop every cached block (blocks in use by running requests keep serving them)."""
+        """Drop every cached block (blocks in use by running requests keep serving them); the
+        pool emits `AllBlocksCleared(reason="cleared")` on the engine thread, where it applies."""
         return self.call(lambda: self.pool.clear("cleared"))
 
     def needs_fresh_cache(self, **changes) -> bool:
@@ -357,18 +358,23 @@ class Engine:
                    for k in ("hash", "hash_seed", "deterministic"))
 
     def reconfigure(self, **changes) -> EngineConfig:
-        """Change isolation / eviction / determinism / hashing / verify-on-hit at run time.
+        """Change isolation / eviction / determinism / hashing / verify-on-hit at run time; a
+        `SettingsChanged` event (the fields that changed) records it on the engine thread.
 
         Hash, seed or determinism changes clear the cache first (old blocks would be unreachable
         or not bitwise-compatible). Block size and model need a new Engine.
         """
-        for k in ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads"):
+        for k in RESTART_FIELDS:
             if k in changes and changes[k] != getattr(self.config, k):
                 raise EngineError(f"changing {k} needs a new engine (restart with --{k.replace('_', '-')})")
         self.config.replace(**changes).validate()  # bad values fail here, on the caller's thread
 
         def apply():  # on the engine thread: applies only `changes` to the config as it is now
             clear = self.needs_fresh_cache(**changes)
+            previous = {k: getattr(self.config, k) for k in changes}
+            changed = {k: v for k, v in changes.items() if v != previous[k]}
+            if changed:  # recorded where it applies, in order with the requests around it
+                self._emit(SettingsChanged(changes=changed, previous={k: previous[k] for k in changed}))
             for k, v in changes.items():
                 setattr(self.config, k, v)
             if "eviction" in changes:

@@ -122,10 +122,22 @@ class UserGroupChanged(Event):
     new_group: str | None = None
 
 
+# --- settings ------------------------------------------------------------------------------
+@dataclass
+class SettingsChanged(Event):
+    """`Engine.reconfigure` changed settings on the engine thread (isolation, eviction,
+    determinism, hashing, verify-on-hit): `changes` holds the new values of the fields that
+    changed, `previous` their old ones. A cache clear is `AllBlocksCleared` (reason "cleared";
+    "reconfigured" when a change here needed a fresh cache); a user's group is
+    `UserGroupChanged`."""
+    changes: dict = field(default_factory=dict)
+    previous: dict = field(default_factory=dict)
+
+
 CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught)
 EVENT_TYPES = {cls.__name__: cls for cls in (
     BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, RequestQueued,
-    RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged)}
+    RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged, SettingsChanged)}
 
 
 def event_from_dict(d: dict) -> Event:

@@ -1,9 +1,11 @@
 """`kvplay replay ID [--db PATH] [--headless] [--speed X] [--json] [engine flags]`.
 
-Headless: re-drive the recorded turns through a fresh Engine and print, per turn, equal or
-differs (first differing token and its position) and cached tokens then vs now; the replay is
-recorded as a new session (replay_of = ID) unless --no-record. Exit code 1 when a session
-recorded in deterministic mode no longer reproduces (or a turn fails), else 0.
+Headless: re-drive the recorded turns through a fresh Engine, making the recorded engine changes
+(settings, clears, groups) again before the turns that followed them, and print, per turn,
+equal or differs (first differing token and its position), and cached tokens then vs now with
+whether they and their creators match; the replay is recorded as a new session (replay_of = ID)
+unless --no-record. A session reproduces when every turn's output and cache match. Exit code 1
+when a session recorded in deterministic mode no longer reproduces (or a turn fails), else 0.
 Without --headless the turns play in the app.
 """
 from __future__ import annotations
@@ -13,8 +15,7 @@ import time
 
 from kvplay.options import add_db_arg, add_engine_args, config_from_args
 
-from .history import session_events
-from .query import group_timeline, resolve_session, session_script, session_turns, session_users
+from .query import resolve_session, session_script, session_turns, session_users, settings_timeline, timeline_events
 from .report import console, excerpt, fmt_num, print_json
 from .store import open_db
 
@@ -37,7 +38,10 @@ def _row(c) -> list[str]:
         verdict = "[green]equal[/green]"
     else:
         verdict = f"[yellow]differs[/yellow] at token {c.first_diff}: {c.then_token!r} → {c.now_token!r}"
-    return [str(c.seq), c.user, excerpt(c.text, 28), verdict, f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}",
+    cached = f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}"
+    if not c.error and not c.cache_equal:
+        cached = f"[yellow]{cached} differs[/yellow]"
+    return [str(c.seq), c.user, excerpt(c.text, 28), verdict, cached,
             f"{fmt_num(c.ttft_then)} → {fmt_num(c.ttft_now)}", excerpt(c.now_reply or "", 36)]
 
 
@@ -52,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
         turns = session_turns(db, session["id"])
         users = session_users(db, session["id"])
         # the app replays the session as a script (session_script reads its events itself)
-        events = session_events(db, session["id"]) if args.headless else []
+        events = timeline_events(db, session["id"]) if args.headless else []
         script = None if args.headless else session_script(db, session, timed=True)
     finally:
         db.close()
@@ -89,8 +93,8 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
             for u in users:
                 rec.add_user(u["name"], group=u["group"], colour=u["colour"], seed=u["seed"],
                              temperature=u["temperature"], max_tokens=u["max_tokens"], top_p=u["top_p"], top_k=u["top_k"])
-        groups, regroup = group_timeline(users, turns, events)
-        it = replay(engine, turns, session.get("system_prompt") or "", groups, args.speed, rec, regroup)
+        groups, changes = settings_timeline(users, turns, events)
+        it = replay(engine, turns, session.get("system_prompt") or "", groups, args.speed, rec, changes)
         if args.json:
             for c in it:
                 comps.append(c)
@@ -108,12 +112,15 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
             con.print()
     finally:
         close_run(rec, engine)
-    equal = sum(c.equal for c in comps)
+    same = sum(c.reproduces for c in comps)
     errors = sum(1 for c in comps if c.error)
-    differs = len(comps) - equal
+    differs = len(comps) - same
+    text_differs = sum(1 for c in comps if not c.equal and not c.error)
+    cache_differs = sum(1 for c in comps if not c.cache_equal and not c.error)
     strict = recorded_det and config.deterministic
     failed = errors > 0 or (strict and differs > 0)
-    summ = {"summary": True, "replay_of": session["id"], "turns": len(comps), "equal": equal, "differs": differs,
+    summ = {"summary": True, "replay_of": session["id"], "turns": len(comps), "equal": same, "differs": differs,
+            "text_differs": text_differs, "cache_differs": cache_differs,
             "errors": errors, "deterministic": recorded_det, "reproduces": differs == 0,
             "wall_s": round(time.perf_counter() - t0, 3),
             "session": rec.session_id if rec else None, "db": rec.path if rec else None}
@@ -122,7 +129,8 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
     else:
         con = console()
         verdict = "reproduces" if differs == 0 else ("NO LONGER REPRODUCES" if strict else "differs (not deterministic mode)")
-        con.print(f"{equal}/{len(comps)} turns equal, {differs} differ, {errors} failed: {verdict}", highlight=False)
+        con.print(f"{same}/{len(comps)} turns equal, {differs} differ ({text_differs} in output, "
+                  f"{cache_differs} in cached tokens), {errors} failed: {verdict}", highlight=False)
         if rec:
             con.print(f"recorded as session {rec.session_id} (replay of {session['id']})", highlight=False)
     return 1 if failed else 0

@@ -28,6 +28,8 @@ class Job:
     at: float | None = None
     messages: list[dict] | None = None  # fixed prompt (replay); None: build from the conversation
     group: str | None = None  # the user's group from this turn on ("" = none); None: unchanged
+    clear: bool = False  # empty the cache before this turn (a recorded or scripted F4)
+    engine: dict | None = None  # settings changed before this turn (after `clear`): F2/F3/F5
     prompt: tuple[list[int], int] | None = None  # (token ids, system tokens): a recorded prompt
     # that has no messages (a server's completion turn), sent as it was
 
@@ -95,7 +97,13 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 messages.append({"role": "user", "content": job.text})
             started, offset = time.time(), time.monotonic() - t0
             try:
-                if job.group is not None:  # through the engine's queue, so it applies before this turn
+                # through the engine's queue, so each applies before this turn (and is recorded
+                # there as an event, as the app's F2-F5 and group changes are)
+                if job.clear:
+                    engine.clear_cache()
+                if job.engine:
+                    engine.reconfigure(**job.engine)
+                if job.group is not None:
                     engine.set_group(job.user, job.group or None)
                 if job.prompt is not None:
                     handle = engine.submit(job.user, sampling=job.sampling, prompt_ids=job.prompt[0],

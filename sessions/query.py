@@ -3,6 +3,7 @@ session back into a Script (for export and replay in the app)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
@@ -39,27 +40,75 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
-def group_timeline(users: list[dict], turns: list[dict], events: list[dict]) -> tuple[dict, dict]:
-    """(each user's group when the session began, {turn seq: the group its user moved to before
-    it}) from the recorded `UserGroupChanged` events. A group only salts its own user's requests,
-    so a change applies at that user's next turn ("" = no group). The users table holds a user's
-    group as first registered (`kvplay run`) or as last set (the app): the first change's
-    `old_group` is the starting one either way."""
+TIMELINE_KINDS = ("UserGroupChanged", "SettingsChanged", "AllBlocksCleared", "RequestQueued")
+CLEAR_REASONS = ("cleared", "reconfigured")  # an engine's own clears (not a watched server's restart)
+
+
+def timeline_events(db, sid: str) -> list[dict]:
+    """The recorded events `settings_timeline` reads (settings, groups, clears and each request's
+    queueing), in order, without loading the session's cache events."""
+    marks = ", ".join("?" * len(TIMELINE_KINDS))
+    rows = db.query(f"select payload from cache_events where session_id = ? and kind in ({marks}) "
+                    "order by seq, id", [sid, *TIMELINE_KINDS])
+    out = []
+    for r in rows:
+        try:
+            d = json.loads(r["payload"])
+        except (TypeError, ValueError):  # a damaged row is skipped, never a traceback
+            continue
+        if isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+@dataclass
+class Changes:
+    """What changed in the engine before one turn was queued: the user's group ("" = none;
+    None: unchanged), whether the cache was emptied, and the settings' new values."""
+    group: str | None = None
+    clear: bool = False
+    engine: dict = field(default_factory=dict)
+
+
+def settings_timeline(users: list[dict], turns: list[dict], events: list[dict]) -> tuple[dict, dict]:
+    """(each user's group when the session began, {turn seq: Changes made before it}) from the
+    recorded `UserGroupChanged`, `SettingsChanged` and `AllBlocksCleared` events, placed by the
+    turns' `RequestQueued` events.
+
+    A group only salts its own user's requests, so a change applies at that user's next turn. A
+    settings change or a clear applies to the whole engine, so it lands on the next turn queued
+    after it (changes after the last turn change nothing that was recorded). Several changes
+    between two turns merge: the last value of each field, and `clear` when any of them emptied
+    the cache (clearing first, then setting, ends in the same state as any order of the two).
+    The users table holds a user's group as first registered (`kvplay run`) or as last set (the
+    app): the first change's `old_group` is the starting one either way."""
     start = {u["name"]: u.get("group") for u in users}
     seq_of = {t["request_id"]: t for t in turns if t.get("request_id")}
-    seen, pending, at_turn = set(), {}, {}
+    seen: set = set()
+    groups: dict = {}
+    engine: dict = {}
+    clear = False
+    at_turn: dict = {}
     for e in events:
         kind = e.get("kind")
         if kind == "UserGroupChanged":
             user = e.get("user")
+            if not isinstance(user, str):
+                continue
             if user not in seen:
                 seen.add(user)
                 start[user] = e.get("old_group")
-            pending[user] = e.get("new_group") or ""
+            groups[user] = e.get("new_group") or ""
+        elif kind == "SettingsChanged" and isinstance(e.get("changes"), dict):
+            engine.update(e["changes"])
+        elif kind == "AllBlocksCleared" and e.get("reason") in CLEAR_REASONS:
+            clear = True
         elif kind == "RequestQueued" and e.get("request_id") in seq_of:
             t = seq_of[e["request_id"]]
-            if t["user"] in pending:
-                at_turn[t["seq"]] = pending.pop(t["user"])
+            ch = Changes(group=groups.pop(t["user"], None), clear=clear, engine=engine)
+            if ch.group is not None or ch.clear or ch.engine:
+                at_turn[t["seq"]] = ch
+            engine, clear = {}, False
     return start, at_turn
 
 
@@ -85,12 +134,10 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
     """A `kvplay run` script reproducing the session: engine table, system prompt, users with
     seeds, and every turn with its exact sampling (and `at` where the original had one).
     `timed`: give every turn `at` = its recorded submit offset (to play at the recorded pace)."""
-    from .history import session_events
-
     cfg = dict(session.get("engine_config") or {})
     rows = session_users(db, session["id"])
     recorded = session_turns(db, session["id"])
-    start, regroup = group_timeline(rows, recorded, session_events(db, session["id"]))
+    start, changes = settings_timeline(rows, recorded, timeline_events(db, session["id"]))
     users = []
     for u in rows:
         u = dict(u, group=start.get(u["name"]))
@@ -108,7 +155,9 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
         at = t.get("at")
         if timed and t.get("started") is not None:
             at = round(t["started"] - t0, 3)
-        turns.append(TurnSpec(t["user"], t["text"], at=at, group=regroup.get(t["seq"]),
+        ch = changes.get(t["seq"]) or Changes()
+        turns.append(TurnSpec(t["user"], t["text"], at=at, group=ch.group, clear=ch.clear or None,
+                              engine=ch.engine or None,
                               **{k: s.get(k) for k in SAMPLING_KEYS if s.get(k) is not None}))
         if t["user"] not in names:  # a user the app never registered
             users.append(UserSpec(t["user"]))

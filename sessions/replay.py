@@ -3,7 +3,13 @@
 Each recorded turn is re-submitted with its recorded messages (so every turn is compared on
 the same prompt even when an earlier reply changed), user, group and sampling (seed included),
 in recorded order: turns that had an `at` keep it; with `speed`, every turn is submitted at
-its recorded offset divided by `speed`.
+its recorded offset divided by `speed`. The engine changes recorded during the session
+(settings, clears, groups: query.settings_timeline) are made again before the turn that
+followed them.
+
+A turn reproduces when its output tokens and its cache are what they were: the same cached
+tokens, from the same creators. A replay that matches the text but not the cache does not
+reproduce the session.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ class Comparison:
     seq: int
     user: str
     text: str
-    equal: bool
+    equal: bool  # the output tokens match (and neither run failed)
     first_diff: int | None  # first differing output token index (None when equal)
     then_token: str | None  # decoded tokens at that index (None past the end)
     now_token: str | None
@@ -42,10 +48,16 @@ class Comparison:
     ttft_now: float | None
     error: str | None
     done: Done
+    cache_equal: bool = True  # cached tokens and their creators match
+
+    @property
+    def reproduces(self) -> bool:
+        return self.equal and self.cache_equal
 
     def to_dict(self) -> dict:
         d = {"turn": self.seq}
         d.update((k, v) for k, v in dataclasses.asdict(self).items() if k not in ("seq", "done", "then_ids", "now_ids"))
+        d["reproduces"] = self.reproduces
         for k in ("ttft_then", "ttft_now"):
             d[k] = None if d[k] is None else round(d[k], 2)
         return d
@@ -58,9 +70,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def recorded_jobs(turns: list[dict], speed: float | None = None, regroup: dict | None = None) -> list[Job]:
-    """The recorded turns as player jobs, in submit order; `regroup` ({seq: group}, from
-    query.group_timeline) moves a turn's user to the group it had when that turn was recorded."""
+def recorded_jobs(turns: list[dict], speed: float | None = None, changes: dict | None = None) -> list[Job]:
+    """The recorded turns as player jobs, in submit order; `changes` ({seq: Changes}, from
+    query.settings_timeline) makes the engine changes recorded before a turn again before it."""
     t0 = min((t["started"] for t in turns if t.get("started") is not None), default=0.0)
     jobs = []
     for t in submit_order(turns):
@@ -71,8 +83,10 @@ def recorded_jobs(turns: list[dict], speed: float | None = None, regroup: dict |
         prompt = None
         if not t["messages"] and t.get("prompt_ids"):  # a completion turn: its token ids as sent
             prompt = (list(t["prompt_ids"]), t.get("system_tokens") or 0)
-        jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"],
-                        group=(regroup or {}).get(t["seq"]), prompt=prompt))
+        ch = (changes or {}).get(t["seq"])
+        jobs.append(Job(t["seq"], t["user"], t["text"], s, at=at, messages=t["messages"], prompt=prompt,
+                        group=ch.group if ch else None, clear=bool(ch and ch.clear),
+                        engine=(ch.engine or None) if ch else None))
     return jobs
 
 
@@ -93,24 +107,29 @@ def compare(turn: dict, done: Done, tokenizer) -> Comparison:
             return str(ids[i])
 
     st = res.stats if res is not None else None
+    cached_now = st.cached_tokens if st else None
+    from_then = turn.get("cached_from") or {}
+    from_now = dict(st.cached_from) if st else {}
+    cache_equal = err is None and turn.get("cached_tokens") == cached_now and from_then == from_now
     return Comparison(
         seq=turn["seq"], user=turn["user"], text=turn["text"], equal=equal, first_diff=diff,
         then_token=tok(then_ids, diff), now_token=tok(now_ids, diff), then_ids=then_ids, now_ids=now_ids,
         then_reply=turn.get("reply") or "", now_reply=res.text if res else None,
-        cached_then=turn.get("cached_tokens"), cached_now=st.cached_tokens if st else None,
-        cached_from_then=turn.get("cached_from") or {}, cached_from_now=dict(st.cached_from) if st else {},
-        ttft_then=turn.get("ttft_ms"), ttft_now=st.ttft_ms if st else None, error=err, done=done)
+        cached_then=turn.get("cached_tokens"), cached_now=cached_now,
+        cached_from_then=from_then, cached_from_now=from_now,
+        ttft_then=turn.get("ttft_ms"), ttft_now=st.ttft_ms if st else None, error=err, done=done,
+        cache_equal=cache_equal)
 
 
 def replay(engine, turns: list[dict], system: str = "", groups: dict | None = None, speed: float | None = None,
-           recorder=None, regroup: dict | None = None) -> Iterator[Comparison]:
+           recorder=None, changes: dict | None = None) -> Iterator[Comparison]:
     """Re-drive `turns` (rows from query.session_turns) through `engine`; yield a Comparison per
     finished turn, in finish order. `groups`: each user's group when the session began;
-    `regroup`: {seq: group} changes made during it (query.group_timeline), applied before those
+    `changes`: {seq: Changes} made during it (query.settings_timeline), made again before those
     turns. With `recorder`, each new turn is recorded as it finishes."""
     for name, group in (groups or {}).items():  # the recorded users, in their starting groups
         engine.register_user(name, group)
-    jobs = recorded_jobs(turns, speed, regroup)
+    jobs = recorded_jobs(turns, speed, changes)
     by_seq = {t["seq"]: t for t in turns}
     out: "queue.Queue" = queue.Queue()
     failure: list[BaseException] = []

@@ -38,7 +38,8 @@ def script_jobs(script: Script) -> list[Job]:
     jobs = []
     for i, t in enumerate(script.turns, 1):
         u = script.user(t.user)
-        jobs.append(Job(i, t.user, t.text, sampling_for(u, t), at=t.at, group=t.group))
+        jobs.append(Job(i, t.user, t.text, sampling_for(u, t), at=t.at, group=t.group, clear=bool(t.clear),
+                        engine=t.engine))
     return jobs
 
 

@@ -23,22 +23,32 @@ max_tokens = 32          # optional: temperature, seed, top_p, top_k too
 at = 0.0                 # optional: seconds from start; turns with `at` run concurrently
 group = "team-b"         # optional: the user's group from this turn on ("" = none), applied by
                          # the engine's registry right before the turn (recorded as a change)
+clear = true             # optional: empty the cache right before this turn (the app's F4)
+engine = { isolation = "user", deterministic = true }
+                         # optional: settings changed right before this turn (after `clear`), as
+                         # the app's F2/F3/F5 do: any [engine] field a running engine can change
 ```
+A recorded session exports (`kvplay export ID --format toml`) its starting settings as [engine]
+and every later change (settings, clear, group) on the turn queued right after it.
+
 Turns of one user form that user's conversation: a later turn includes the earlier turns and
 their replies. A user's group matters only to that user's own requests (it salts their block
 hashes), so a group change recorded anywhere in a session is written on the user's next turn.
 """
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvplay.engine.config import RESTART_FIELDS, EngineConfig
 from kvplay.engine.errors import EngineError
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
-TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group"}
+TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group", "clear",
+             "engine"}
 USER_KEYS = {"name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour", "color"}
 
 
@@ -90,6 +100,8 @@ class TurnSpec:
     top_k: int | None = None
     at: float | None = None
     group: str | None = None  # the user's group from this turn on ("" = none); None: unchanged
+    clear: bool | None = None  # empty the cache before this turn
+    engine: dict | None = None  # settings changed before this turn (after `clear`)
 
 
 @dataclass
@@ -116,20 +128,40 @@ def _check_keys(table: dict, allowed: set, where: str) -> None:
 FIELD_TYPES = {  # TOML value types each field accepts (ints are fine where floats are)
     "name": (str,), "user": (str,), "text": (str,), "group": (str,), "colour": (str,),
     "seed": (int,), "max_tokens": (int,), "top_k": (int,),
-    "temperature": (int, float), "top_p": (int, float), "at": (int, float),
+    "temperature": (int, float), "top_p": (int, float), "at": (int, float), "clear": (bool,),
+    "engine": (dict,),
 }
 
 
 def _check_types(table: dict, where: str) -> None:
     for key, value in table.items():
         want = FIELD_TYPES.get("colour" if key == "color" else key)
-        if want and (isinstance(value, bool) or not isinstance(value, want)):
-            kind = "a string" if want == (str,) else "an integer" if want == (int,) else "a number"
+        if want and ((isinstance(value, bool) and bool not in want) or not isinstance(value, want)):
+            kind = {(str,): "a string", (int,): "an integer", (bool,): "true or false",
+                    (dict,): "a table"}.get(want, "a number")
             raise ScriptError(f"{where}: `{key}` must be {kind}, got {value!r}")
     for key in ("max_tokens", "top_k", "temperature", "at"):
         if key in table and not isinstance(table[key], bool) and isinstance(table[key], (int, float)) \
                 and table[key] < 0:
             raise ScriptError(f"{where}: `{key}` must not be negative, got {table[key]!r}")
+
+
+def _check_settings(changes: dict, where: str) -> None:
+    """A turn's `engine` table: fields a running engine can change, with valid values."""
+    if not changes:
+        raise ScriptError(f"{where}: empty table")
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    for key, value in changes.items():
+        if key not in names:
+            raise ScriptError(f"{where}: unknown engine option {key!r}")
+        if key in RESTART_FIELDS:
+            raise ScriptError(f"{where}: {key} cannot change while the engine runs (set it in [engine])")
+        if value is None or isinstance(value, (dict, list)):
+            raise ScriptError(f"{where}: `{key}` has a bad value {value!r}")
+    try:
+        EngineConfig().replace(**changes).validate()
+    except EngineError as exc:
+        raise ScriptError(f"{where}: {exc}") from None
 
 
 def _tables(data: dict, key: str, where: str) -> list[dict]:
@@ -184,6 +216,8 @@ def parse_script(text: str, where: str = "script") -> Script:
             names.append(t["user"])
         if not str(t["text"]).strip():
             raise ScriptError(f"{where}: turns[{i}]: empty message")
+        if "engine" in t:
+            _check_settings(t["engine"], f"{where}: turns[{i}].engine")
         turns.append(TurnSpec(**t))
     if not turns:
         raise ScriptError(f"{where}: no [[turns]]")
@@ -204,6 +238,8 @@ def load_script(path: str | Path) -> Script:
 
 
 def _toml_value(v) -> str:
+    if isinstance(v, dict):  # an inline table (a turn's `engine`)
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + " }"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -223,7 +259,8 @@ def dump_script(script: Script) -> str:
         out.append("")
     out += ["[system]", f"prompt = {_toml_value(script.system)}", ""]
     user_keys = ("name", "group", "seed", "temperature", "max_tokens", "top_p", "top_k", "colour")
-    turn_keys = ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group")
+    turn_keys = ("user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group", "clear",
+                 "engine")
     for header, items, keys in (("[[users]]", script.users, user_keys), ("[[turns]]", script.turns, turn_keys)):
         for item in items:
             out.append(header)

@@ -688,6 +688,13 @@ class KvplayApp(ControlsMixin, App):
             paused_for += time.monotonic() - pause_start if self.paused else 0.0
             if self._step:
                 self._step -= 1
+            if self.engine is not None and (turn.clear or turn.engine):
+                # a recorded or scripted F4 / F2-F5, through the engine's queue before this turn
+                if turn.clear:
+                    await asyncio.to_thread(self.engine.clear_cache)
+                if turn.engine:
+                    await asyncio.to_thread(self.engine.reconfigure, **turn.engine)
+                self._dirty = True
             if turn.group is not None and (turn.group or None) != pane.spec.group:
                 self.set_user_group(pane, turn.group or None)  # a recorded or scripted change
             self.send(pane, turn.text, turn)

@@ -125,6 +125,9 @@ def event_line(ev, looks: dict[str, UserLook]) -> str | None:
         return f"{ev.seq:>5} COLLISION caught for {ev.user} at block {ev.block_id}"
     if k == "RequestFinished":
         return f"{ev.seq:>5} done    {ev.user} ({ev.finish_reason})" + (f": {ev.error}" if ev.error else "")
+    if k == "SettingsChanged":
+        return f"{ev.seq:>5} SETTING " + ", ".join(f"{name} {ev.previous.get(name)} → {v}"
+                                                   for name, v in ev.changes.items())
     if k == "UserGroupChanged":
         return (f"{ev.seq:>5} GROUP   {ev.user}: {ev.old_group or '(none)'} → {ev.new_group or '(none)'}"
                 " (from the next request)")
