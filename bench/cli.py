@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
 
 from .workloads import WORKLOADS
 
@@ -46,8 +46,6 @@ def _progress(start: float):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import KvplayError, check_output_file, save_plot
-
     from .report import plot_report, print_report
     from .run import PEER_ORDER, run_bench
 

@@ -50,7 +50,7 @@ def _builtin(data: bytes) -> int:
 def parse_hash_name(name: str) -> HashFn:
     if name == "sha256":
         return HashFn(name, 256, _sha256)
-    if name == "sha256_cbor":  # vLLM's hash (wire/cbor_hash.py); BlockHasher hashes blocks its way
+    if name == "sha256_cbor":  # vLLM's hash (cbor_hash.py); BlockHasher hashes blocks its way
         return HashFn(name, 256, _sha256)
     if name == "blake2b64":
         return HashFn(name, 64, _blake2b64)
@@ -86,7 +86,7 @@ class BlockHasher:
         self.root = self.fn(b"kvplay-root\0" + seed.encode())
         self._cbor = None
         if self.fn.name == "sha256_cbor":  # vLLM's bytes; the default seed means vLLM's NONE_HASH rule
-            from kvplay.wire.cbor_hash import CborBlockHashing
+            from .cbor_hash import CborBlockHashing  # start-up time: cbor2 only when vLLM's hash is asked for
 
             self._cbor = CborBlockHashing(None if seed == "kvplay" else seed)
             self.root = self._cbor.root_int

@@ -10,6 +10,9 @@ import importlib
 import sys
 
 from kvplay.engine.errors import EngineError
+# the shared command-line vocabulary lives in kvplay/options.py (below every subcommand, above
+# only the engine); re-exported for callers that import it from here
+from kvplay.options import KvplayError, check_output_file, save_plot  # noqa: F401
 
 # name -> (module, help). The module defines configure(parser) and main(args) -> int.
 COMMANDS = {
@@ -29,34 +32,6 @@ COMMANDS = {
     "watch": ("kvplay.wire.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
     "attach": ("kvplay.tui.attach_cli", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
 }
-
-
-class KvplayError(EngineError):
-    """A user-facing error outside the engine (bad script, bad DB, unknown session)."""
-
-
-def check_output_file(path: str | None, flag: str, suffix: str | None = None) -> None:
-    """Refuse an output path that cannot be written *before* minutes of work, not after."""
-    import os
-
-    if not path:
-        return
-    if suffix and not path.lower().endswith(suffix):
-        raise KvplayError(f"{flag} {path!r}: give a {suffix} file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise KvplayError(f"{flag} {path!r}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise KvplayError(f"{flag} {path!r}: not writable")
-
-
-def save_plot(save, path: str) -> None:
-    """Run `save(path)`; a failure is one line, not a traceback after the measurements."""
-    try:
-        save(path)
-    except OSError as exc:
-        raise KvplayError(f"could not save the plot to {path}: {exc.strerror or exc}") from None
-    print(f"kvplay: plot saved to {path}", file=sys.stderr)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -1,5 +1,9 @@
-"""The engine flags shared by every command (`kvplay`, `run`, `replay`, `lab`, `bench`,
-`screenshot`), and how they combine with a script's `[engine]` table.
+"""The command-line vocabulary every subcommand shares: the engine flags (`kvplay`, `run`,
+`replay`, `lab`, `bench`, `screenshot`) and how they combine with a script's `[engine]` table,
+`--db`, the one-line user error (KvplayError) and output-path checks.
+
+Layers (pyproject.toml, [tool.importlinter]): this module imports only the engine, so the
+subcommands in engine/…/bench/ use it without importing the CLI (kvplay/cli.py) above them.
 
 Flags given on the command line override the script; flags left out keep the script's value,
 then the EngineConfig default.
@@ -7,8 +11,11 @@ then the EngineConfig default.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES, EngineConfig
+from kvplay.engine.errors import EngineError
 
 # flag -> (dest, type, help)
 ENGINE_FLAGS = [
@@ -55,3 +62,40 @@ def engine_overrides(args: argparse.Namespace) -> dict:
 def config_from_args(args: argparse.Namespace, base: dict | None = None, where: str = "[engine]") -> EngineConfig:
     cfg = EngineConfig.from_dict(base or {}, where)
     return cfg.replace(**engine_overrides(args)).validate()
+
+
+class KvplayError(EngineError):
+    """A user-facing error outside the engine (bad script, bad DB, unknown session)."""
+
+
+def check_output_file(path: str | None, flag: str, suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written *before* minutes of work, not after."""
+    if not path:
+        return
+    if suffix and not path.lower().endswith(suffix):
+        raise KvplayError(f"{flag} {path!r}: give a {suffix} file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise KvplayError(f"{flag} {path!r}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise KvplayError(f"{flag} {path!r}: not writable")
+
+
+def save_plot(save, path: str) -> None:
+    """Run `save(path)`; a failure is one line, not a traceback after the measurements."""
+    try:
+        save(path)
+    except OSError as exc:
+        raise KvplayError(f"could not save the plot to {path}: {exc.strerror or exc}") from None
+    print(f"kvplay: plot saved to {path}", file=sys.stderr)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed); imported here, when a plot is
+    asked for, for start-up time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from kvplay.options import add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
 
 LABS = {
     "determinism": "kvplay.labs.determinism",
@@ -16,8 +16,6 @@ LABS = {
 
 
 def _error(msg: str):
-    from kvplay.cli import KvplayError
-
     return KvplayError(msg)
 
 
@@ -138,7 +136,6 @@ def build_params(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import check_output_file, save_plot
     from kvplay.engine.engine import Engine
 
     from kvplay.sessions.recorder import close_run

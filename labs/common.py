@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
 
 
@@ -93,16 +94,6 @@ def dump_json(result: LabResult, out=None) -> None:
     out = out or sys.stdout
     json.dump(result.to_dict(), out, indent=2)
     out.write("\n")
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 class Progress:

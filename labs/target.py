@@ -1,7 +1,7 @@
 """The leak and determinism labs against a real OpenAI-compatible server (`--target URL`).
 
 The labs' client of a remote server (vLLM, SGLang, `kvplay serve`): every request is a streamed
-``POST /v1/completions`` sent through ``bench.http_peer.HttpPeer`` (one HTTP client per API key),
+``POST /v1/completions`` sent through ``serve.client.HttpPeer`` (one HTTP client per API key),
 by token ids (leak: exact block alignment) or text (determinism). TTFT is measured by the client,
 from sending the request to the first streamed chunk with a choice; the server's own count of
 reused prompt tokens comes from ``usage.prompt_tokens_details.cached_tokens`` when it reports it.
@@ -29,8 +29,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from kvplay.bench.http_peer import HttpPeer
+from kvplay.serve.client import HttpPeer
 from kvplay.engine.errors import EngineError
+from kvplay.options import KvplayError, check_output_file, save_plot
 
 from .common import LabContext, LabResult, Table, quoted, roc_auc
 from .determinism import COMPANIONS, OTHER_QUESTION, PROMPTS, SYSTEM
@@ -386,8 +387,6 @@ def _det_verdict(s: dict, target: Target) -> str:
 # --- the CLI --------------------------------------------------------------------------------------
 def main(args, mod_params) -> int:
     """`kvplay lab leak|determinism --target URL …` (called by labs/cli.py with its parsed params)."""
-    from kvplay.cli import KvplayError, check_output_file, save_plot
-
     from .common import Progress, dump_json, render
 
     if args.lab not in ("leak", "determinism"):

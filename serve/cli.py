@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from kvplay.options import add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,6 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import KvplayError
     from kvplay.sessions.recorder import Recorder, close_run
     from kvplay.sessions.run_cmd import start_engine
     from kvplay.sessions.store import open_db

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvplay.wire.cbor_hash import vllm_extra_keys
+from kvplay.engine.cbor_hash import vllm_extra_keys
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, MEDIUM_GPU, from_engine_event, hex_to_wire_hash
 
 SPEC_KIND = "full_attention"  # what vLLM 0.32 sends for a plain decoder's one KV-cache group

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 
 from .cli_list import when
 from .cli_show import load
@@ -58,8 +58,6 @@ def to_md(s: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.format == "vllm-msgpack" and not args.output and sys.stdout.isatty():
-        from kvplay.cli import KvplayError
-
         raise KvplayError("--format vllm-msgpack is binary: give -o FILE (or redirect stdout)")
     db = open_db(args.db, create=False)
     try:
@@ -79,8 +77,6 @@ def main(args: argparse.Namespace) -> int:
             with open(args.output, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else {"encoding": "utf-8"})) as f:
                 f.write(text)
         except OSError as exc:
-            from kvplay.cli import KvplayError
-
             raise KvplayError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     elif isinstance(text, bytes):

@@ -13,7 +13,7 @@ import os
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 
 from .report import console, print_json
 from .simulate import SIM_POLICIES, Trace, headline, simulate, simulate_grid
@@ -32,8 +32,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _list(text: str, allowed, flag: str) -> list[str]:
-    from kvplay.cli import KvplayError
-
     out = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in out if p not in allowed]
     if bad or not out:
@@ -42,8 +40,6 @@ def _list(text: str, allowed, flag: str) -> list[str]:
 
 
 def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
-    from kvplay.cli import KvplayError
-
     from .simulate import default_sizes
 
     if not values:
@@ -80,8 +76,6 @@ def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple
 
 
 def plot(results, trace: Trace, path: str) -> None:
-    from kvplay.labs.common import pyplot
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     isos = sorted({r.isolation for r in results})
@@ -102,21 +96,14 @@ def plot(results, trace: Trace, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-
-    from kvplay.cli import save_plot
-
     save_plot(lambda p: fig.savefig(p, dpi=120), path)
     plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import check_output_file
-
     policies = _list(args.policy, SIM_POLICIES, "--policy")
     check_output_file(args.plot, "--plot", ".png")
     if args.block_size <= 0:
-        from kvplay.cli import KvplayError
-
         raise KvplayError(f"--block-size must be positive (got {args.block_size})")
     trace, bad = load_source(args.source, args.db, args.block_size)
     rc = _report(args, trace, policies)

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +31,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import KvplayError
-
     from .store import open_db
     from .traces import import_trace, read_trace_file
 

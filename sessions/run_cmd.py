@@ -12,7 +12,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from kvplay.options import add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
@@ -237,8 +237,6 @@ def main(args: argparse.Namespace) -> int:
     from .store import open_db
 
     if args.speed <= 0:
-        from kvplay.cli import KvplayError
-
         raise KvplayError(f"--speed must be positive (got {args.speed})")
     script = load_script(args.script)
     config = config_from_args(args, script.engine, where=f"{args.script}: [engine]")

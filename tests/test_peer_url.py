@@ -10,6 +10,7 @@ from serve_util import serve  # noqa: F401 - the fixture
 from kvplay.bench import http_peer
 from kvplay.bench.workloads import build_workload
 from kvplay.engine.errors import EngineError
+from kvplay.serve import client
 
 SHORT_SYSTEM = "You are a terse shop assistant. Answer in one sentence. Be kind and exact. " * 3
 
@@ -62,7 +63,7 @@ def test_without_a_reset_endpoint_a_fresh_first_token_keeps_it_cold(serve, tiny_
     peer = http_peer.HttpPeer(srv.url).connect()
     try:
         assert http_peer.run_http_peer(peer, wl).unavailable is None  # the server now holds these prompts
-        monkeypatch.setattr(http_peer, "RESET_PATHS", ("/no-such-endpoint",))
+        monkeypatch.setattr(client, "RESET_PATHS", ("/no-such-endpoint",))
         peer.reset_path = None
         res = http_peer.run_http_peer(peer, wl, seed=7)
         assert res.unavailable is None, res.unavailable

@@ -147,7 +147,8 @@ def test_sigkill_mid_run_keeps_finished_turns(tmp_path, capsys):
     assert session["turns"] < 80
     assert cli(["replay", session["id"], "--db", str(db), "--headless", "--json", "--no-record"]) == 0
     summ = json_lines(capsys.readouterr().out)[-1]
-    assert summ["turns"] == session["turns"] and summ["reproduces"]
+    # the same outputs; the cached tokens of bob's overlapping (`at`) turns depend on timing
+    assert summ["turns"] == session["turns"] and summ["text_differs"] == 0 and summ["errors"] == 0
 
 
 def test_replay_in_app_gets_recorded_turns(tmp_path, capsys, monkeypatch):

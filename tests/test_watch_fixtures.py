@@ -9,7 +9,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvplay.wire.cbor_hash import block_hash, none_hash
+from kvplay.engine.cbor_hash import block_hash, none_hash
 from kvplay.wire.codec import AllBlocksCleared, BlockStored, decode_batch, parse_frames
 from kvplay.wire.mirror import Mirror
 

@@ -15,7 +15,7 @@ import pytest
 from test_watch_cmd import Watch
 from test_watch_subscriber import free_port
 
-from kvplay.wire.cbor_hash import block_hash, none_hash
+from kvplay.engine.cbor_hash import block_hash, none_hash
 
 VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")

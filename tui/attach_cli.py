@@ -18,8 +18,7 @@ import os
 import sys
 from urllib.parse import urlsplit
 
-from kvplay.cli import KvplayError
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.wire.watch_cmd import add_source_args, sources_from_args
 
 from .cli import APP_SYSTEM, parse_users
@@ -76,7 +75,6 @@ def open_backend(args):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import check_output_file
     from kvplay.sessions.script import load_script
 
     from .screenshot import parse_size

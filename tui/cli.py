@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from kvplay.options import add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.script import UserSpec, load_script
 
 
 def parse_users(text: str) -> list[UserSpec]:
-    from kvplay.cli import KvplayError
-
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise KvplayError("--users needs at least one name, e.g. --users alice,bob,carol")

@@ -10,15 +10,13 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kvplay.options import add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_engine_args, config_from_args
 from kvplay.sessions.script import load_script, parse_script
 
 from .demo import DEMO_TOML
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    from kvplay.cli import KvplayError
-
     try:
         w, h = (int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -46,8 +44,6 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
                           show_events: bool = False, select_block: int | None = None,
                           loaded_callback=None) -> Path:
     """Run `app` headless until its script has played, then save `out` (an SVG)."""
-    from kvplay.cli import KvplayError
-
     from .screens import ErrorScreen
 
     async with app.run_test(size=size) as pilot:

@@ -8,7 +8,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +42,6 @@ async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.cli import KvplayError, check_output_file
-
     from .scrub import ScrubApp
 
     rec = load(args.db, args.id)

@@ -21,8 +21,7 @@ import json
 import sys
 import time
 
-from kvplay.cli import KvplayError
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 
 from .codec import WireError
 from .mirror import Fleet
