@@ -85,7 +85,7 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> flo
 def measure_recording(payloads: list[bytes], db_path: str) -> float:
     """Seconds to decode, apply and record (journal -> engine events -> SQLite, flushed every
     1,000 batches as `kvplay watch` flushes about once a second) every payload."""
-    from kvplay.wire.recording import WatchRecording
+    from kvplay.sessions.watch_recording import WatchRecording
 
     fleet = Fleet()
     rec = WatchRecording(db_path, fleet, title="mirror bench")

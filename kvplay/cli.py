@@ -21,7 +21,7 @@ COMMANDS = {
     "sessions": ("kvplay.sessions.cli_list", "list recorded sessions"),
     "show": ("kvplay.sessions.cli_show", "show one recorded session"),
     "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
-    "replay": ("kvplay.sessions.cli_replay", "replay a recorded session and compare outputs"),
+    "replay": ("kvplay.tui.replay_cli", "replay a recorded session and compare outputs"),
     "simulate": ("kvplay.sessions.cli_simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
     "scrub": ("kvplay.tui.scrub_cli", "step, play and seek through a recorded session's cache, no model loaded"),
     "import": ("kvplay.sessions.cli_trace", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
@@ -29,7 +29,7 @@ COMMANDS = {
     "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
     "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
     "serve": ("kvplay.serve.cli", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
-    "watch": ("kvplay.wire.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
+    "watch": ("kvplay.sessions.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
     "attach": ("kvplay.tui.attach_cli", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
 }
 

@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPLAY_VENV:-.venv}
+LINT=$(cd "$VENV/bin" && pwd)/lint-imports
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/kvplay"
@@ -21,4 +22,4 @@ done
 cp pyproject.toml "$stage/"
 # PYTHONPATH puts the staged copy ahead of the editable install's import hook; --no-cache:
 # the stage is new every run.
-cd "$stage" && PYTHONPATH="$stage" "$OLDPWD/$VENV/bin/lint-imports" --config pyproject.toml --no-cache "$@"
+cd "$stage" && PYTHONPATH="$stage" "$LINT" pyproject.toml --no-cache --no-logo "$@"

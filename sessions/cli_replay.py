@@ -1,35 +1,20 @@
-"""`kvplay replay ID [--db PATH] [--headless] [--speed X] [--json] [engine flags]`.
-
-Headless: re-drive the recorded turns through a fresh Engine, making the recorded engine changes
-(settings, clears, groups) again before the turns that followed them, and print, per turn,
-equal or differs (first differing token and its position), and cached tokens then vs now with
-whether they and their creators match; the replay is recorded as a new session (replay_of = ID)
-unless --no-record. A session reproduces when every turn's output and cache match. Exit code 1
-when a session recorded in deterministic mode no longer gives the same outputs (or a turn
-fails), else 0: cached tokens also depend on timing where turns overlapped (`at`).
-Without --headless the turns play in the app.
+"""Headless `kvplay replay ID --headless`: re-drive the recorded turns through a fresh Engine,
+making the recorded engine changes (settings, clears, groups) again before the turns that
+followed them, and print, per turn, equal or differs (first differing token and its position),
+and cached tokens then vs now with whether they and their creators match; the replay is recorded
+as a new session (replay_of = ID) unless --no-record. A session reproduces when every turn's
+output and cache match. Exit code 1 when a session recorded in deterministic mode no longer
+gives the same outputs (or a turn fails), else 0: cached tokens also depend on timing where
+turns overlapped (`at`). The command itself (and the replay in the app) is tui/replay_cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
-from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
-
-from .query import resolve_session, session_script, session_turns, session_users, settings_timeline, timeline_events
+from .query import settings_timeline
+from .recorder import Recorder, close_run
 from .report import console, excerpt, fmt_num, print_json
-from .store import open_db
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("id", help="session id (or a unique prefix)")
-    add_db_arg(parser)
-    parser.add_argument("--headless", action="store_true", help="replay without the app and compare outputs")
-    parser.add_argument("--speed", type=float, default=None,
-                        help="submit turns at their recorded pace times X (default: recorded order, as fast as possible)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per turn, then a summary (headless)")
-    parser.add_argument("--no-record", action="store_true", help="do not record the replay as a new session")
-    add_engine_args(parser)
+from .run_cmd import start_engine
 
 
 def _row(c) -> list[str]:
@@ -46,38 +31,11 @@ def _row(c) -> list[str]:
             f"{fmt_num(c.ttft_then)} → {fmt_num(c.ttft_now)}", excerpt(c.now_reply or "", 36)]
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.speed is not None and args.speed <= 0:
-        raise KvplayError(f"--speed must be positive (got {args.speed})")
-    db = open_db(args.db, create=False)
-    try:
-        session = resolve_session(db, args.id)
-        turns = session_turns(db, session["id"])
-        users = session_users(db, session["id"])
-        # the app replays the session as a script (session_script reads its events itself)
-        events = timeline_events(db, session["id"]) if args.headless else []
-        script = None if args.headless else session_script(db, session, timed=True)
-    finally:
-        db.close()
-    if not turns:
-        raise KvplayError(f"session {session['id']} has no recorded turns to replay")
-    config = config_from_args(args, session["engine_config"], where=f"session {session['id']}: engine config")
-    if not args.headless:
-        from kvplay.tui.app import run_app  # the app (Textual) loads only when it is asked for
-
-        return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
-                           db=args.db, record=not args.no_record,
-                           title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
-    return headless(args, session, turns, users, events, config)
-
-
 def headless(args, session: dict, turns: list[dict], users: list[dict], events: list[dict], config) -> int:
-    from rich.live import Live
+    from rich.live import Live  # start-up time: `kvplay replay --help` imports this module
     from rich.table import Table
 
-    from .recorder import Recorder, close_run
-    from .replay import replay
-    from .run_cmd import start_engine
+    from .replay import replay  # start-up time: the player imports the engine (torch)
 
     recorded_det = bool(session["engine_config"].get("deterministic"))
     engine = start_engine(config)

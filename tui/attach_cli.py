@@ -19,7 +19,7 @@ import sys
 from urllib.parse import urlsplit
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
-from kvplay.wire.watch_cmd import add_source_args, sources_from_args
+from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 
 from .cli import APP_SYSTEM, parse_users
 

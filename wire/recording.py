@@ -1,4 +1,5 @@
-"""Record a watched server into the sessions DB, like any other session (source "watch").
+"""A watched server's batches as kvplay engine events (sessions/watch_recording.py records them
+into the sessions DB, like any other session: source "watch").
 
 The mirror journals what each batch did (wire/mirror.py); this turns the journal into kvplay's
 engine events, so the recorded session reads like one of our own engine's: a new block is a
@@ -14,10 +15,8 @@ once a second and at the end), so a busy server costs one commit a second, not o
 from __future__ import annotations
 
 from kvplay.engine.events import AllBlocksCleared, BlockHit, BlockRemoved, BlockStored
-from kvplay.sessions.recorder import Recorder
 
 from .codec import hash_hex
-from .mirror import Fleet
 
 
 def journal_events(journal: list, ts: float) -> list:
@@ -61,49 +60,3 @@ def journal_events(journal: list, ts: float) -> list:
         else:
             out.append(AllBlocksCleared(ts=ts, reason=entry[1]))
     return out
-
-
-class WatchRecording:
-    def __init__(self, db_path: str | None, fleet: Fleet, title: str | None = None, model: str = "remote"):
-        self.rec = Recorder.open(db_path, None, model, "watch", "", title=title)
-        self.session_id = self.rec.session_id
-        self.path = self.rec.path
-        self.fleet = fleet
-        self._seq = 0
-        self._events: list = []
-        self._cols: list = []
-        self.recorded = 0
-
-    def watch(self, pod: str) -> None:
-        """Start journaling `pod`'s mirror."""
-        m = self.fleet.pod(pod)
-        if m.journal is None:
-            m.journal = []
-
-    def on_batch(self, pod: str, wire_seq: int, ts: float) -> None:
-        """Turn what the pod's last batch did into events (called after each applied batch)."""
-        m = self.fleet.pod(pod)
-        journal = m.journal
-        if not journal:
-            return
-        m.journal = []
-        cols = {"pod": pod, "wire_seq": wire_seq}
-        for ev in journal_events(journal, ts):
-            self._seq += 1
-            ev.seq = self._seq
-            self._events.append(ev)
-            self._cols.append(cols)
-
-    def flush(self) -> None:
-        if not self._events:
-            return
-        events, cols = self._events, self._cols
-        self._events, self._cols = [], []
-        self.rec.record_events(events, cols)
-        self.recorded += len(events)
-
-    def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            self.rec.close()

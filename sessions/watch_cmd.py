@@ -22,10 +22,11 @@ import sys
 import time
 
 from kvplay.options import KvplayError, add_db_arg
+from kvplay.wire.codec import WireError
+from kvplay.wire.mirror import Fleet
+from kvplay.wire.subscriber import PodSource, Subscriber, check_endpoint, default_pod_name
 
-from .codec import WireError
-from .mirror import Fleet
-from .subscriber import PodSource, Subscriber, check_endpoint, default_pod_name
+from .watch_recording import WatchRecording
 
 
 class _Source(argparse.Action):
@@ -159,8 +160,6 @@ def main(args) -> int:
     except WireError as exc:
         raise KvplayError(str(exc)) from None
     if not args.no_record:  # after the sockets opened: a refused watch records nothing
-        from .recording import WatchRecording
-
         try:
             recording = WatchRecording(args.db, fleet, title="watch " + " ".join(s.name for s in sources))
         except BaseException:
