@@ -18,7 +18,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.sampling import SamplingParams
 
-from .metrics import PeerResult, RequestRecord
+from .metrics import PeerResult, RequestRecord, union_seconds
 from .workloads import Turn, Workload, shared_prefix_len
 
 Progress = Callable[[str], None]
@@ -337,8 +337,6 @@ def decode_probe(loaded_kv, hf_model, workload: Workload, base: EngineConfig, us
                  progress: Progress = _quiet) -> dict:
     """Decode tok/s of kvplay at one user and at `users` concurrent users (system prompt already
     cached, so the rounds are nearly all decode), and of HF generate + DynamicCache at one user."""
-    from .metrics import union_seconds
-
     first_round = workload.rounds[0]
     turns = [first_round[i % len(first_round)] for i in range(users)]
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)

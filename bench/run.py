@@ -13,7 +13,7 @@ from kvplay.engine.model import load_model
 
 from . import peers as P
 from .metrics import Target, ratio, ratios, speedup, summarize
-from .http_peer import KEY as HTTP_KEY
+from .http_peer import HttpPeer, KEY as HTTP_KEY
 from .http_peer import run_http_peer
 from .workloads import WORKLOADS, build_workload, script_workload
 
@@ -48,8 +48,6 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
         raise EngineError(f"unknown peer(s) {', '.join(sorted(unknown))} ({', '.join(PEER_ORDER)})")
     http = None
     if peer_url:
-        from .http_peer import HttpPeer
-
         http = HttpPeer(peer_url, peer_model).connect()  # one clear line when it cannot be reached
     load_avg_start = _load_avg()
     # Every peer runs with the engine's thread count (set once, process-wide, before any timing).

@@ -431,10 +431,6 @@ class BlockPool:
             return
         self.dirty.add(bid)
 
-    def add_users(self, block_ids, user: str) -> None:
-        for bid in block_ids:
-            self.add_user(bid, user)
-
     def register(self, bid: int, block_hash: int, parent_id: int | None, tokens, extra,
                  user: str, request_id: str) -> bool:
         """Mark a just-filled block as holding `tokens`; index it if it can be reached.

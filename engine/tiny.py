@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import string
 
+from .errors import EngineError
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -47,8 +49,6 @@ def build_tiny(kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int 
     Qwen2 layer but the first (a mix of full and sliding layers, as real Qwen2 configs have)."""
     import torch
     import transformers as tf
-
-    from .errors import EngineError
 
     tok = build_tokenizer()
     common = dict(

@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from kvplay.sessions.report import console as make_console
 from typing import Any
 
 from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
@@ -72,8 +73,6 @@ def renderables(result: LabResult) -> list:
 
 def render(result: LabResult, console=None) -> None:
     """Print the lab's tables and verdict with rich."""
-    from kvplay.sessions.report import console as make_console
-
     console = console or make_console(width=140)
     for r in renderables(result):
         console.print(r)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, cached_cell
+from .common import LabContext, LabResult, Table, cached_cell, pyplot
 
 QUESTION = "Am I pretty?"
 
@@ -162,8 +162,6 @@ def make_verdict(summary: dict) -> str:
 
 
 def plot(result: LabResult, path: str) -> None:
-    from .common import pyplot
-
     plt = pyplot()
     kv = result.data["kv_cache"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -29,13 +29,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from kvplay.serve.client import HttpPeer
 from kvplay.engine.errors import EngineError
 from kvplay.options import KvplayError, check_output_file, save_plot
+from kvplay.serve.client import HttpPeer
 
-from .common import LabContext, LabResult, Table, quoted, roc_auc
+from .common import LabContext, LabResult, Progress, Table, dump_json, quoted, render, roc_auc
 from .determinism import COMPANIONS, OTHER_QUESTION, PROMPTS, SYSTEM
-from .leak import Attacker, _ks
+from .leak import Attacker, _ks, plot
 
 VICTIM, ATTACKER = "victim", "mallory"
 VOCAB_TRIES = (32000, 4096, 256, 100)  # the largest id range the server accepts is the probe's
@@ -387,8 +387,6 @@ def _det_verdict(s: dict, target: Target) -> str:
 # --- the CLI --------------------------------------------------------------------------------------
 def main(args, mod_params) -> int:
     """`kvplay lab leak|determinism --target URL …` (called by labs/cli.py with its parsed params)."""
-    from .common import Progress, dump_json, render
-
     if args.lab not in ("leak", "determinism"):
         raise KvplayError(f"--target works with the leak and determinism labs (not {args.lab!r})")
     if args.plot and args.lab != "leak":
@@ -416,7 +414,5 @@ def main(args, mod_params) -> int:
     else:
         render(result)
     if args.plot:
-        from .leak import plot
-
         save_plot(lambda path: plot(result, path), args.plot)
     return 0

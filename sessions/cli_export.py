@@ -16,11 +16,12 @@ from kvplay.options import KvplayError, add_db_arg
 
 from .cli_list import when
 from .cli_show import load
+from .history import session_events
 from .query import resolve_session, session_script
 from .report import attribution
 from .script import dump_script
 from .store import open_db
-from .traces import TRACE_FORMATS
+from .traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -87,9 +88,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def trace_export(db, ident: str, fmt: str):
-    from .history import session_events
-    from .traces import to_mooncake, to_vllm_jsonl, to_vllm_msgpack
-
     if fmt == "mooncake":
         return to_mooncake(db, ident)
     events = session_events(db, resolve_session(db, ident)["id"])

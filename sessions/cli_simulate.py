@@ -16,7 +16,7 @@ from kvplay.engine.config import ISOLATION_MODES
 from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 
 from .report import console, print_json
-from .simulate import SIM_POLICIES, Trace, headline, simulate, simulate_grid
+from .simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +40,6 @@ def _list(text: str, allowed, flag: str) -> list[str]:
 
 
 def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
-    from .simulate import default_sizes
-
     if not values:
         return default_sizes(trace)
     out = []

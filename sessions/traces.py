@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.events import event_from_dict
 
 from .history import recorded_pool_size, session_events
 from .query import resolve_session, session_turns, session_users
-from .simulate import Clear, Trace, TraceRequest
-from .store import StoreError
+from .simulate import Clear, Trace, TraceRequest, simulate
+from .store import StoreError, write_txn
 
 
 def session_config(session: dict, events: list[dict] | None = None) -> EngineConfig:
@@ -76,8 +77,6 @@ TRACE_FORMATS = ("vllm-jsonl", "vllm-msgpack", "mooncake")
 
 
 def _engine_event(d: dict):
-    from kvplay.engine.events import event_from_dict
-
     return event_from_dict({k: v for k, v in d.items() if k != "forwards"})
 
 
@@ -402,8 +401,6 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
     scrubber and the simulator open it like any recorded session."""
     from .ids import new_ulid
     from .recorder import _dumps, event_row, versions
-    from .simulate import simulate
-    from .store import write_txn
 
     trace = read.trace
     res = simulate(trace, keep_events=True)

@@ -24,8 +24,10 @@ def test_a_million_block_pool_builds_allocates_and_releases():
     assert chain == [0, 1, 2, 3]  # never-used blocks go out in id order
     for j, bid in enumerate(chain):
         assert pool.register(bid, 1000 + j, chain[j - 1] if j else None, [j] * 16, (), "alice", "r1")
-    pool.add_users(chain, "alice")
-    pool.add_users(chain[:2], "bob")
+    for bid in chain:
+        pool.add_user(bid, "alice")
+    for bid in chain[:2]:
+        pool.add_user(bid, "bob")
     pool.release(chain)
     assert pool.num_cached() == 4 and pool.num_free() == n - 4
     rest = pool.allocate(n - 4)  # numpy bulk path

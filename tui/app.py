@@ -27,9 +27,9 @@ from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec, sampling_
 
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
-from .controls import ControlsMixin
+from .controls import ControlsMixin, without_labs
 from .format import block_detail, event_line, range_detail, legend_text, mode_line, requests_text, stats_text, ttft_text
-from .messages import (EngineEvent, EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
+from .messages import (EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
                        ReplyFailed)
 from .panes import ChatPane, safe_id
 from .screens import ErrorScreen
@@ -490,9 +490,6 @@ class KvplayApp(ControlsMixin, App):
         """Every engine event taken in and the counters and map redrawn (tests, screenshots)."""
         return not self._event_queue and not self._dirty and not self._refreshing
 
-    def on_engine_event(self, msg: EngineEvent) -> None:
-        self._take_event(msg.event)
-
     def _take_events(self) -> None:
         q = self._event_queue
         n = len(q)
@@ -527,14 +524,6 @@ class KvplayApp(ControlsMixin, App):
         log.clear()
         if shown:
             log.write_lines(list(self._event_lines))
-
-    def _take_event(self, ev) -> str | None:
-        """One event now (a local engine's listener); the timer takes the rest in bulk."""
-        self._note_event(ev)
-        line = event_line(ev, self.looks)
-        if line:
-            self._log_events([line])
-        return line
 
     def _note_event(self, ev) -> None:
         """What the map and the jump key need from an event: hit and flash sets, the blocks of
@@ -589,8 +578,6 @@ class KvplayApp(ControlsMixin, App):
         self.call_from_thread(self._apply_state, stats)
 
     def _apply_state(self, stats) -> None:
-        from .controls import without_labs
-
         self._refreshing = False
         if stats is not None:
             stats = without_labs(stats, self._excluded)

@@ -18,6 +18,8 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
 
 from .app import KvplayApp
+from .blockmap import BlockMap
+from .panes import safe_id
 
 DIM = "dim"
 POD_STYLE = {"live": "bold green", "replaying": "bold yellow", "stale": "bold red", "waiting": "bold"}
@@ -43,9 +45,6 @@ class AttachApp(KvplayApp):
         """A fleet: one map per pod (each its own scale, zoom and filter), titled by the pod; the
         status panel gives each pod's state and blocks, the stats panel the totals."""
         from kvplay.wire.remote import PodRange
-
-        from .blockmap import BlockMap
-        from .panes import safe_id
 
         pods = list(self._remote.pods)
         if len(pods) < 2:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from kvplay.sessions.script import load_script
 from urllib.parse import urlsplit
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
@@ -75,8 +76,6 @@ def open_backend(args):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvplay.sessions.script import load_script
-
     from .screenshot import parse_size
 
     users = parse_users(args.users or "alice,bob,carol")

@@ -25,14 +25,6 @@ class EngineFailed(Message):
         self.fix = fix
 
 
-class EngineEvent(Message):
-    """One engine event (called on the engine thread, delivered on the app's loop)."""
-
-    def __init__(self, event) -> None:
-        super().__init__()
-        self.event = event
-
-
 class ReplyDelta(Message):
     def __init__(self, turn_id: int, user: str, text: str) -> None:
         super().__init__()
