@@ -46,6 +46,7 @@ def _progress(start: float):
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .report import plot_report, print_report
     from .run import PEER_ORDER, run_bench
 
@@ -57,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
         for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
             if v:
                 raise KvplayError(f"--workload scale measures the engine alone: drop {flag}")
+        # start-up time: imported when this first runs
         from .report import print_scale_report
         from .run import run_scale_report
 

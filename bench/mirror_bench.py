@@ -13,9 +13,14 @@ does) and evicts old blocks one `BlockRemoved` per block, as vLLM does; the pool
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
+import os
 import random
+import socket as _socket
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -85,6 +90,7 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> flo
 def measure_recording(payloads: list[bytes], db_path: str) -> float:
     """Seconds to decode, apply and record (journal -> engine events -> SQLite, flushed every
     1,000 batches as `kvplay watch` flushes about once a second) every payload."""
+    # start-up time: imported when this first runs
     from kvplay.sessions.watch_recording import WatchRecording
 
     fleet = Fleet()
@@ -105,6 +111,7 @@ def measure_recording(payloads: list[bytes], db_path: str) -> float:
 def measure_socket(payloads: list[bytes]) -> float:
     """Seconds for the Subscriber to receive, decode and apply every batch over a real ZMQ
     socket (inproc, bound by the subscriber; a sender thread pushes pre-encoded frames)."""
+    # start-up time: imported when this first runs
     import zmq
 
     from kvplay.wire.subscriber import PodSource, Subscriber
@@ -146,6 +153,7 @@ def _publish(eps: list[str], per_pod: int, pool_blocks: int, rate: int, go, done
     """The publishers, in a process of their own as a server's are: bind each endpoint, send
     empty probes (seq 0) until `go`, then each pod's synthetic stream paced to `rate` events/s
     in all; `sent[k]`: the last seq sent to pod k."""
+    # start-up time: imported when this first runs
     import zmq
 
     streams = [synthetic_stream(per_pod, pool_blocks, seed=20 + k) for k in range(len(eps))]
@@ -192,11 +200,7 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
     and panels' lines) and the event loop's lag (how late a 10 ms timer fires: what a keystroke
     waits), p50/p95/max, and how many events/s the mirror applied (`kept_up`: it drained what was
     sent within a second of the end)."""
-    import asyncio
-    import os
-    import socket as _socket
-    import tempfile
-
+    # start-up time: imported when this first runs
     import zmq
 
     from kvplay.sessions.script import UserSpec
@@ -208,8 +212,6 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
         with _socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-
-    import multiprocessing
 
     per_pod = max(1, int(rate * seconds) // pods)
     counts = [[len(decode_batch(p).events) for p in synthetic_stream(per_pod, pool_blocks, seed=20 + k)]
@@ -296,9 +298,6 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
     if record:
-        import os
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             dr = measure_recording(payloads, os.path.join(tmp, "bench.db"))
         out.update(record_s=round(dr, 4), record_events_per_s=round(events / dr))

@@ -9,6 +9,8 @@ model it runs to its paged attention (``_attn_implementation = "kvplay_paged"``)
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import time
 from typing import Callable
 
@@ -81,8 +83,6 @@ def _hf_generate_one(model, prompt_ids: list[int], new_tokens: int, cache=None):
 
 def _cache_kw(model) -> str:
     """transformers >= 5.24 calls the cache argument `cache` (`past_key_values` is deprecated)."""
-    import inspect
-
     inner = getattr(model, "model", None)
     params = inspect.signature(inner.forward).parameters if inner is not None else {}
     return "cache" if "cache" in params else "past_key_values"
@@ -98,6 +98,7 @@ def _pad_id(model) -> int:
 
 
 def _new_cache(model):
+    # start-up time: imported when this first runs
     from transformers import DynamicCache
 
     try:
@@ -158,6 +159,7 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
     key = "hf-cb"
     res = PeerResult(key, LABELS[key])
     try:
+        # start-up time: imported when this first runs
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -165,7 +167,6 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
         # module layout moves between releases; without it this one peer is reported unavailable
         res.unavailable = f"unavailable: this transformers has no continuous batching ({exc})"
         return res
-    import logging
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "eos_token_id not set": on purpose
     original_attn = model.config._attn_implementation

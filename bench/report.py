@@ -117,6 +117,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
 
 def print_scale_report(report: dict, console: Console | None = None) -> None:
     """The `scale` workload: bench/scale.py's lines, then its targets."""
+    # start-up time: imported when this first runs
     from .scale import scale_lines
 
     console = console or make_console(width=140)
@@ -130,6 +131,7 @@ def print_scale_report(report: dict, console: Console | None = None) -> None:
 
 def plot_report(report: dict, path: str) -> None:
     """Bars of wall time and warm TTFT p50 per peer, one row per workload."""
+    # start-up time: imported when this first runs
     import matplotlib
 
     matplotlib.use("Agg")

@@ -124,6 +124,7 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
 def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> dict:
     """The `scale` workload (bench/scale.py): the engine alone at GPU-workstation pool sizes, on
     the tiny model (metadata-heavy: its steps are cheap, so per-block costs show)."""
+    # start-up time: imported when this first runs
     from .scale import run_scale, scale_targets
 
     t0 = time.perf_counter()
@@ -135,6 +136,7 @@ def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> di
 
 
 def _torch_threads() -> int:
+    # start-up time: imported when this first runs
     import torch
 
     return torch.get_num_threads()

@@ -19,6 +19,7 @@ gives the bench's Target rows. ``python -m kvplay.bench.scale`` runs it and prin
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,7 @@ def _rss_mb() -> float | None:
 
 
 def _workload(tokenizer):
+    # start-up time: imported when this first runs
     from .workloads import build_workload
 
     return build_workload("shared-system", tokenizer, users=4, turns=2, new_tokens=16)
@@ -56,6 +58,7 @@ def _workload(tokenizer):
 
 def _run_rounds(engine, workload) -> tuple[float, int]:
     """Play the workload's rounds; returns (wall seconds, forwards)."""
+    # start-up time: imported when this first runs
     from kvplay.engine.sampling import SamplingParams
 
     from .peers import submit_together, warm_up_engine
@@ -83,6 +86,7 @@ def _per_call_us(fn, n: int) -> float:
 def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5,
                    progress: Progress = _quiet) -> dict:
     """(a) seconds per step at `small` vs `large` blocks, (b) stats() and block-map call costs."""
+    # start-up time: imported when this first runs
     from kvplay.engine.engine import Engine
 
     workload = _workload(loaded.tokenizer)
@@ -186,9 +190,8 @@ def ready_at(blocks: int = HUGE, progress: Progress = _quiet) -> dict:
 def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = HUGE, reps: int = 5,
               progress: Progress = _quiet) -> dict:
     """All three measurements; `loaded`: the tiny model (loaded here when None)."""
-    import os
-
     if loaded is None:
+        # start-up time: imported when this first runs
         from kvplay.engine.model import load_model
 
         loaded = load_model("tiny:llama", device="cpu", dtype="float32")

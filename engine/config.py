@@ -65,6 +65,7 @@ class EngineConfig:
             raise EngineError(f"unknown isolation mode {self.isolation!r} ({', '.join(ISOLATION_MODES)})")
         if self.eviction not in EVICTION_POLICIES:
             raise EngineError(f"unknown eviction policy {self.eviction!r} ({', '.join(EVICTION_POLICIES)})")
+        # start-up time: imported when this first runs
         from .prefix import parse_hash_name
 
         parse_hash_name(self.hash)  # raises EngineError on a bad name

@@ -15,6 +15,7 @@ streams (output.py); observe.py publishes snapshots and stats between steps.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -46,8 +47,7 @@ def set_cpu_threads(threads: int | None) -> int:
     """torch's intra-op threads (process-wide). Default: one less than the cores, so the UI,
     recorder and tokenizer keep a core; with every core busy, OpenMP threads spin-wait on each
     other and a 1 ms GEMM was measured at 6-27 ms on this 2-core machine."""
-    import os
-
+    # start-up time: imported when this first runs
     import torch
 
     n = threads or max(1, (os.cpu_count() or 2) - 1)

@@ -28,6 +28,7 @@ class KVStore:
     data: object = field(init=False)
 
     def __post_init__(self):
+        # start-up time: imported when this first runs
         import torch
 
         slots = self.num_blocks * self.block_size
@@ -36,6 +37,7 @@ class KVStore:
 
     @staticmethod
     def bytes_per_block(block_size, num_layers, kv_heads, head_dim, dtype) -> int:
+        # start-up time: imported when this first runs
         import torch
 
         elt = torch.empty((), dtype=dtype).element_size()

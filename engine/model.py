@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlparse
 
 from .errors import EngineError
 
@@ -49,6 +52,7 @@ def cache_root() -> Path:
     env = os.environ.get("KVPLAY_CACHE_DIR")
     if env:
         return Path(env).expanduser()
+    # start-up time: imported when this first runs
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("kvplay"))
@@ -89,11 +93,13 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
              f"(about {CONVERT_S} s on an idle CPU; only this once) …")
     t0 = time.perf_counter()
     _quiet_libraries()
+    # start-up time: imported when this first runs
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf.parent), gguf.name
     progress("kvplay: [1/3] dequantizing GGUF weights")
+    # start-up time: imported when this first runs
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)  # a raw tqdm per tensor; our step line says it once
@@ -131,6 +137,7 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
 
 
 def pick_device(device: str = "auto"):
+    # start-up time: imported when this first runs
     import torch
 
     if device == "auto":
@@ -150,6 +157,7 @@ def pick_device(device: str = "auto"):
 
 
 def pick_dtype(dtype: str, device):
+    # start-up time: imported when this first runs
     import torch
 
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,9 +180,6 @@ def _hub_offline() -> bool:
 def _hub_reachable(timeout: float = 2.0) -> bool:
     """Can we open a TCP connection to the hub at all? (A failed DNS lookup answers at once;
     without this check transformers retries for ~30 s before saying the same.)"""
-    import socket
-    from urllib.parse import urlparse
-
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
@@ -195,6 +200,7 @@ def resolve_path(spec: str) -> tuple[str, bool]:
     if not HF_ID.match(spec):
         raise EngineError(f"model not found: {spec!r} is neither a local directory nor an org/name "
                           "Hugging Face id (use --model default for the embedded model)")
+    # start-up time: imported when this first runs
     from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(spec, "config.json"), str):
@@ -221,11 +227,13 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     path = local = None
     if not spec.startswith("tiny:") and spec not in (DEFAULT_MODEL, EMBEDDED_NAME):
         path, local = resolve_path(spec)  # a bad name fails here, before torch is imported
+    # start-up time: imported when this first runs
     import torch
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if spec.startswith("tiny:"):
+        # start-up time: imported when this first runs
         from .tiny import build_tiny
 
         model, tok = build_tiny(spec.split(":", 1)[1])
@@ -236,6 +244,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     else:
         name = spec
     _quiet_libraries()
+    # start-up time: imported when this first runs
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -270,10 +279,9 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 def _quiet_libraries() -> None:
     """Failures become one EngineError line and long work gets kvplay's own progress line; the
     libraries' warnings and per-tensor progress bars ("Loading weights … 272/272") would add noise."""
-    import logging
-
     for name in ("huggingface_hub", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # start-up time: imported when this first runs
     from transformers.utils import logging as tf_logging
 
     tf_logging.set_verbosity_error()

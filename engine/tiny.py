@@ -21,6 +21,7 @@ SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def build_tokenizer():
+    # start-up time: imported when this first runs
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
@@ -47,6 +48,7 @@ def build_tiny(kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int 
 
     ``sliding_window`` (mistral, qwen2) makes attention windowed: every Mistral layer, and every
     Qwen2 layer but the first (a mix of full and sliding layers, as real Qwen2 configs have)."""
+    # start-up time: imported when this first runs
     import torch
     import transformers as tf
 

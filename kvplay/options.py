@@ -93,6 +93,7 @@ def save_plot(save, path: str) -> None:
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed); imported here, when a plot is
     asked for, for start-up time."""
+    # start-up time: imported when this first runs
     import matplotlib
 
     matplotlib.use("Agg")

@@ -136,6 +136,7 @@ def build_params(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from kvplay.engine.engine import Engine
 
     from kvplay.sessions.recorder import close_run
@@ -147,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
                                               or args.target_model):
         raise _error("--api-key, --other-api-key, --cache-salt-per-user and --target-model need --target URL")
     if getattr(args, "target", None):
+        # start-up time: imported when this first runs
         from .target import main as target_main
 
         return target_main(args, params)

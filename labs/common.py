@@ -54,6 +54,7 @@ def _jsonable(x):
 def renderables(result: LabResult) -> list:
     """The lab's tables, verdict and footer as rich renderables (the CLI prints them; the app
     shows them in a screen)."""
+    # start-up time: imported when this first runs
     from rich.panel import Panel
     from rich.table import Table as RichTable
     from rich.text import Text
@@ -112,6 +113,7 @@ class Progress:
         if not self.enabled:
             return
         if self._tty:
+            # start-up time: imported when this first runs
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
@@ -169,6 +171,7 @@ class LabContext:
 
 def open_recorder(db_path: str | None, config, model_name: str, lab: str, engine):
     """A session recorder attached to `engine`."""
+    # start-up time: imported when this first runs
     from kvplay.sessions.recorder import Recorder
 
     rec = Recorder.open(db_path, config, model_name, source=f"lab:{lab}", system_prompt="")

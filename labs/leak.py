@@ -123,6 +123,7 @@ class Attacker:
 
 
 def _ks(hit: list[float], miss: list[float]) -> tuple[float, float]:
+    # start-up time: imported when this first runs
     from scipy.stats import ks_2samp
 
     r = ks_2samp(hit, miss, alternative="greater")  # H1: hit TTFTs are stochastically smaller

@@ -215,6 +215,7 @@ def engine_failure(result) -> ApiError:
 def token_logprobs(handle, delta, top: int) -> tuple:
     """The raw log-probability of a streamed token (and the `top` best), from the logits the
     engine traced for it (vLLM's default: raw logprobs, before temperature/top-k/top-p)."""
+    # start-up time: imported when this first runs
     import torch
 
     trace = handle.request.logits_trace

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import ssl
 import sys
 
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
@@ -42,6 +43,7 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from kvplay.sessions.recorder import Recorder, close_run
     from kvplay.sessions.run_cmd import start_engine
     from kvplay.sessions.store import open_db
@@ -65,8 +67,6 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise KvplayError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_certfile:
-        import ssl
-
         try:  # before minutes of model loading
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
         except OSError as exc:

@@ -31,6 +31,7 @@ class HttpPeer:
     """A client of one OpenAI-compatible server."""
 
     def __init__(self, url: str, model: str | None = None, timeout: float = 600.0, api_key: str | None = None):
+        # start-up time: imported when this first runs
         import httpx
 
         self.base = base_url(url)
@@ -50,6 +51,7 @@ class HttpPeer:
     def connect(self) -> "HttpPeer":
         """Check the server answers, pick the model (the only one served, or --peer-model) and say
         what it is. Raises EngineError with one line when it cannot."""
+        # start-up time: imported when this first runs
         import httpx
 
         try:
@@ -88,6 +90,7 @@ class HttpPeer:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the server's prefix cache if it offers a way; True when it did."""
+        # start-up time: imported when this first runs
         import httpx
 
         paths = (self.reset_path,) if self.reset_path else RESET_PATHS

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
+import time
 
 from kvplay.engine.errors import EngineError
 
@@ -51,6 +52,7 @@ def build_state(engine, keys=None, kv_events=None, loopback: bool = True, report
     state.register_keys()
     state.metrics = ServerMetrics(engine)
     if kv_events is not None and kv_events.enabled:
+        # start-up time: imported when this first runs
         from kvplay.wire.publisher import ZmqEventPublisher
 
         pub = ZmqEventPublisher.from_config(kv_events, loopback=loopback)
@@ -70,6 +72,7 @@ def close_state(state: ServeState) -> None:
 
 def _uvicorn_server(state: ServeState, log_level: str = "warning", ssl_keyfile: str | None = None,
                     ssl_certfile: str | None = None):
+    # start-up time: imported when this first runs
     import uvicorn
 
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False, lifespan="off",
@@ -102,8 +105,6 @@ class ServerThread:
                                        name="kvplay-serve-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
-        import time
-
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

@@ -26,6 +26,7 @@ def hit_rate(row: dict) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from rich.table import Table
 
     path = resolve_path(args.db)

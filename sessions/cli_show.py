@@ -37,6 +37,7 @@ def load(db, ident: str, events: bool = False) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from rich.table import Table
 
     db = open_db(args.db, create=False)

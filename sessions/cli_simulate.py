@@ -59,10 +59,12 @@ def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple
     """A trace file when `source` names a file, else a session in the sessions DB; with the
     line naming a trace file's first bad record (its good records are still simulated)."""
     if os.path.isfile(source):
+        # start-up time: imported when this first runs
         from .traces import read_trace_file
 
         read = read_trace_file(source, block_size=block_size)
         return read.trace, read.error
+    # start-up time: imported when this first runs
     from .store import open_db
     from .traces import session_trace
 
@@ -132,6 +134,7 @@ def _report(args, trace: Trace, policies: list[str]) -> int:
                                  "hit_rate": None if recorded is None else round(recorded, 6)},
                     "results": [r.to_dict() for r in results]})
         return 0
+    # start-up time: imported when this first runs
     from rich.table import Table
 
     con = console()

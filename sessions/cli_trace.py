@@ -31,6 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .store import open_db
     from .traces import import_trace, read_trace_file
 

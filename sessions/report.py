@@ -109,6 +109,7 @@ def human_bytes(n: float | None) -> str:
 
 def console(stderr: bool = False, width: int = 120):
     """A rich Console; `width` columns when not a terminal so piped tables stay readable."""
+    # start-up time: imported when this first runs
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout

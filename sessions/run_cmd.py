@@ -33,6 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def script_jobs(script: Script) -> list[Job]:
     """Script turns -> player jobs (per-user sampling from [[users]], overridden per turn)."""
+    # start-up time: imported when this first runs
     from .player import Job
 
     jobs = []
@@ -51,6 +52,7 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     """A Rich table of finished turns that fits `width` columns. No header is ever clipped (each
     column is at least as wide as its name and the user names); the attribution and the reply
     take what is left and end in an ellipsis. Narrow terminals get no border, then no reply."""
+    # start-up time: imported when this first runs
     from rich.table import Table
     from rich.text import Text
 
@@ -108,6 +110,7 @@ class TurnTable:
 
     def __enter__(self) -> "TurnTable":
         if self.console.is_terminal:
+            # start-up time: imported when this first runs
             from rich.live import Live
 
             self.live = Live(self.table(), console=self.console, auto_refresh=False, transient=False)
@@ -128,6 +131,7 @@ class TurnTable:
             self.printed += 1
 
     def _print_plain(self, cells: list[str]) -> None:
+        # start-up time: imported when this first runs
         from rich.text import Text
 
         out = []
@@ -194,6 +198,7 @@ def print_summary(console, summ: dict) -> None:
 def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None, speed: float = 1.0,
              title: str | None = None, extra_row=None) -> tuple[list[Done], float]:
     """Play jobs, print each finished turn (JSON line or live table row), record each one."""
+    # start-up time: imported when this first runs
     from .player import play
 
     console = make_console()
@@ -222,9 +227,11 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
 def start_engine(config):
     t = time.perf_counter()
     print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)  # before torch's import
+    # start-up time: imported when this first runs
     from kvplay.engine.model import check_model_spec
 
     check_model_spec(config.model)  # a bad --model is one line at once, not after torch's import
+    # start-up time: imported when this first runs
     from kvplay.engine.engine import Engine
 
     engine = Engine(config).start()
@@ -234,6 +241,7 @@ def start_engine(config):
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .store import open_db
 
     if args.speed <= 0:
@@ -246,6 +254,7 @@ def main(args: argparse.Namespace) -> int:
     engine = start_engine(config)
     for u in script.users:  # identity is bound here, once; turns carry only the user name
         engine.register_user(u.name, u.group)
+    # start-up time: imported when this first runs
     from .recorder import Recorder, close_run
 
     rec = None

@@ -58,6 +58,7 @@ class ScriptError(EngineError):
 
 def sampling_for(user: "UserSpec", turn: "TurnSpec | None" = None):
     """A turn's sampling: the user's settings, each overridden by the turn's when it sets one."""
+    # start-up time: imported when this first runs
     from kvplay.engine.sampling import SamplingParams
 
     def pick(name):

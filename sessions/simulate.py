@@ -106,6 +106,7 @@ class ReplayRunner:
     that make the scheduler's own sampler pick the recorded next token (then end-of-sequence)."""
 
     def __init__(self, vocab: int, eos: int):
+        # start-up time: imported when this first runs
         import torch
 
         self.torch = torch

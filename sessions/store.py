@@ -32,6 +32,7 @@ def default_db_path() -> Path:
     env = os.environ.get("KVPLAY_DB")
     if env:
         return Path(env).expanduser()
+    # start-up time: imported when this first runs
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("kvplay", appauthor=False)) / "sessions.db"

@@ -2,6 +2,7 @@
 import them as files other tools read (vLLM KV events, Mooncake-style request traces)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ def vllm_batches(events: list[dict]) -> list:
     """A session's cache events as vLLM EventBatches: the events of one engine step (same
     forward count) in one batch, one BlockRemoved per block as vLLM sends them, the creating
     user as each BlockStored's session_id."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import EventBatch, from_engine_event
 
     batches: list = []
@@ -114,6 +116,7 @@ def _json_hash(h):
 
 def to_vllm_jsonl(events: list[dict]) -> str:
     """One EventBatch per line, {"ts", "events"}, each event the map vLLM sends (uint64 hashes)."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import event_to_wire
 
     lines = []
@@ -131,6 +134,7 @@ def to_vllm_jsonl(events: list[dict]) -> str:
 
 def to_vllm_msgpack(events: list[dict]) -> bytes:
     """The EventBatch payloads, back to back (exactly the third frame of each ZMQ message)."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import encode_batch
 
     return b"".join(encode_batch(b) for b in vllm_batches(events))
@@ -139,8 +143,6 @@ def to_vllm_msgpack(events: list[dict]) -> bytes:
 def _chain_ids(tokens: list[int], bs: int, ids: dict) -> list[int]:
     """Mooncake hash ids: one per block (the last one may be partial), numbered in order of first
     appearance, equal exactly when the whole prefix up to that block is equal."""
-    import hashlib
-
     out, parent = [], b""
     for i in range(0, len(tokens), bs):
         h = hashlib.sha256(parent + json.dumps(tokens[i:i + bs]).encode()).digest()
@@ -227,6 +229,7 @@ def _mooncake_trace(recs: list[tuple[int, dict]], bs: int, source: str) -> list[
 
 def _vllm_batches_in(path: str, data: bytes):
     """Yields (record number, EventBatch) from msgpack payloads back to back or JSONL batches."""
+    # start-up time: imported when this first runs
     import msgpack
 
     from kvplay.wire.codec import EventBatch, WireError, decode_batch, decode_event
@@ -289,6 +292,7 @@ def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
     A request reused its parent's chain, and any leading blocks it re-announces that were still
     cached (vLLM's kv_cache_report_mode "full"). Returns the items, the hits the server got, the
     prompt tokens and the peak of blocks resident (a lower bound of its pool)."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored
 
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
@@ -399,6 +403,7 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
     """Record a trace as a session (source "import"): its requests as turns, and the cache events
     of replaying it through the real scheduler and pool under the trace's settings, so the
     scrubber and the simulator open it like any recorded session."""
+    # start-up time: imported when this first runs
     from .ids import new_ulid
     from .recorder import _dumps, event_row, versions
 
@@ -451,6 +456,7 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
 def _stored_only_trace(session: dict, events: list[dict]) -> Trace:
     """A session that recorded blocks but no requests (`kvplay watch` of a real server): its
     requests rebuilt from the stored chains, as for an imported vLLM capture."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
     batches, last = [], object()

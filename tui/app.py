@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -314,6 +315,7 @@ class KvplayApp(ControlsMixin, App):
     def open_backend(self):
         """The ChatBackend the panes and the map use, subscribed to (on a worker thread): an
         in-process Engine here; `kvplay attach` returns a server's (tui/attach.py)."""
+        # start-up time: imported when this first runs
         from kvplay.engine.engine import Engine
 
         eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
@@ -375,6 +377,7 @@ class KvplayApp(ControlsMixin, App):
                 self.recorder_error = f"{type(exc).__name__}: {exc}"
 
     def _open_recorder(self) -> None:
+        # start-up time: imported when this first runs
         from kvplay.sessions.recorder import Recorder
 
         if self.backend is None:
@@ -710,11 +713,13 @@ class KvplayApp(ControlsMixin, App):
             self._step += 1
 
     def action_scrub(self) -> None:
+        # start-up time: imported when this first runs
         from .scrub import open_in_app
 
         open_in_app(self)
 
     def get_system_commands(self, screen):
+        # start-up time: imported when this first runs
         from textual.app import SystemCommand
 
         yield SystemCommand("session: scrub", "Step back and forth through this session's cache history", self.action_scrub)
@@ -741,7 +746,6 @@ def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
     recorded pace × `speed` (F11 pauses, F12 steps). `replay_of` records the run as a replay."""
     app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title, replay_of=replay_of)
     app.run()
-    import sys
 
     if app.recorder_error:
         print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)

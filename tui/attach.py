@@ -44,6 +44,7 @@ class AttachApp(KvplayApp):
     def _maps_ready(self) -> None:
         """A fleet: one map per pod (each its own scale, zoom and filter), titled by the pod; the
         status panel gives each pod's state and blocks, the stats panel the totals."""
+        # start-up time: imported when this first runs
         from kvplay.wire.remote import PodRange
 
         pods = list(self._remote.pods)

@@ -14,12 +14,14 @@ URL, a refused key or an unreachable server is one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
-from kvplay.sessions.script import load_script
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
+from kvplay.sessions.script import load_script
 from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 
 from .cli import APP_SYSTEM, parse_users
@@ -61,6 +63,7 @@ def check_url(url: str) -> str:
 
 def open_backend(args):
     """The RemoteBackend for `args` (EngineError, one line, when the server or a pod refuses)."""
+    # start-up time: imported when this first runs
     from kvplay.wire.remote import RemoteBackend
 
     url = check_url(args.url)
@@ -76,6 +79,7 @@ def open_backend(args):
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .screenshot import parse_size
 
     users = parse_users(args.users or "alice,bob,carol")
@@ -93,14 +97,13 @@ def main(args: argparse.Namespace) -> int:
         check_output_file(args.screenshot, "--screenshot", ".svg")
         size = parse_size(args.size)
     backend = open_backend(args)
+    # start-up time: imported when this first runs
     from .attach import AttachApp
 
     app = AttachApp(backend, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)
     try:
         if args.screenshot:
-            import asyncio
-            from pathlib import Path
-
+            # start-up time: imported when this first runs
             from .screenshot import take_screenshot
 
             asyncio.run(take_screenshot(app, Path(args.screenshot), size))

@@ -98,6 +98,7 @@ class LocalEngineBackend(ChatBackend):
         return self.engine.block_arrays(start, stop)
 
     def block(self, block_id: int):
+        # start-up time: imported when this first runs
         from kvplay.engine.observe import block_view
 
         if not 0 <= block_id < self.num_blocks:

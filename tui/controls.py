@@ -5,6 +5,7 @@ calls that wait on the engine thread (reconfigure, clear) run in thread workers.
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from textual import work
@@ -256,8 +257,7 @@ class ControlsMixin:
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="lab", description="Running a lab")
     def _run_lab(self, name: str) -> None:
-        import importlib
-
+        # start-up time: imported when this first runs
         from kvplay.labs.common import LabContext, renderables
 
         module, params_cls, sizes = APP_LABS[name]

@@ -44,6 +44,7 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
                           show_events: bool = False, select_block: int | None = None,
                           loaded_callback=None) -> Path:
     """Run `app` headless until its script has played, then save `out` (an SVG)."""
+    # start-up time: imported when this first runs
     from .screens import ErrorScreen
 
     async with app.run_test(size=size) as pilot:
@@ -68,6 +69,7 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .app import KvplayApp
 
     script = load_script(args.script) if args.script else parse_script(DEMO_TOML, "built-in demo")

@@ -21,6 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def load(db_path: str | None, ident: str):
+    # start-up time: imported when this first runs
     from kvplay.sessions.history import load_recording
     from kvplay.sessions.store import open_db
 
@@ -42,6 +43,7 @@ async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
+    # start-up time: imported when this first runs
     from .scrub import ScrubApp
 
     rec = load(args.db, args.id)
@@ -55,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"--at {cursor}: session {rec.id} has events 0 to {len(rec.events)}")
     app = ScrubApp(rec, cursor)
     if args.screenshot:
+        # start-up time: imported when this first runs
         from .screenshot import parse_size
 
         check_output_file(args.screenshot, "--screenshot", ".svg")
