@@ -157,3 +157,43 @@ def test_bad_turn_settings_are_one_line(tmp_path, capsys, line, message):
     assert cli(["run", str(path), "--no-record"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+async def test_the_apps_f2_f4_f5_are_recorded_where_they_happened(tiny_llama, tmp_path):
+    """The app's keys, not only the engine methods: F2 (isolation), F5 (deterministic, after its
+    question) and F4 (clear) each leave their event in the recording, between the turns."""
+    from test_tui_app import SYSTEM as APP_SYSTEM, say, wait_until
+
+    from kvplay.engine.config import EngineConfig
+    from kvplay.sessions.script import UserSpec
+    from kvplay.tui.app import KvplayApp
+    from kvplay.tui.screens import ConfirmScreen
+
+    db = tmp_path / "app.db"
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)],
+                    APP_SYSTEM, loaded=tiny_llama, record=True, db=str(db), timings=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello")
+        await wait_until(pilot, lambda: app.recorder is not None)
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: app.engine.config.isolation == "user")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.engine.config.deterministic)
+        await pilot.press("f4")
+        await pilot.pause(0.5)
+        await say(app, pilot, "alice", "Hello again")
+    con = sqlite3.connect(db)
+    rows = con.execute("select kind, payload from cache_events where kind in "
+                       "('RequestQueued', 'SettingsChanged', 'AllBlocksCleared') order by seq").fetchall()
+    con.close()
+    got = []
+    for kind, payload in rows:
+        d = json.loads(payload)
+        got.append(kind if kind == "RequestQueued" else
+                   (kind, d.get("changes") or d.get("reason")))
+    assert got == ["RequestQueued", ("SettingsChanged", {"isolation": "user"}),
+                   ("SettingsChanged", {"deterministic": True}), ("AllBlocksCleared", "reconfigured"),
+                   ("AllBlocksCleared", "cleared"), "RequestQueued"]
