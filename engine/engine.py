@@ -27,7 +27,7 @@ from typing import Callable
 from .chat import encode_chat
 from .config import RESTART_FIELDS, EngineConfig
 from .errors import EngineError
-from .events import Event, RequestQueued, SettingsChanged, UserGroupChanged
+from .events import EngineBatch, Event, RequestQueued, SettingsChanged, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
 from .observe import BlockArrays, BlockSummary, BlockView, Observer
@@ -84,6 +84,9 @@ class Engine:
         self.model_name = self.loaded.name
         self._listeners: list[Listener] = []
         self._step_listeners: list[Callable[[], None]] = []
+        self._batch_listeners: list[Callable[[EngineBatch], None]] = []
+        self._pending: list[Event] = []  # events emitted since the last drain (with batch listeners)
+        self._batches = 0
         self._seq = itertools.count(1)
         self._cmds: "queue.Queue[tuple]" = queue.Queue()
         self._lock = threading.RLock()
@@ -129,12 +132,37 @@ class Engine:
         self._step_listeners.append(fn)
         return lambda: self._step_listeners.remove(fn) if fn in self._step_listeners else None
 
+    def subscribe_batches(self, fn: Callable[[EngineBatch], None]) -> Callable[[], None]:
+        """Call `fn(batch)` on the engine thread once per step, command or call that emitted
+        anything: the step's events in order (the pool and scheduler queue them through
+        `_emit`; `_drain_events` hands them over, as vLLM's `take_events()`). The one stream
+        every cache view reads (wire/slots.py mirrors it). Returns an unsubscribe."""
+        self._batch_listeners.append(fn)
+        return lambda: self._batch_listeners.remove(fn) if fn in self._batch_listeners else None
+
     def _emit(self, event: Event) -> None:
+        """The one entry point of every engine event: stamped, queued for the step's batch,
+        and given to per-event listeners."""
         event.seq = next(self._seq)
         event.ts = time.time()
+        if self._batch_listeners:
+            self._pending.append(event)
         for fn in list(self._listeners):
             try:
                 fn(event)
+            except Exception:  # a broken listener never stops the engine
+                pass
+
+    def _drain_events(self) -> None:
+        """Hand the events queued since the last drain to the batch listeners as one batch."""
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        self._batches += 1
+        batch = EngineBatch(self._batches, time.time(), events)
+        for fn in list(self._batch_listeners):
+            try:
+                fn(batch)
             except Exception:  # a broken listener never stops the engine
                 pass
 
@@ -393,8 +421,10 @@ class Engine:
     # --- observation (engine/observe.py; its docstring is the block map API) --------------------
     def _publish_snapshot(self) -> None:
         """After each step or command (engine thread, under the lock): record which blocks
-        changed and refresh the published stats, O(changed blocks); then the step listeners."""
+        changed and refresh the published stats, O(changed blocks); then the step's event
+        batch and the step listeners."""
         self._observer.publish()
+        self._drain_events()
         for fn in list(self._step_listeners):
             try:
                 fn()

@@ -50,6 +50,27 @@ class BlockRemoved(Event):
 
 
 @dataclass
+class BlocksAllocated(Event):
+    """Blocks were handed to a request (ref count 1; whatever they held is gone: an eviction
+    that freed them comes first, as a BlockRemoved). With BlocksTouched and BlocksReleased it
+    tells a mirror which blocks are in use, so the pool's state follows from events alone."""
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BlocksTouched(Event):
+    """A request took another reference to cached or in-use blocks (a prefix hit, or a
+    preempted request re-admitted)."""
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BlocksReleased(Event):
+    """One reference to each block was dropped; at none a block is cached when indexed, else free."""
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class AllBlocksCleared(Event):
     reason: str = "cleared"
 
@@ -134,9 +155,19 @@ class SettingsChanged(Event):
     previous: dict = field(default_factory=dict)
 
 
-CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught)
+@dataclass
+class EngineBatch:
+    """What one engine step (or command) emitted, drained once at its end (vLLM's
+    ``take_events()``): `step` counts batches from 1, `ts` is when the batch was drained."""
+    step: int
+    ts: float
+    events: list
+
+
+REF_EVENTS = (BlocksAllocated, BlocksTouched, BlocksReleased)
+CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, *REF_EVENTS)
 EVENT_TYPES = {cls.__name__: cls for cls in (
-    BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, RequestQueued,
+    BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, *REF_EVENTS, RequestQueued,
     RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged, SettingsChanged)}
 
 

@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import EngineError
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from .events import AllBlocksCleared, BlockRemoved, BlocksAllocated, BlocksReleased, BlocksTouched, BlockStored, Event
 from .eviction import EvictionPolicy, make_policy
 
 FREE, CACHED, IN_USE = "free", "cached", "in_use"
@@ -319,6 +319,8 @@ class BlockPool:
         if evicted:
             self.evictions += len(evicted)
             self._emit_removed(evicted, "evicted")
+        if out:
+            self.emit(BlocksAllocated(block_ids=out[:]))
         return out
 
     def _reset(self, bid: int) -> None:
@@ -411,6 +413,8 @@ class BlockPool:
             if hit:
                 hits[bid] += 1
             self._last_used[bid] = now
+        if block_ids:
+            self.emit(BlocksTouched(block_ids=list(block_ids)))
 
     def add_user(self, bid: int, user: str) -> None:
         """`user` is served by block `bid` (its creator, or a request that hit it)."""
@@ -489,6 +493,8 @@ class BlockPool:
                 else:
                     self._reset(bid)
                     self._free.append(bid)
+        if block_ids:
+            self.emit(BlocksReleased(block_ids=list(block_ids)))
 
     def clear(self, reason: str = "cleared") -> int:
         """Empty the prefix index: cached blocks become free; blocks in use keep their contents

@@ -117,14 +117,15 @@ async def test_keys_step_turns_play_and_seek(recorded):
         await pilot.pause(0.2)
         scr = app.screen
         assert isinstance(scr, ScrubScreen) and scr.cursor == 0
-        assert all(v.state == "free" for v in _map(scr).views)
+        assert _map(scr).source is scr.state.mirror
+        assert all(v.state == "free" for v in _map(scr).source.views())
         await pilot.press("right", "right")
         assert scr.cursor == 2
         await pilot.press("right_square_bracket")  # to the end of the first turn
         n1, live1 = recorded["live"][0]
         assert scr.cursor == n1
         assert _rebuilt(scr.state) == live1  # the map shows what the live pool held then
-        assert tuple(_map(scr).views) == scr.state.blocks
+        assert _map(scr).source.views() == scr.state.blocks
         await pilot.press("right_square_bracket", "right_square_bracket", "left_square_bracket")
         assert scr.cursor == recorded["live"][1][0]
         await pilot.press("g", "4", "enter")  # go to turn 4

@@ -146,7 +146,7 @@ class ScrubScreen(Screen):
     def show(self) -> None:
         st = self.history.state(self.cursor)
         self.state = st
-        self.query_one(BlockMap).update_blocks(st.blocks, self.looks, st.hit)
+        self.query_one(BlockMap).set_source(st.mirror, self.looks, st.hit)
         self.query_one("#scrub-stats", Static).update(stats_text(self._stats(st)))
         self.query_one("#scrub-status", Static).update(self._status(st))
         self.query_one(Timeline).set_cursor(st.ts)
@@ -171,12 +171,13 @@ class ScrubScreen(Screen):
 
     def _stats(self, st: PoolState) -> dict:
         bb = (self.rec.session.get("stats") or {}).get("block_bytes") or 0
-        resident = [b for b in st.blocks if b.state != "free"]
-        dedicated = sum(max(1, len(b.users)) for b in resident)
+        m = st.mirror
+        free, cached, in_use = m.counts()
+        resident = cached + in_use
         return {"hit_rate": st.hit_rate, "hit_tokens": st.hit_tokens, "query_tokens": st.query_tokens,
-                "blocks_in_use": st.count("in_use"), "blocks_cached": st.count("cached"),
-                "blocks_free": st.count("free"), "blocks_total": len(st.blocks), "used_bytes": bb * len(resident),
-                "pool_bytes": bb * len(st.blocks), "bytes_saved": bb * (dedicated - len(resident)),
+                "blocks_in_use": in_use, "blocks_cached": cached,
+                "blocks_free": free, "blocks_total": m.num_blocks, "used_bytes": bb * resident,
+                "pool_bytes": bb * m.num_blocks, "bytes_saved": bb * (m.dedicated() - resident),
                 "evictions": st.evictions, "preemptions": st.preemptions, "running": st.running,
                 "waiting": st.waiting}
 
@@ -222,10 +223,10 @@ class ScrubScreen(Screen):
         self._show_detail(msg.block_id)
 
     def _show_detail(self, block_id: int) -> None:
-        if self.state is None or block_id >= len(self.state.blocks):
+        view = None if self.state is None else self.state.mirror.block(block_id)
+        if view is None:
             return
-        self.query_one("#scrub-detail", Static).update(
-            block_detail(self.state.blocks[block_id], self.looks, _IdsDecoder(), timings=False))
+        self.query_one("#scrub-detail", Static).update(block_detail(view, self.looks, _IdsDecoder(), timings=False))
 
     @on(Timeline.Seek)
     def _on_seek(self, msg: Timeline.Seek) -> None:
