@@ -449,6 +449,16 @@ class Engine:
         """Blocks [start, stop) in `cells` equal ranges: counts, dominant state and creator."""
         return self._observer.summary(cells, start, stop, user)
 
+    @property
+    def num_blocks(self) -> int:
+        """The pool's size in blocks (fixed for the engine's life)."""
+        return self.pool.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V one block holds (fixed for the engine's life)."""
+        return self.runner.store.block_bytes
+
     def stats(self, timeout: float = 1.0) -> dict:
         """Global counters, O(1), consistent (taken between steps). If the engine is busy in a
         step for longer than `timeout` seconds, returns the copy published after the last step."""

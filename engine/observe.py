@@ -119,13 +119,15 @@ def _cell_keys_base(n: int, cells: int, width: int, offsets: np.ndarray) -> np.n
     return base
 
 
-def summarize(arrays: BlockArrays, cells: int, user: str | None = None) -> BlockSummary:
+def summarize(arrays: BlockArrays, cells: int, user: str | None = None, total: int | None = None) -> BlockSummary:
     """Aggregate `arrays` into `cells` equal runs of blocks (see the module docstring).
 
     One histogram over (cell, state, creator) of the non-free blocks (of every block when most
-    are in use): numpy work, ~10 ms at 10^6 blocks on a busy 2-core box, no per-block Python."""
+    are in use): numpy work, ~10 ms at 10^6 blocks on a busy 2-core box, no per-block Python.
+    With `total` (>= len(arrays.state)) the range is `total` blocks long, those past the arrays
+    free: a mirror passes only the part of a huge pool ever used, if most of the range is free."""
     state, creator = arrays.state, arrays.creator
-    n = len(state)
+    n = len(state) if total is None else max(total, len(state))
     start = arrays.start
     cells = max(1, min(int(cells), n)) if n else 0
     if not cells:
@@ -134,6 +136,9 @@ def summarize(arrays: BlockArrays, cells: int, user: str | None = None) -> Block
                             empty.astype(np.int8), empty.astype(np.int32), arrays.users,
                             empty if user is not None else None)
     offsets = (np.arange(cells + 1, dtype=np.int64) * n) // cells  # cell k: offsets[k]:offsets[k+1]
+    if total is not None and np.count_nonzero(state) * 4 >= n and len(state) < n:  # mostly used: pad
+        state = np.concatenate([state, np.zeros(n - len(state), state.dtype)])
+        creator = np.concatenate([creator, np.full(n - len(creator), -1, creator.dtype)])
     if np.count_nonzero(state) * 4 < n:  # mostly free: histogram only the blocks in use or cached
         used = np.flatnonzero(state)
         ucreator = creator[used]

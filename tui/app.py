@@ -322,8 +322,9 @@ class KvplayApp(ControlsMixin, App):
         # Events queue up here (deque.append is thread-safe) and the 15 Hz tick takes them in one
         # go: one message per event (dozens per engine step) would crowd out keystrokes.
         self._unsubscribe = eng.subscribe(self._event_queue.append)
+        backend = LocalEngineBackend(eng)  # before the engine runs: its mirror sees every batch
         eng.start()
-        return LocalEngineBackend(eng)
+        return backend
 
     def _maps_ready(self) -> None:
         """The map has its source; an attached fleet adds one map per pod here (attach.py)."""

@@ -9,7 +9,11 @@ and KV events. No Textual here: a backend is usable (and testable) without the a
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Iterator, Protocol
+
+from kvplay.engine.observe import summarize
+from kvplay.wire.slots import SlotMirror
 
 
 class Turn(Protocol):
@@ -68,12 +72,24 @@ class ChatBackend:
 
 
 class LocalEngineBackend(ChatBackend):
-    """A ChatBackend over an in-process Engine (the app's default)."""
+    """A ChatBackend over an in-process Engine (the app's default). The pool the views read is a
+    `SlotMirror` fed by the engine's event batches (`subscribe_batches`): nothing here reads the
+    engine's pool, observer or stats; the engine object needs only `register_user`, `submit`,
+    `subscribe`, `subscribe_batches`, `num_blocks`, `block_bytes`, `config` (the settings shown),
+    `tokenizer` and `shutdown`."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
-        self.device = str(getattr(engine.loaded, "device", ""))
+        self.device = str(getattr(getattr(engine, "loaded", None), "device", ""))
+        self.mirror = SlotMirror(engine.num_blocks)
+        self._block_bytes = engine.block_bytes
+        self._lock = threading.Lock()  # batches apply on the engine thread; views read from others
+        self._unsub = engine.subscribe_batches(self._on_batch)
+
+    def _on_batch(self, batch) -> None:
+        with self._lock:
+            self.mirror.apply_batch(batch)
 
     def register_user(self, name: str, group: str | None = None) -> None:
         self.engine.register_user(name, group)
@@ -84,34 +100,43 @@ class LocalEngineBackend(ChatBackend):
     def subscribe(self, listener: Callable) -> Callable[[], None]:
         return self.engine.subscribe(listener)
 
+    @property
+    def version(self) -> int:
+        return self.mirror.version
+
     def stats(self, timeout: float = 0.0) -> dict | None:
-        return self.engine.stats(timeout=timeout)
+        cfg = self.engine.config
+        with self._lock:
+            s = self.mirror.stats()
+        bb = self._block_bytes
+        s.update(model=self.model_name, block_size=cfg.block_size, block_bytes=bb,
+                 pool_bytes=bb * s["blocks_total"], used_bytes=bb * s["blocks_resident"],
+                 dedicated_bytes=bb * s["blocks_dedicated"],
+                 bytes_saved=bb * (s["blocks_dedicated"] - s["blocks_resident"]),
+                 isolation=cfg.isolation, eviction=cfg.eviction, deterministic=cfg.deterministic,
+                 hash=cfg.hash, verify_on_hit=cfg.verify_on_hit)
+        return s
 
     @property
     def num_blocks(self) -> int:
-        return self.engine.pool.num_blocks
+        return self.mirror.num_blocks
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        return self.engine.block_summary(cells, start, stop, user)
+        with self._lock:  # the copies only; the histogram runs after
+            arrays, total = self.mirror.used_arrays(start, stop)
+        return summarize(arrays, cells, user, total=total)
 
     def arrays(self, start: int = 0, stop: int | None = None):
-        return self.engine.block_arrays(start, stop)
+        with self._lock:
+            return self.mirror.arrays(start, stop)
 
     def block(self, block_id: int):
-        # start-up time: imported when this first runs
-        from kvplay.engine.observe import block_view
-
-        if not 0 <= block_id < self.num_blocks:
-            return None
-        for _ in range(3):  # read without the engine's lock: a step may change the block meanwhile
-            try:
-                return block_view(self.engine.pool, block_id)
-            except RuntimeError:
-                continue
-        return None
+        with self._lock:
+            return self.mirror.block(block_id)
 
     def decode(self, token_ids) -> str:
         return self.engine.tokenizer.decode(list(token_ids))
 
     def close(self, timeout: float = 1.0) -> None:
+        self._unsub()
         self.engine.shutdown(timeout=timeout)

@@ -40,7 +40,7 @@ class SlotMirror:
 
     def __init__(self, num_blocks: int = 0):
         self.num_blocks = max(0, int(num_blocks))  # grows when an event names a block beyond it
-        cap = max(16, min(self.num_blocks, 1 << 16))
+        cap = max(16, min(self.num_blocks, 1024))  # grows by doubling as blocks are named
         self._alloc(cap)
         self.hw = 0  # 1 + the highest block id ever named
         self.hash: dict[int, str] = {}
@@ -58,7 +58,7 @@ class SlotMirror:
         self.hit: frozenset = frozenset()  # blocks the latest request reused
         self.last_blocks: tuple = ()  # blocks of the latest BlockStored / BlockHit
         self.hit_tokens = self.query_tokens = self.evictions = self.preemptions = 0
-        self.requests_finished = 0
+        self.requests_finished = self.collisions = 0
         self.extra_users = 0  # sum over blocks of max(0, len(users) - 1)
         self.applied = 0  # events applied
         self.version = 0  # bumps with every applied event or batch (views redraw when it moves)
@@ -338,7 +338,10 @@ class SlotMirror:
             self.running.discard(rid)
             self.waiting.discard(rid)
             self.prompt.pop(rid, None)
+            self.started.discard(rid)
             self.requests_finished += 1
+        elif kind == "CollisionCaught":
+            self.collisions += 1
 
     # --- what views ask -------------------------------------------------------------------------
     def counts(self) -> tuple[int, int, int]:
@@ -356,6 +359,17 @@ class SlotMirror:
         free, cached, in_use = self.counts()
         return cached + in_use + self.extra_users
 
+    def stats(self) -> dict:
+        """The pool's counters, as `Engine.stats()` names them (those the events carry)."""
+        free, cached, in_use = self.counts()
+        return {"blocks_total": self.num_blocks, "blocks_free": free, "blocks_cached": cached,
+                "blocks_in_use": in_use, "blocks_resident": cached + in_use,
+                "blocks_dedicated": cached + in_use + self.extra_users,
+                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
+                "evictions": self.evictions, "preemptions": self.preemptions,
+                "collisions_caught": self.collisions, "requests_finished": self.requests_finished,
+                "running": len(self.running), "waiting": len(self.waiting)}
+
     def arrays(self, start: int = 0, stop: int | None = None) -> BlockArrays:
         """Copies of the state and creator codes of blocks [start, stop)."""
         start, stop, _ = slice(start, stop).indices(self.num_blocks)
@@ -368,8 +382,19 @@ class SlotMirror:
             creator[:hi - start] = self.creator[start:hi]
         return BlockArrays(self.version, start, state, creator, tuple(self.users))
 
+    def used_arrays(self, start: int = 0, stop: int | None = None) -> tuple[BlockArrays, int]:
+        """(copies of the codes of blocks [start, min(stop, hw)), the range's length): blocks
+        past `hw` were never named, so free."""
+        start, stop, _ = slice(start, stop).indices(self.num_blocks)
+        hi = max(start, min(stop, self.hw))
+        return (BlockArrays(self.version, start, self.state[start:hi].copy(), self.creator[start:hi].copy(),
+                            tuple(self.users)), max(0, stop - start))
+
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None) -> BlockSummary:
-        return summarize(self.arrays(start, stop), cells, user)
+        """Blocks [start, stop) in `cells` equal runs (engine/observe.summarize): costs the part
+        of the range below `hw`."""
+        arrays, total = self.used_arrays(start, stop)
+        return summarize(arrays, cells, user, total=total)
 
     def block(self, b: int) -> BlockView | None:
         if not 0 <= b < self.num_blocks:
