@@ -81,7 +81,7 @@ class AttachApp(KvplayApp):
             t.append(state, style=POD_STYLE.get(state, "bold"))
             t.append(f" · {len(slots.slot_of):,} blocks", style=DIM)
             if many:
-                t.append(f" · map {slots.offset:,}–{slots.offset + slots.capacity - 1:,}", style=DIM)
+                t.append(f" · map {slots.offset:,}–{slots.offset + slots.num_blocks - 1:,}", style=DIM)
         return t
 
     def stats_view(self, stats: dict) -> Text:

@@ -8,15 +8,16 @@ events) of that session that arrive while the turn runs, by the session that sto
 
 Cache: the pods' KV events (wire/subscriber.py) feed a `Fleet` of mirrors; their journal becomes
 kvplay's engine events (wire/recording.journal_events), so the app's views and recorder read
-the same events as from a local engine. vLLM sends no block ids, so `SlotMap` gives every cached
-block a slot (the lowest free one) and the events carry those ids; pod k's slots follow pod
-k-1's. Every mirrored block is "cached": the events do not say which ones running requests hold.
+the same events as from a local engine. Each pod's pool is a `SlotMirror` (wire/slots.py, the
+mirror every cache view reads): vLLM sends no block ids, so it gives every cached block a slot
+(the lowest free one) and the events carry those ids; pod k's slots follow pod k-1's. Every
+mirrored block is "cached": the events do not say which ones running requests hold.
 
 No Textual here: usable and testable without the app.
 """
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import json
 import queue
 import threading
@@ -30,66 +31,14 @@ import numpy as np
 from kvplay.engine.errors import EngineError
 from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
 
+from kvplay.engine.observe import BlockArrays, summarize
+
 from .mirror import Fleet
 from .recording import journal_events
+from .slots import SlotMirror
 from .subscriber import PodSource, Subscriber
 
 DEFAULT_SLOTS = 4096
-FREE, CACHED = 0, 1  # indexes into kvplay.engine.pool.STATES (free, cached, in_use)
-
-
-class SlotMap:
-    """Block slots for one pod's mirrored blocks: hash -> slot, per-slot state and creator."""
-
-    def __init__(self, capacity: int, offset: int = 0):
-        self.offset = offset
-        self.capacity = capacity
-        self.state = np.zeros(capacity, np.int8)
-        self.creator = np.full(capacity, -1, np.int32)
-        self.slot_of: dict[str, int] = {}
-        self.hash_of: dict[int, str] = {}
-        self._free = list(range(capacity))
-
-    def _grow(self) -> None:
-        n = self.capacity
-        self.state = np.concatenate([self.state, np.zeros(n, np.int8)])
-        self.creator = np.concatenate([self.creator, np.full(n, -1, np.int32)])
-        for s in range(n, 2 * n):
-            heapq.heappush(self._free, s)
-        self.capacity = 2 * n
-
-    def store(self, hexhash: str, creator_code: int) -> int:
-        s = self.slot_of.get(hexhash)
-        if s is None:
-            if not self._free:
-                self._grow()
-            s = heapq.heappop(self._free)
-            self.slot_of[hexhash] = s
-            self.hash_of[s] = hexhash
-            self.state[s] = CACHED
-            self.creator[s] = creator_code
-        return s + self.offset
-
-    def remove(self, hexhash: str) -> int | None:
-        s = self.slot_of.pop(hexhash, None)
-        if s is None:
-            return None
-        del self.hash_of[s]
-        self.state[s] = FREE
-        self.creator[s] = -1
-        heapq.heappush(self._free, s)
-        return s + self.offset
-
-    def slot(self, hexhash: str) -> int | None:
-        s = self.slot_of.get(hexhash)
-        return None if s is None else s + self.offset
-
-    def clear(self) -> None:
-        self.slot_of.clear()
-        self.hash_of.clear()
-        self.state[:] = FREE
-        self.creator[:] = -1
-        self._free = list(range(self.capacity))
 
 
 class PodRange:
@@ -105,26 +54,20 @@ class PodRange:
 
     @property
     def num_blocks(self) -> int:
-        return self.backend.pods[self.pod].capacity
+        return self.backend.pods[self.pod].num_blocks
 
     @property
     def version(self) -> int:
         return self.backend._version
 
     def arrays(self, start: int = 0, stop: int | None = None):
-        from kvplay.engine.observe import BlockArrays
-
-        b = self.backend
-        with b._lock:  # the pod's own arrays: right even after a pod before it grew
-            slots = b.pods[self.pod]
-            stop = slots.capacity if stop is None else min(stop, slots.capacity)
-            return BlockArrays(b._version, start, slots.state[start:stop].copy(),
-                               slots.creator[start:stop].copy(), tuple(b.users))
+        with self.backend._lock:  # the pod's own mirror: right even after a pod before it grew
+            return self.backend.pods[self.pod].arrays(start, stop)
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        from kvplay.engine.observe import summarize
-
-        return summarize(self.arrays(start, stop), cells, user)
+        with self.backend._lock:
+            arrays, total = self.backend.pods[self.pod].used_arrays(start, stop)
+        return summarize(arrays, cells, user, total=total)
 
     def block(self, block_id: int):
         return self.backend.block(self.offset + block_id) if 0 <= block_id < self.num_blocks else None
@@ -178,10 +121,10 @@ class RemoteBackend:
         self._query_tokens = self._hit_tokens = self._finished = 0
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
-        self.pods: dict[str, SlotMap] = {}
+        self.pods: dict[str, SlotMirror] = {}
         for k, src in enumerate(sources):
             self.fleet.pod(src.name).journal = []
-            self.pods[src.name] = SlotMap(capacity, k * capacity)
+            self.pods[src.name] = SlotMirror(capacity, offset=k * capacity)
         self._sub = None
         self._thread = None
         if sources:
@@ -269,21 +212,24 @@ class RemoteBackend:
         journal, m.journal = m.journal, []
         events = journal_events(journal, batch.ts)
         slots = self.pods[pod]
+        off = slots.offset
         now = time.monotonic()
         with self._lock:
             for ev in events:
                 k = ev.kind
                 if k == "BlockStored":
-                    code = self._code(ev.user)
-                    ev.block_ids = [slots.store(h, code) for h in ev.block_hashes]
+                    self._code(ev.user)
+                    slots.apply(vars(ev), k)
+                    ev.block_ids = [slots.slot_of[(None, h)] + off for h in ev.block_hashes]
                     self._block_size = ev.block_size or self._block_size
-                elif k == "BlockRemoved":
-                    ev.block_ids = [s for s in map(slots.remove, ev.block_hashes) if s is not None]
-                elif k == "BlockHit":
-                    ev.block_ids = [s for s in map(slots.slot, ev.block_hashes) if s is not None]
-                    self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
-                elif k == "AllBlocksCleared":
-                    slots.clear()
+                else:
+                    ids = [s + off for s in map(slots.slot_of.get, ((None, h) for h in getattr(ev, "block_hashes", ())))
+                           if s is not None]
+                    slots.apply(vars(ev), k)
+                    if k == "BlockHit":
+                        self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
+                    if k != "AllBlocksCleared":
+                        ev.block_ids = ids
             self._version += 1
             listeners = list(self._listeners)
         for ev in events:
@@ -397,11 +343,11 @@ class RemoteBackend:
     # --- the pool as the views read it ----------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return sum(s.capacity for s in self.pods.values()) or DEFAULT_SLOTS
+        return sum(m.num_blocks for m in self.pods.values()) or DEFAULT_SLOTS
 
     def stats(self, timeout: float = 0.0) -> dict:
         with self._lock:
-            cached = sum(len(s.slot_of) for s in self.pods.values())
+            cached = sum(len(m.slot_of) for m in self.pods.values())
             total = self.num_blocks
             return {"model": self.model_name, "blocks_total": total, "blocks_free": total - cached,
                     "blocks_cached": cached, "blocks_in_use": 0, "block_size": self._block_size,
@@ -421,45 +367,30 @@ class RemoteBackend:
     def arrays(self, start: int = 0, stop: int | None = None):
         """The blocks [start, stop) of all pods, pod after pod: only the pods' slices in range
         are copied (the map asks for a window of a pool of hundreds of thousands)."""
-        from kvplay.engine.observe import BlockArrays
-
         with self._lock:
             stop = self.num_blocks if stop is None else min(stop, self.num_blocks)
-            states, creators, at = [], [], 0
-            for slots in self.pods.values():
-                lo, hi = max(start, at), min(stop, at + slots.capacity)
+            states, creators, users = [], [], tuple(self.users)
+            for m in self.pods.values():
+                at = m.offset
+                lo, hi = max(start, at), min(stop, at + m.num_blocks)
                 if lo < hi:
-                    states.append(slots.state[lo - at:hi - at])
-                    creators.append(slots.creator[lo - at:hi - at])
-                at += slots.capacity
+                    part = m.arrays(lo - at, hi - at)
+                    codes = np.array([users.index(u) for u in part.users] + [-1], np.int32)
+                    states.append(part.state)
+                    creators.append(codes[part.creator])  # the pod's user codes -> the backend's
             state = np.concatenate(states) if states else np.zeros(0, np.int8)
             creator = np.concatenate(creators) if creators else np.zeros(0, np.int32)
-            return BlockArrays(self._version, start, state, creator, tuple(self.users))
+            return BlockArrays(self._version, start, state, creator, users)
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        from kvplay.engine.observe import summarize
-
         return summarize(self.arrays(start, stop), cells, user)
 
     def block(self, block_id: int):
-        from kvplay.engine.observe import BlockView
-
         with self._lock:
-            for name, slots in self.pods.items():
-                s = block_id - slots.offset
-                if 0 <= s < slots.capacity:
-                    h = slots.hash_of.get(s)
-                    if h is None:
-                        return BlockView(block_id, "free", 0, None, None, None, (), 0, 0.0, 0.0, ())
-                    with self.fleet.lock:  # the subscriber thread applies batches under it
-                        blocks = self.fleet.pod(name).blocks
-                        b = blocks.get(int(h, 16)) if len(h) == 16 else blocks.get(bytes.fromhex(h))
-                        if b is None:  # another group's block, keyed (group, hash)
-                            b = next((b for b in list(blocks.values()) if b.hex == h), None)
-                    if b is None:
-                        return None
-                    return BlockView(block_id, "cached", 0, h, b.creator, None, tuple(b.tokens),
-                                     len(b.holders) - 1, b.ts, b.ts, tuple(sorted(b.holders)))
+            for m in self.pods.values():
+                if 0 <= block_id - m.offset < m.num_blocks:
+                    v = m.block(block_id - m.offset)
+                    return None if v is None else dataclasses.replace(v, block_id=block_id)
         return None
 
     def decode(self, token_ids) -> str:

@@ -38,8 +38,9 @@ _REF_KINDS = ("BlocksAllocated", "BlocksTouched", "BlocksReleased")
 class SlotMirror:
     """One pool, rebuilt from its events (see the module docstring)."""
 
-    def __init__(self, num_blocks: int = 0):
+    def __init__(self, num_blocks: int = 0, offset: int = 0):
         self.num_blocks = max(0, int(num_blocks))  # grows when an event names a block beyond it
+        self.offset = offset  # where block 0 sits in a fleet's numbering (one map per pod)
         cap = max(16, min(self.num_blocks, 1024))  # grows by doubling as blocks are named
         self._alloc(cap)
         self.hw = 0  # 1 + the highest block id ever named
