@@ -28,7 +28,7 @@ BLOCK = 16
 MAP_CELLS = 12 * 80  # about the scrubber's overview map
 
 
-def recorded_events(num_blocks: int, turns: int = 24, users: int = 4) -> list[dict]:
+def recorded_events(num_blocks: int, turns: int = 160, users: int = 8) -> list[dict]:
     """A session's recorded event payloads (dicts, as sessions/history.session_events reads them)."""
     out: list[dict] = []
     seq = [0]
@@ -109,7 +109,7 @@ def scrub_costs(events: list[dict], num_blocks: int, reps: int = 5) -> dict:
     return out
 
 
-def run(small: int = SMALL, huge: int = HUGE, reps: int = 5) -> dict:
+def run(small: int = SMALL, huge: int = HUGE, reps: int = 9) -> dict:
     res = {}
     for n in (small, huge):
         res[str(n)] = scrub_costs(recorded_events(n), n, reps)
