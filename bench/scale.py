@@ -8,7 +8,8 @@ Three measurements, each a ratio or a figure from one run (no timed tests):
   compared (on a shared machine other work only ever adds time; the median is reported too)
   (target: large <= 1.1x small).
 - **stats()**: the app's refresh call on the large engine after the workload (target <= 1 ms);
-  next to it the block map's calls (``block_summary`` over 1000 cells, ``snapshot_changes``).
+  next to it ``block_summary`` over 1000 cells and the app's block map call (its SlotMirror's
+  ``summary``; every engine here feeds one from its batches, as the app's does).
 - **ready time and RSS at 1,000,000 blocks**: in a fresh interpreter (the model loaded first),
   the time to build the Engine, split into the pool's metadata and the K/V tensor allocation,
   and the resident memory before and after.
@@ -27,6 +28,7 @@ import time
 from typing import Callable
 
 from kvplay.engine.config import EngineConfig
+from kvplay.wire.slots import SlotMirror
 
 from .metrics import Target
 
@@ -98,7 +100,10 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
         for n in (small, large):
             progress(f"scale: step cost, {n:,} blocks, repetition {rep + 1}/{reps}")
             t0 = time.perf_counter()
-            engine = Engine(base.replace(num_blocks=n).validate(), loaded).start()
+            engine = Engine(base.replace(num_blocks=n).validate(), loaded)
+            mirror = SlotMirror(n)  # as the app has one: the engine's batches feed it every step
+            engine.subscribe_batches(mirror.apply_batch)
+            engine.start()
             ready[n].append(time.perf_counter() - t0)
             try:
                 wall, forwards = _run_rounds(engine, workload)
@@ -110,17 +115,10 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
                         "stats_nowait_us": _per_call_us(lambda: engine.stats(timeout=0), 2000),
                         "summary_1000_cells_ms": _per_call_us(lambda: engine.block_summary(1000), 20) / 1000,
                         "block_arrays_ms": _per_call_us(engine.block_arrays, 20) / 1000,
+                        "mirror_summary_1000_cells_ms": _per_call_us(lambda: mirror.summary(1000), 20) / 1000,
                     }
                     v = engine.stats()
                     calls["blocks_cached"] = v["blocks_cached"]
-                    # one more turn, then the delta since before it (what a block map fetches)
-                    before = engine.call(lambda: engine._observer.version)
-                    engine.generate("user1", [{"role": "user", "content": "one more"}], timeout=600)
-                    engine.call(lambda: None)  # the step that delivered the reply has ended
-                    t0 = time.perf_counter()
-                    _, changed = engine.snapshot_changes(before)
-                    calls["delta_ms"] = (time.perf_counter() - t0) * 1000
-                    calls["delta_blocks"] = len(changed)
             finally:
                 engine.shutdown()
     med = {n: statistics.median(v) for n, v in per_step.items()}
@@ -145,6 +143,7 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
 from kvplay.engine.config import EngineConfig
+from kvplay.wire.slots import SlotMirror
 from kvplay.engine.engine import Engine
 from kvplay.engine.kv_store import KVStore
 from kvplay.engine.model import load_model
@@ -233,8 +232,8 @@ def scale_lines(result: dict) -> list[str]:
                 f"stats() at {s['large_blocks']:,} blocks ({s['blocks_cached']} cached): {s['stats_us']:.1f} us, "
                 f"stats(timeout=0) {s['stats_nowait_us']:.1f} us",
                 f"block_summary(1000 cells) {s['summary_1000_cells_ms']:.2f} ms, block_arrays() "
-                f"{s['block_arrays_ms']:.2f} ms, snapshot_changes after one turn {s['delta_ms']:.2f} ms "
-                f"({s['delta_blocks']} blocks)",
+                f"{s['block_arrays_ms']:.2f} ms; the app's mirror: summary(1000 cells) "
+                f"{s['mirror_summary_1000_cells_ms']:.2f} ms",
             ]
     if r.get("error"):
         lines.append(f"ready at {r['blocks']:,} blocks: failed: {r['error']}")

@@ -10,7 +10,8 @@ Identity is bound here (``register_user`` / ``set_group``, registry.py), never p
 One step on the engine thread: the scheduler decides (scheduler.py), the KV manager gives each
 request its blocks (kv_manager.py over the block pool, pool.py + eviction.py), the model runner
 computes (runner.py, paged.py, kv_store.py), the output processor samples, detokenises and
-streams (output.py); observe.py publishes snapshots and stats between steps.
+streams (output.py); after each step the stats are published (observe.py) and the step's events
+handed to batch subscribers as one EngineBatch (every cache view mirrors them: wire/slots.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .errors import EngineError
 from .events import EngineBatch, Event, RequestQueued, SettingsChanged, UserGroupChanged
 from .eviction import make_policy
 from .model import LoadedModel, load_model
-from .observe import BlockArrays, BlockSummary, BlockView, Observer
+from .observe import BlockArrays, BlockSummary, Observer
 from .kv_store import KVStore
 from .pool import BlockPool
 from .prefix import BlockHasher
@@ -95,7 +96,7 @@ class Engine:
         self._closed = False  # set (under _submit_lock) by shutdown: no command gets in after
         self._submit_lock = threading.Lock()
         self.users = UserRegistry()
-        self._observer = Observer(self)  # snapshots, deltas and stats (engine/observe.py)
+        self._observer = Observer(self)  # the published stats (engine/observe.py)
         self.failure: str | None = None
         self._build()
 
@@ -113,7 +114,7 @@ class Engine:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(cfg, self.pool, self.runner, self.hasher, self.tokenizer,
                                    self.model_name, self._emit, eos_ids)
-        self._publish_snapshot()
+        self._end_step()
         try:  # compile the chat template now, not on a user's first message (~0.7 s, holds the GIL)
             encode_chat(self.tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         except EngineError:
@@ -213,7 +214,7 @@ class Engine:
                 elif args and isinstance(args[-1], Future) and not args[-1].done():
                     args[-1].set_exception(EngineError("engine shut down"))
             self.scheduler.fail_all("engine shut down")
-            self._publish_snapshot()
+            self._end_step()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -237,12 +238,12 @@ class Engine:
                     try:
                         with self._lock:
                             self.scheduler.step()
-                            self._publish_snapshot()
+                            self._end_step()
                     except Exception as exc:  # model failure: fail in-flight requests, keep serving
                         self.failure = f"{type(exc).__name__}: {exc}"
                         with self._lock:
                             self.scheduler.fail_all(f"engine step failed: {self.failure}")
-                            self._publish_snapshot()
+                            self._end_step()
         finally:
             self._final_drain()
 
@@ -262,7 +263,7 @@ class Engine:
                     out = args[0]()
                 else:  # pragma: no cover
                     raise ValueError(op)
-                self._publish_snapshot()
+                self._end_step()
             if fut is not None:
                 fut.set_result(out)
         except Exception as exc:
@@ -279,7 +280,7 @@ class Engine:
                     fut.set_result(fn())
                 except Exception as exc:
                     fut.set_exception(exc)
-                self._publish_snapshot()
+                self._end_step()
             return fut
         with self._submit_lock:
             if self._closed:
@@ -418,11 +419,10 @@ class Engine:
 
         return self.call(apply)
 
-    # --- observation (engine/observe.py; its docstring is the block map API) --------------------
-    def _publish_snapshot(self) -> None:
-        """After each step or command (engine thread, under the lock): record which blocks
-        changed and refresh the published stats, O(changed blocks); then the step's event
-        batch and the step listeners."""
+    # --- observation (engine/observe.py) ---------------------------------------------------------
+    def _end_step(self) -> None:
+        """After each step or command (engine thread, under the lock): refresh the published
+        stats, hand over the step's event batch, then call the step listeners."""
         self._observer.publish()
         self._drain_events()
         for fn in list(self._step_listeners):
@@ -430,15 +430,6 @@ class Engine:
                 fn()
             except Exception:  # a broken listener never stops the engine
                 pass
-
-    def snapshot(self, timeout: float = 1.0) -> tuple[BlockView, ...]:
-        """The state of every block as of the last step, built lazily (O(pool) when it changed:
-        at 10^5+ blocks use snapshot_changes / block_summary)."""
-        return self._observer.snapshot(timeout)
-
-    def snapshot_changes(self, since: int | None = None, timeout: float | None = None):
-        """(version, views of the blocks changed after version `since`; all when None)."""
-        return self._observer.changes(since, timeout)
 
     def block_arrays(self, start: int = 0, stop: int | None = None) -> BlockArrays:
         """Per-block state and creator codes for blocks [start, stop) (copies; never waits)."""

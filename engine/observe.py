@@ -1,40 +1,22 @@
-"""What readers on other threads see of the engine's pool: block views, deltas, arrays, stats.
+"""The engine's counters and the shapes the cache views share.
 
-Nothing here costs O(pool) per engine step: a step only records which blocks it changed (the
-pool's ``dirty`` set) under a new *version* number; views are built when someone asks.
+Views (the block map, stats, scrubber, attach) read a mirror of the engine's events
+(wire/slots.SlotMirror), never the engine's pool; what is here:
 
-Block map API (all on ``Engine``; safe from any thread):
-
-- ``stats(timeout=1.0) -> dict``: O(1) counters (kept incrementally by the pool and scheduler).
-  Waits up to `timeout` s for the current step to end; on timeout returns the copy published
-  after the last step. ``stats(timeout=0)`` never waits.
-- ``snapshot(timeout=1.0) -> tuple[BlockView, ...]``: every block, as of the last step. Built
-  lazily: the first call after a change patches the previous tuple with the changed blocks
-  (O(pool) to copy the tuple: fine for small pools, avoid at 10^5+ blocks).
-- ``snapshot_changes(since=None, timeout=None) -> (version, list[BlockView]) | None``: the blocks
-  whose state changed after version `since` (every block when `since` is None, unknown or too
-  old), as of `version`. Keep `version` and pass it back next time. Costs O(changed blocks)
-  while the change log reaches back to `since`; older asks scan a per-block version array
-  (numpy, ~1 ms at 10^6 blocks). None when the engine stays busy for longer than `timeout` s.
-- ``block_arrays(start=0, stop=None) -> BlockArrays``: copies of the per-block state codes
-  (int8, index into ``STATES``: free, cached, in_use) and creator codes (int32, index into
-  ``users``, -1 none) for blocks [start, stop). Read without the engine lock (never waits; a
-  copy taken while a step runs may show part of that step). ~1 ms at 10^6 blocks.
-- ``block_summary(cells, start=0, stop=None, user=None) -> BlockSummary``: the range split into
-  `cells` equal runs of blocks (``bounds[k]:bounds[k+1]``); per cell the counts of free, cached
-  and in-use blocks, the dominant state (ties: in_use > cached > free), the dominant creator
-  among non-free blocks (code into ``users``, -1 none) and, with `user`, how many non-free blocks
-  that user created. For a whole-pool map at any size ("1 cell = N blocks"), zoom (start/stop),
-  and the `/` filter. Lock-free like ``block_arrays``; ~3-15 ms at 10^6 blocks (busy 2-core box).
-- ``block_view(engine.pool, block_id) -> BlockView`` (this module): one block's details, read
-  without the lock (a view taken mid-step may mix that step's before and after).
-
-Jumping to a request's blocks: the ``BlockHit`` and ``BlockStored`` events carry block ids.
-The figures above come from ``python -m kvplay.bench.scale`` (bench/scale.py).
+- ``Engine.stats(timeout=1.0) -> dict``: O(1) counters (kept incrementally by the pool and
+  scheduler), for the CLI, the server's /metrics and the bench. Waits up to `timeout` s for the
+  current step to end; on timeout returns the copy published after the last step.
+- ``BlockView``: one block's picture (a mirror's ``block(i)``; ``block_view(pool, i)`` reads the
+  live pool, for tests and tools).
+- ``BlockArrays`` / ``BlockSummary`` / ``summarize``: a range of blocks as state and creator
+  codes, and split into `cells` equal runs (counts of free, cached and in-use blocks, the
+  dominant state, ties in_use > cached > free, the dominant creator among non-free blocks and,
+  with `user`, that user's non-free blocks per cell): the block map's one call per redraw,
+  numpy work, no per-block Python. ``Engine.block_arrays`` / ``block_summary`` compute them from
+  the live pool (lock-free; for the bench and tests).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,8 +26,6 @@ from .pool import STATES, BlockPool
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
-
-LOG_MAX_IDS = 65_536  # change-log entries kept (block ids, summed); a bigger change clears the log
 
 
 @dataclass(frozen=True)
@@ -99,10 +79,6 @@ class BlockSummary:
     @property
     def cells(self) -> int:
         return len(self.bounds) - 1
-
-    @property
-    def blocks_per_cell(self) -> float:
-        return (self.stop - self.start) / max(1, self.cells)
 
 
 _cell_base: tuple = ()  # (n, cells, width, base): the last shape's cell id * width per block
@@ -176,46 +152,15 @@ def summarize(arrays: BlockArrays, cells: int, user: str | None = None, total: i
 
 
 class Observer:
-    """Owns the published picture of one engine's pool (see the module docstring)."""
+    """The engine's counters for readers on other threads (views read a mirror of the events)."""
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self.version = 0  # bumped by every publish that saw a change
-        self._versions: np.ndarray | None = None  # per block: version of its last change
-        self._log: deque[tuple[int, list[int]]] = deque()  # (version, changed ids), oldest first
-        self._log_ids = 0
-        self._covered_from = 0  # the log answers any `since` >= this
-        self._full: tuple[BlockView, ...] | None = None
-        self._full_version = -1
         self._stats: dict = {}
 
     # --- on the engine thread, under its lock ---------------------------------------------------
     def publish(self) -> None:
-        """Record the blocks changed since the last publish; refresh the published stats."""
-        pool = self.engine.pool
-        if self._versions is None:
-            self._versions = np.zeros(pool.num_blocks, np.int64)  # version 0: every block free
-        elif len(self._versions) != pool.num_blocks:  # a new pool: every block changed
-            self.version += 1
-            self._versions = np.full(pool.num_blocks, self.version, np.int64)
-            self._log.clear()
-            self._log_ids, self._covered_from, self._full = 0, self.version, None
-        dirty = pool.dirty
-        if dirty:
-            self.version += 1
-            ids = list(dirty)
-            dirty.clear()
-            self._versions[ids] = self.version
-            if len(ids) > LOG_MAX_IDS:
-                self._log.clear()
-                self._log_ids, self._covered_from = 0, self.version
-            else:
-                self._log.append((self.version, ids))
-                self._log_ids += len(ids)
-                while self._log_ids > LOG_MAX_IDS:
-                    v, old = self._log.popleft()
-                    self._log_ids -= len(old)
-                    self._covered_from = v
+        """Refresh the published stats (the copy a reader gets while a step holds the lock)."""
         self._stats = self.compute_stats()
 
     def compute_stats(self) -> dict:
@@ -263,61 +208,10 @@ class Observer:
         finally:
             lock.release()
 
-    def _changed_ids(self, since: int | None):
-        """Ids changed after `since` (under the engine lock); None means every block."""
-        v = self.version
-        if since is None or since < 0 or since > v or self._versions is None:
-            return None
-        if since == v:
-            return []
-        if since >= self._covered_from:
-            out: set[int] = set()
-            for ver, ids in reversed(self._log):
-                if ver <= since:
-                    break
-                out.update(ids)
-            return sorted(out)
-        return np.flatnonzero(self._versions > since).tolist()
-
-    def changes(self, since: int | None = None, timeout: float | None = None):
-        lock = self.engine._lock
-        if not lock.acquire(timeout=-1 if timeout is None else timeout):
-            return None
-        try:
-            pool = self.engine.pool
-            ids = self._changed_ids(since)
-            if ids is None:
-                ids = range(pool.num_blocks)
-            return self.version, [block_view(pool, b) for b in ids]
-        finally:
-            lock.release()
-
-    def snapshot(self, timeout: float | None = 1.0) -> tuple[BlockView, ...]:
-        lock = self.engine._lock
-        if not lock.acquire(timeout=-1 if timeout is None else timeout):
-            if self._full is not None:
-                return self._full  # busy: the last one built
-            lock.acquire()
-        try:
-            if self._full is None or self._full_version != self.version:
-                pool = self.engine.pool
-                ids = self._changed_ids(self._full_version if self._full is not None else None)
-                if ids is None:
-                    full = tuple(block_view(pool, b) for b in range(pool.num_blocks))
-                else:
-                    lst = list(self._full)
-                    for b in ids:
-                        lst[b] = block_view(pool, b)
-                    full = tuple(lst)
-                self._full, self._full_version = full, self.version
-            return self._full
-        finally:
-            lock.release()
-
     def arrays(self, start: int = 0, stop: int | None = None) -> BlockArrays:
         pool = self.engine.pool
         start, stop, _ = slice(start, stop).indices(pool.num_blocks)
-        version = self.version
+        version = self.engine._batches
         state = pool.state_codes()[start:stop].copy()
         creator = pool.creator_codes()[start:stop].copy()
         return BlockArrays(version, start, state, creator, tuple(pool.users))

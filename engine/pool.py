@@ -220,7 +220,6 @@ class BlockPool:
         self.evictions = 0
         self.extra_users = 0  # sum over blocks of max(0, len(users_seen) - 1)
         self._seq = 0
-        self.dirty: set[int] = set()  # blocks changed since the last publish (engine/observe.py)
         # indexed parent -> its indexed child, or a set of them when it has several (rare)
         self.children: dict[int, int | set[int]] = {}
 
@@ -315,7 +314,6 @@ class BlockPool:
                 cat[bid] = lu[bid] = now
                 self._seq += 1
                 cseq[bid] = self._seq
-        self.dirty.update(out)
         if evicted:
             self.evictions += len(evicted)
             self._emit_removed(evicted, "evicted")
@@ -360,7 +358,6 @@ class BlockPool:
             if self.index.get(h) == b:
                 del self.index[h]
             self._indexed[b] = 0
-            self.dirty.add(b)
             p = self._parent[b]
             if p >= 0:
                 self._drop_child(p, b)
@@ -403,7 +400,6 @@ class BlockPool:
         """A request reuses these cached/in-use blocks: ref += 1, and hit += 1 unless `hit` is
         False (a preempted request re-admitted re-references its blocks without a new hit)."""
         now = time.time() if now is None else now
-        self.dirty.update(block_ids)
         ref, hits = self._ref, self._hits
         for bid in block_ids:
             if ref[bid] == 0:
@@ -431,9 +427,6 @@ class BlockPool:
             else:
                 return
             self.extra_users += 1
-        else:
-            return
-        self.dirty.add(bid)
 
     def register(self, bid: int, block_hash: int, parent_id: int | None, tokens, extra,
                  user: str, request_id: str) -> bool:
@@ -445,7 +438,6 @@ class BlockPool:
         indexed holder of the parent's hash (after a clear, or a duplicate's child): then no
         lookup could reach it with the parent verify-on-hit expects.
         """
-        self.dirty.add(bid)
         tokens = tuple(tokens)
         self._hash[bid] = block_hash
         self._parent[bid] = -1 if parent_id is None else parent_id
@@ -479,7 +471,6 @@ class BlockPool:
     def release(self, block_ids: list[int], now: float | None = None) -> None:
         """Drop one reference from each block, tail first (so LRU evicts a chain's tail first)."""
         now = time.time() if now is None else now
-        self.dirty.update(block_ids)
         ref = self._ref
         for bid in reversed(block_ids):
             if ref[bid] <= 0:
@@ -537,7 +528,6 @@ class BlockPool:
                                       (self._state, np.int8, _FREE)):
                 np.frombuffer(arr, dtype)[freed] = value
             self._free.extend(freed.tolist())
-            self.dirty.update(order)
             self._emit_removed(dropped, reason)
         else:
             freed = ()

@@ -8,6 +8,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.errors import EngineError
 from kvplay.engine.events import BlockHit
+from kvplay.engine.observe import block_view
 from kvplay.engine.sampling import SamplingParams
 
 WORDS = ["cache", "block", "hash", "salt", "user", "prompt", "model", "token"]
@@ -31,7 +32,7 @@ def test_no_cross_salt_hits(tiny_llama, mode, turns):
               for u, w in turns]
         for h in hs:
             h.result(60)
-        blocks = {b.block_id: b for b in eng.snapshot()}
+        blocks = {b.block_id: b for b in eng.call(lambda: [block_view(eng.pool, b) for b in range(eng.num_blocks)])}
     shared_limit = sys_tokens // 16  # in `system` mode, only blocks wholly inside the system prompt
     for e in hits:
         for pos, creator in enumerate(_creators(e, blocks)):

@@ -191,30 +191,31 @@ def brute_stats(eng):
 SYSTEM = {"role": "system", "content": "A shared system prompt for every user here. " * 3}
 
 
-def test_snapshot_deltas_stats_and_summary_match_a_full_recount(make_engine, monkeypatch):
-    eng = make_engine(num_blocks=48, eviction="lfu")
-    version, views = eng.snapshot_changes(None)
-    mirror = {v.block_id: v for v in views}
-    assert len(mirror) == 48 and all(v.state == "free" for v in views)
-    assert eng.snapshot_changes(version) == (version, [])
-    old_version = version
-    for i, user in enumerate(["alice", "bob", "carol", "alice", "dave", "bob"]):
-        msgs = [SYSTEM, {"role": "user", "content": f"question {i % 3} from someone " * (1 + i % 2)}]
-        eng.generate(user, msgs, SamplingParams(max_tokens=4), timeout=60)
-        if i == 3:
-            monkeypatch.setattr(observe, "LOG_MAX_IDS", 2)  # later deltas fall back to the version scan
-        version, changed = eng.snapshot_changes(version)
-        for v in changed:
-            mirror[v.block_id] = v
-        truth = full_views(eng)
-        assert [mirror[b] for b in range(48)] == truth
-        assert list(eng.snapshot()) == truth
-        stats = eng.stats()
-        assert {k: stats[k] for k in brute_stats(eng)} == brute_stats(eng)
-    v2, since_start = eng.snapshot_changes(old_version)  # older than the log: the version scan
-    start = dict(enumerate(views))
-    start.update({v.block_id: v for v in since_start})
-    assert v2 == version and [start[b] for b in range(48)] == truth
+def test_mirror_stats_and_summary_match_a_full_recount(tiny_llama):
+    """After every turn, a SlotMirror fed only by the engine's batches equals a full recount of
+    the pool (refs, hashes, creators, tokens, hits, users), the engine's O(1) stats equal a
+    brute-force count, and its ranged arrays and summaries agree with the recount."""
+    from kvplay.engine.config import EngineConfig
+    from kvplay.engine.engine import Engine
+    from kvplay.wire.slots import SlotMirror
+
+    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=48, eviction="lfu"), tiny_llama)
+    mirror = SlotMirror(48)
+    eng.subscribe_batches(mirror.apply_batch)
+    eng.start()
+    try:
+        assert len(mirror.views()) == 48 and all(v.state == "free" for v in mirror.views())
+        for i, user in enumerate(["alice", "bob", "carol", "alice", "dave", "bob"]):
+            msgs = [SYSTEM, {"role": "user", "content": f"question {i % 3} from someone " * (1 + i % 2)}]
+            eng.generate(user, msgs, SamplingParams(max_tokens=4), timeout=60)
+            truth = full_views(eng)
+            got = eng.call(mirror.views)
+            assert [(v.state, v.ref_count, v.hash, v.creator, v.token_ids, v.hits, v.users) for v in got] == \
+                   [(v.state, v.ref_count, v.hash, v.creator, v.token_ids, v.hits, v.users) for v in truth]
+            stats = eng.stats()
+            assert {k: stats[k] for k in brute_stats(eng)} == brute_stats(eng)
+    finally:
+        eng.shutdown()
 
     arrays = eng.block_arrays()
     assert [STATES[c] for c in arrays.state] == [v.state for v in truth]

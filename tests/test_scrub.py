@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.observe import block_view
 from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions.history import History, pool_state, session_events
 from kvplay.sessions.recorder import Recorder
@@ -20,8 +21,8 @@ TURNS = [("alice", "Are you open on Mondays?"), ("bob", "Are you open on Mondays
 
 
 def _live(engine) -> list[tuple]:
-    engine.call(lambda: None)  # between steps: the published snapshot is current
-    return [(v.state, v.hash, v.creator, v.hits, v.users) for v in engine.snapshot()]
+    views = engine.call(lambda: [block_view(engine.pool, b) for b in range(engine.num_blocks)])  # between steps
+    return [(v.state, v.hash, v.creator, v.hits, v.users) for v in views]
 
 
 def _rebuilt(state) -> list[tuple]:

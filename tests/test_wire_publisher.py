@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvplay.engine.observe import block_view
 from serve_util import ALICE, BOB, chat, keys, serve  # noqa: F401 (fixture)
 
 VLLM_PY = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv") + "/bin/python"
@@ -126,7 +127,7 @@ def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
     with httpx.Client(timeout=30) as c:
         a = chat(c, srv.url, ALICE, "first")
         sub.drain(until=lambda s: any(e.get("session_id") == "alice" for e in s.events()))
-        stored_by_engine = {low64(b.hash): b for b in eng.snapshot() if b.hash is not None and b.state != "free"}
+        stored_by_engine = {low64(b.hash): b for b in eng.call(lambda: [block_view(eng.pool, b) for b in range(eng.num_blocks)]) if b.hash is not None and b.state != "free"}
         b = chat(c, srv.url, BOB, "second", vllm_xargs={"kv_cache_report_mode": "full"})
         sub.drain(until=lambda s: sum(e.get("session_id") == "bob" for e in s.events()) >= 2)
         assert c.post(srv.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {BOB}"}).status_code == 200
