@@ -650,7 +650,8 @@ class KvplayApp(ControlsMixin, App):
         self._show_detail(bm.cursor)
 
     def _show_detail(self, block_id: int, blocks: int = 1) -> None:
-        update_static(self.query_one("#detail", Static), self.block_detail(block_id, blocks))
+        for panel in self.query("#detail"):  # none while the app is tearing down (a late CellSelected)
+            update_static(panel, self.block_detail(block_id, blocks))
 
     # --- autoplay (scripts and replays) --------------------------------------------------------
     @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")
