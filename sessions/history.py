@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 
 from kvplay.engine.observe import BlockView
-from kvplay.wire.slots import SlotMirror
+from kvplay.wire.slots import MAX_BLOCKS, SlotMirror
 
 CHECKPOINT_BYTES = 256 << 20  # all checkpoints of one History together, at most about this
 _SLOT_BYTES = 31  # bytes per slot of a SlotMirror's arrays
@@ -125,13 +125,13 @@ def recorded_pool_size(session: dict, events: list[dict]) -> int | None:
     """How many blocks the session's pool had: its config, else its final stats, else at least
     every block its events name."""
     n = (session.get("engine_config") or {}).get("num_blocks") or (session.get("stats") or {}).get("blocks_total")
-    if n is None and events:
-        n = 1 + max((b for e in events for b in (e.get("block_ids") or [])), default=-1)
-        if n <= 0:  # blocks named by hash only: as many as were ever cached at once
-            r = SlotMirror(0)
-            r.apply_all(events)
-            n = r.hw
-    return int(n) if n else None
+    if type(n) is not int or not 0 < n <= MAX_BLOCKS:  # missing, or not a pool a mirror can hold
+        n = None
+    if n is None and events:  # every block the events name (what a mirror accepts of them)
+        r = SlotMirror(0)
+        r.apply_all(events)
+        n = r.hw
+    return n or None
 
 
 @dataclass

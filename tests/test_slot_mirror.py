@@ -186,3 +186,51 @@ def test_history_checkpoints_stay_within_their_byte_budget(monkeypatch):
     for n in (len(events), 5, 0, 301, len(events) // 2, 77, len(events), 1):
         assert h.state(n).blocks == pool_state(events, n, 64).blocks, n
     assert len(h._marks) <= 4 and h.every > 4
+
+
+def test_malformed_recorded_events_are_counted_and_skipped():
+    """A recording is untrusted: wrong types, negative or huge block ids, a hostile pool size
+    are counted in `bad` and skipped, the mirror unchanged by them and its arrays bounded."""
+    from kvplay.sessions.history import recorded_pool_size
+    from kvplay.wire.slots import MAX_BLOCKS
+
+    good = [{"kind": "BlocksAllocated", "block_ids": [0, 1]},
+            {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["aa"], "token_ids": [1, 2], "block_size": 2,
+             "user": "alice", "request_id": "r1"},
+            {"kind": "BlocksReleased", "block_ids": [0, 1]}]
+    bad = [{"kind": "BlocksAllocated", "block_ids": [10 ** 12]},
+           {"kind": "BlocksAllocated", "block_ids": [-1]},
+           {"kind": "BlocksAllocated", "block_ids": "0"},
+           {"kind": "BlocksTouched", "block_ids": [1.5]},
+           {"kind": "BlocksReleased", "block_ids": [True]},
+           {"kind": "BlockStored", "block_ids": [0], "block_hashes": [7], "token_ids": [1, 2], "block_size": 2},
+           {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["bb"], "token_ids": "xy", "block_size": 2},
+           {"kind": "BlockStored", "block_hashes": ["cc"] * 3, "token_ids": [1], "block_size": -4},
+           {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["dd"], "user": {"x": 1}},
+           {"kind": "BlockHit", "block_ids": [0], "cached_tokens": "many"},
+           {"kind": "BlockRemoved", "block_ids": [MAX_BLOCKS], "reason": "evicted"},
+           {"kind": "BlockRemoved", "block_hashes": [None], "pod": "p"},
+           {"kind": "RequestQueued", "request_id": ["r"], "prompt_tokens": 3},
+           {"kind": "RequestQueued", "request_id": "r", "prompt_tokens": "3"},
+           {"kind": "BlocksAllocated", "block_ids": [2], "ts": "now"},
+           {"kind": 5}, None, 7]
+    m = SlotMirror(4)
+    m.apply_all(good)
+    before = (m.views(), m.stats())
+    for e in bad:
+        assert m.apply(e) is False or e in ({"kind": 5},), e
+    assert m.bad >= len(bad) - 1 and (m.views(), m.stats()) == before
+    assert m.num_blocks == 4 and len(m.state) < 2048
+    assert m.block(0).hash == "aa" and m.block(0).state == "cached"
+    # a hostile pool size in the session row is ignored; the events' own blocks decide
+    assert recorded_pool_size({"engine_config": {"num_blocks": 10 ** 15}}, good + bad) == 2
+    assert recorded_pool_size({"stats": {"blocks_total": "lots"}}, good) == 2
+
+
+def test_history_steps_over_malformed_events():
+    events = [{"kind": "BlocksAllocated", "block_ids": [0]}, {"kind": "BlocksAllocated", "block_ids": [-3]},
+              None, {"kind": "BlocksReleased", "block_ids": [0]}]
+    h = History(events, 2)
+    st = h.state(len(events))
+    assert st.applied == 4 and st.mirror.bad == 2 and st.count("free") == 2
+    assert h.state(1).count("in_use") == 1

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvplay.engine.observe import BlockArrays, BlockSummary, BlockView, summarize
 
+MAX_BLOCKS = 1 << 22  # the largest pool a mirror holds (~130 MB of arrays); larger ids are bad input
 STATES = ("free", "cached", "in_use")
 FREE, CACHED, IN_USE = 0, 1, 2
 _REF_KINDS = ("BlocksAllocated", "BlocksTouched", "BlocksReleased")
@@ -39,7 +40,8 @@ class SlotMirror:
     """One pool, rebuilt from its events (see the module docstring)."""
 
     def __init__(self, num_blocks: int = 0, offset: int = 0):
-        self.num_blocks = max(0, int(num_blocks))  # grows when an event names a block beyond it
+        self.num_blocks = min(MAX_BLOCKS, max(0, int(num_blocks)))  # grows when an event names a block beyond it
+        self.bad = 0  # events skipped as malformed (a recording or a wire is untrusted input)
         self.offset = offset  # where block 0 sits in a fleet's numbering (one map per pod)
         cap = max(16, min(self.num_blocks, 1024))  # grows by doubling as blocks are named
         self._alloc(cap)
@@ -89,7 +91,11 @@ class SlotMirror:
             setattr(self, name, arr)
 
     def _see(self, ids) -> None:
-        """Make room for block ids `ids` (a list of ints)."""
+        """Check block ids `ids` (ints in [0, MAX_BLOCKS), else ValueError) and make room for them."""
+        if not all(type(b) is int for b in ids):
+            raise ValueError("block ids must be integers")
+        if min(ids) < 0 or max(ids) >= MAX_BLOCKS:
+            raise ValueError("block id out of range")
         top = max(ids) + 1
         if top > self.hw:
             if top > len(self.state):
@@ -138,10 +144,18 @@ class SlotMirror:
         """The blocks an event names: its block ids, else one slot per (pod, hash)."""
         ids = e.get("block_ids")
         if ids:
+            if not isinstance(ids, list):
+                raise TypeError("block_ids")
             return ids
         pod = e.get("pod")
+        hashes = e.get("block_hashes") or ()
+        if not isinstance(hashes, list) or not all(type(h) is str for h in hashes) or \
+                (pod is not None and type(pod) is not str):
+            raise TypeError("block_hashes")
+        if store and self._next_slot + len(hashes) > MAX_BLOCKS:
+            raise ValueError("too many blocks")
         out = []
-        for h in e.get("block_hashes") or ():
+        for h in hashes:
             key = (pod, h)
             slot = self.slot_of.get(key)
             if slot is None and store:
@@ -205,18 +219,33 @@ class SlotMirror:
             self.last_used[b] = ts
             self._settle(b)
 
-    def apply(self, e, kind: str | None = None) -> None:
+    def apply(self, e, kind: str | None = None) -> bool:
         """Apply one event: a mapping with the engine event's fields (a recorded row's payload,
-        or `vars(event)`), its kind given or under "kind"."""
-        if kind is None:
-            kind = e.get("kind")
-        ts = e.get("ts") or 0.0
-        self.applied += 1
+        or `vars(event)`), its kind given or under "kind". A malformed one (wrong types, block
+        ids out of range) is counted in `bad` and skipped: False, never an exception. Checks
+        come before changes, except that a BlockStored or BlockRemoved naming blocks by hash
+        may have taken slots before a later field fails."""
+        self.applied += 1  # every event counts, good or bad: History indexes events by it
         self.version += 1
+        try:
+            if kind is None:
+                kind = e.get("kind")
+            self._apply(e, kind)
+            return True
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError):
+            self.bad += 1
+            return False
+
+    def _apply(self, e, kind) -> None:
+        ts = e.get("ts") or 0.0
+        if not isinstance(ts, (int, float)):
+            raise TypeError("ts")
         self.ts = ts or self.ts
         if kind in _REF_KINDS:
             self.exact = True
-            ids = e.get("block_ids") or ()
+            ids = e.get("block_ids") or []
+            if not isinstance(ids, list):
+                raise TypeError("block_ids")
             if not ids:
                 return
             self._see(ids)
@@ -248,15 +277,20 @@ class SlotMirror:
                         self._settle(b)
             return
         rid = e.get("request_id") or ""
+        if type(rid) is not str:
+            raise TypeError("request_id")
         if kind == "BlockStored":
             hashes = e.get("block_hashes") or []
             tokens = e.get("token_ids") or []
             bs = e.get("block_size") or (len(tokens) // max(1, len(hashes)))
+            user = e.get("user") or None
+            if type(bs) is not int or bs < 0 or not isinstance(tokens, list) or not isinstance(hashes, list) \
+                    or not all(type(h) is str for h in hashes) or (user is not None and type(user) is not str):
+                raise TypeError("BlockStored")
             ids = self._ids(e, store=True)
             if not ids:
                 return
             self._see(ids)
-            user = e.get("user") or None
             code = self.code(user)
             for i, b in enumerate(ids):
                 if not self.exact:
@@ -280,12 +314,14 @@ class SlotMirror:
                     self.state[b] = CACHED
             self.last_blocks = tuple(ids)
         elif kind == "BlockHit":
+            if not isinstance(e.get("cached_tokens") or 0, int) or not isinstance(e.get("user") or "", str):
+                raise TypeError("BlockHit")
             hit = self._ids(e)
+            if hit:
+                self._see(hit)
             self.hit = frozenset(hit)
             self.last_blocks = tuple(hit)
             self.hit_tokens += e.get("cached_tokens") or 0
-            if hit:
-                self._see(hit)
             user = e.get("user")
             for b in hit:
                 self.hits[b] += 1
@@ -296,12 +332,12 @@ class SlotMirror:
                     self._hold(rid, b)
         elif kind == "BlockRemoved":
             ids = self._ids(e)
+            if ids:
+                self._see(ids)
             if not e.get("block_ids"):
                 self._drop_slots(e.get("pod"), e.get("block_hashes") or [])
             if e.get("reason", "evicted") == "evicted":
                 self.evictions += len(ids)
-            if ids:
-                self._see(ids)
             for b in ids:
                 self.indexed[b] = 0
                 if self.ref[b] == 0:
@@ -317,7 +353,10 @@ class SlotMirror:
                         self._reset(b)
                 self._drop_slots(pod)
         elif kind == "RequestQueued":
-            self.prompt[rid] = e.get("prompt_tokens") or 0
+            n = e.get("prompt_tokens") or 0
+            if type(n) is not int:
+                raise TypeError("prompt_tokens")
+            self.prompt[rid] = n
             self.waiting.add(rid)
         elif kind == "RequestStarted":
             if rid not in self.started:
