@@ -110,10 +110,16 @@ class History:
 # --- loading a recorded session (no engine, no model) ---------------------------------------------
 def session_events(db, sid: str) -> list[dict]:
     """The recorded events of a session in order: each its payload plus `forwards`, the engine's
-    step clock when it was emitted (None for sessions recorded before kvplay kept it)."""
+    step clock when it was emitted (None for sessions recorded before kvplay kept it). A row
+    whose payload is not a JSON object (a damaged or hand-made file) is skipped."""
     out = []
     for r in db.query("select * from cache_events where session_id = ? order by seq, id", [sid]):
-        d = json.loads(r["payload"])
+        try:
+            d = json.loads(r["payload"])
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(d, dict):
+            continue
         d["forwards"] = r.get("forwards")
         if r.get("pod") is not None:  # a watched server's pod
             d["pod"] = r["pod"]

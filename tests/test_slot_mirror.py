@@ -234,3 +234,25 @@ def test_history_steps_over_malformed_events():
     st = h.state(len(events))
     assert st.applied == 4 and st.mirror.bad == 2 and st.count("free") == 2
     assert h.state(1).count("in_use") == 1
+
+
+def test_a_damaged_recording_still_scrubs(tmp_path):
+    """Rows whose payload is not a JSON object are skipped when loading; malformed events that
+    do parse are counted by the mirror; the scrubber's History reaches the end."""
+    from kvplay.sessions.history import load_recording
+    from kvplay.sessions.recorder import Recorder
+    from kvplay.sessions.store import open_db
+
+    db_path = str(tmp_path / "s.db")
+    rec = Recorder.open(db_path, None, "m", "run", "")
+    sid = rec.session_id
+    rec.close()
+    db = open_db(db_path)
+    rows = ['{"kind": "BlocksAllocated", "block_ids": [0, 1]}', "not json", "[1, 2]", "7",
+            '{"kind": "BlocksAllocated", "block_ids": [99999999999]}', '{"kind": "BlocksReleased", "block_ids": [1]}']
+    db["cache_events"].insert_all([{"session_id": sid, "seq": i, "kind": "x", "payload": p} for i, p in enumerate(rows)])
+    r = load_recording(db, sid)
+    db.close()
+    assert len(r.events) == 3 and r.num_blocks == 2
+    st = History(r.events, r.num_blocks).state(len(r.events))
+    assert st.mirror.bad == 1 and st.count("in_use") == 1 and st.count("free") == 1
