@@ -70,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
         for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
             if v:
                 raise KvplayError(f"--workload scrub measures the scrubber alone: drop {flag}")
+        # start-up time: imported when this first runs
         from . import scrub_bench
 
         return _show(scrub_bench.run(), args.json, scrub_bench.print_report)
