@@ -1,0 +1,340 @@
+"""The cached prefixes as a radix tree: a view on a Mirror's blocks (wire/mirror.py).
+
+A **node** is a run of blocks that the same set of cached sequences share: a chain of blocks,
+each the only cached child of the one before, is one node; a node ends where its last block has
+no cached child (the end of a sequence) or several (a branch). A shared system prompt is one
+node with a branch per conversation. A block whose parent is not cached (the mirror joined late,
+or a middle block was evicted) starts a root of its own (`orphan`).
+
+Each node knows its blocks (mirror keys, in order), tokens, creator (of its first block; the
+`creators` of a mixed run too), `holders` (every session that stored or reused one of its
+blocks: the creator first), hits and age. Children are sorted by the blocks below them, largest
+first; `shown(node, limit)` is what a view lists (the first `limit` children, the rest counted,
+"+ 4,213 more branches", until asked for).
+
+`PrefixTree(blocks)` builds in O(blocks) with no recursion (chains can be thousands of blocks
+deep); `node_of(key)` finds a block's node by walking up to its node's first block; `match(tokens)`
+is how many leading tokens of a prompt are cached (prefix match by block tokens, the way a server
+looks them up), the prediction `predicted_hit` makes for a request. `Labels` turns a node's tokens
+into text through a `detokenize(token_ids) -> str` callable (the local tokenizer, or a server's
+/detokenize), decoding at most `LABEL_TOKENS` tokens per node and caching at most `LABEL_CACHE`
+labels.
+
+Pure: no Textual, no SQLite, no network.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from typing import Callable, Iterable
+
+SHOWN_CHILDREN = 8      # children a view lists before "+ N more branches"
+LABEL_TOKENS = 48       # tokens decoded for a node's label (the rest is "…")
+LABEL_CACHE = 4096      # labels kept
+MAX_DEPTH = 64          # levels rendered as text/JSON (deeper ones are counted)
+
+
+class Node:
+    __slots__ = ("id", "keys", "tokens", "creator", "creators", "holders", "hits", "first_ts", "last_ts",
+                 "children", "parent", "blocks_below", "sequences", "orphan")
+
+    def __init__(self, nid: int, parent: "Node | None", orphan: bool):
+        self.id = nid
+        self.keys: list = []
+        self.tokens = 0
+        self.creator = None
+        self.creators: Counter = Counter()
+        self.holders: tuple = ()
+        self.hits = 0
+        self.first_ts = self.last_ts = 0.0
+        self.children: list[Node] = []
+        self.parent = parent
+        self.blocks_below = 0   # blocks in this node and every node under it
+        self.sequences = 0      # cached sequences (leaves) through this node
+        self.orphan = orphan
+
+    @property
+    def reusers(self) -> tuple:
+        """Sessions other than the creator that hold (reused) one of its blocks."""
+        return tuple(h for h in self.holders if h != self.creator)
+
+    def __repr__(self) -> str:
+        return f"Node({self.id}, blocks={len(self.keys)}, creator={self.creator!r}, children={len(self.children)})"
+
+
+def _parent_key(key, parent):
+    """A block's parent's mirror key: hybrid models' groups other than 0 key by (group, hash)."""
+    if parent is None:
+        return None
+    return (key[0], parent) if type(key) is tuple else parent
+
+
+class PrefixTree:
+    """The radix tree of the cached blocks `blocks` (a Mirror's `blocks`: key -> block with
+    `.parent .tokens .size .creator .holders .ts`). `hits` maps a key to its hits when the source
+    counts them; else a block's hits are its holders beyond the creator."""
+
+    def __init__(self, blocks: dict, hits: dict | None = None, version: int = 0):
+        t0 = time.perf_counter()
+        self.blocks = blocks
+        self.version = version
+        self.roots: list[Node] = []
+        self.nodes: list[Node] = []
+        self._start: dict = {}   # a node's first block key -> node
+        self._index: dict | None = None  # (parent key, tokens) -> key, built for match()
+        children: dict = {}
+        roots = []
+        for key, b in blocks.items():
+            pk = _parent_key(key, b.parent)
+            if pk is None or pk not in blocks:
+                roots.append((key, pk is not None))
+            else:
+                kids = children.get(pk)
+                if kids is None:
+                    children[pk] = [key]
+                else:
+                    kids.append(key)
+        self._children = children
+        stack = [(key, None, orphan) for key, orphan in reversed(roots)]
+        while stack:
+            key, parent, orphan = stack.pop()
+            node = Node(len(self.nodes), parent, orphan)
+            self.nodes.append(node)
+            self._start[key] = node
+            (self.roots if parent is None else parent.children).append(node)
+            holders: dict = {}
+            while True:
+                b = blocks[key]
+                node.keys.append(key)
+                node.tokens += b.size
+                node.creators[b.creator] += 1
+                holders.setdefault(b.creator, None)
+                for h in b.holders:
+                    holders.setdefault(h, None)
+                node.hits += hits.get(key, 0) if hits is not None else len(b.holders) - 1
+                if len(node.keys) == 1:
+                    node.first_ts = node.last_ts = b.ts
+                else:
+                    node.first_ts = min(node.first_ts, b.ts)
+                    node.last_ts = max(node.last_ts, b.ts)
+                kids = children.get(key)
+                if kids is None or len(kids) != 1:
+                    break
+                key = kids[0]
+            node.creator = blocks[node.keys[0]].creator
+            node.holders = tuple(holders)
+            for k in reversed(kids or ()):
+                stack.append((k, node, False))
+        for node in reversed(self.nodes):  # children come after their parent: sizes bottom-up
+            node.blocks_below += len(node.keys)
+            node.sequences = node.sequences or 1
+            node.children.sort(key=lambda n: (-n.blocks_below, n.first_ts, n.id))
+            p = node.parent
+            if p is not None:
+                p.blocks_below += node.blocks_below
+                p.sequences += node.sequences
+        self.roots.sort(key=lambda n: (-n.blocks_below, n.first_ts, n.id))
+        self.build_s = time.perf_counter() - t0
+
+    # --- reading ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def node_of(self, key) -> Node | None:
+        """The node holding block `key` (None when it is not cached): up to its node's first block."""
+        b = self.blocks.get(key)
+        while b is not None:
+            node = self._start.get(key)
+            if node is not None:
+                return node
+            key = _parent_key(key, b.parent)
+            b = self.blocks.get(key)
+        return None
+
+    def path(self, node: Node) -> list[Node]:
+        """The nodes from a root down to `node`."""
+        out = []
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def prefix_tokens(self, node: Node) -> int:
+        """Tokens from the root to the end of `node`."""
+        return sum(n.tokens for n in self.path(node))
+
+    # --- prediction -------------------------------------------------------------------------------
+    def _walk(self, token_ids) -> tuple[int, int]:
+        """(tokens matched, size of the last matched block), block by block from a true root."""
+        if self._index is None:
+            index = {}
+            sizes = set()
+            for key, b in self.blocks.items():
+                if b.size:
+                    index[(_parent_key(key, b.parent), tuple(b.tokens))] = key
+                    sizes.add(b.size)
+            self._index, self._sizes = index, sorted(sizes)
+        toks = list(token_ids)
+        pos, parent, last = 0, None, 0
+        while True:
+            for size in self._sizes:
+                if pos + size <= len(toks):
+                    key = self._index.get((parent, tuple(toks[pos:pos + size])))
+                    if key is not None:
+                        pos, parent, last = pos + size, key, size
+                        break
+            else:
+                return pos, last
+
+    def match(self, token_ids) -> int:
+        """How many leading tokens of `token_ids` the cached blocks hold, matching each block's
+        tokens from a true root (a block with no parent)."""
+        return self._walk(token_ids)[0]
+
+    def predicted_hit(self, token_ids) -> int:
+        """The cached tokens a server should report for this prompt: the matched blocks, less the
+        block holding the last prompt token when it matched (that token is always computed)."""
+        matched, last = self._walk(token_ids)
+        return matched - last if matched and matched >= len(token_ids) else matched
+
+    # --- what a view lists ------------------------------------------------------------------------
+    @staticmethod
+    def shown(children: list[Node], limit: int = SHOWN_CHILDREN) -> tuple[list[Node], int, int]:
+        """The first `limit` of `children`, and how many branches (and blocks) are left out."""
+        if len(children) <= limit:
+            return children, 0, 0
+        rest = children[limit:]
+        return children[:limit], len(rest), sum(n.blocks_below for n in rest)
+
+
+class Labels:
+    """Node labels as text through `detokenize(token_ids) -> str`, at most `LABEL_TOKENS` tokens
+    decoded per node and `size` labels cached (by the node's first block and length)."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str] | None, size: int = LABEL_CACHE):
+        self.detokenize = detokenize
+        self.size = size
+        self._cache: OrderedDict = OrderedDict()
+
+    def __call__(self, tree: PrefixTree, node: Node) -> str:
+        key = (node.keys[0], len(node.keys))
+        text = self._cache.get(key)
+        if text is not None:
+            self._cache.move_to_end(key)
+            return text
+        ids: list[int] = []
+        for k in node.keys:
+            ids.extend(tree.blocks[k].tokens)
+            if len(ids) >= LABEL_TOKENS:
+                break
+        more = len(ids) > LABEL_TOKENS or node.tokens > len(ids)
+        ids = ids[:LABEL_TOKENS]
+        text = ""
+        if self.detokenize is not None and ids:
+            try:
+                text = self.detokenize(ids) or ""
+            except Exception:  # a tokenizer or a server failing is a missing label, not a crash
+                text = ""
+        if not text and ids:
+            text = " ".join(map(str, ids))
+        text = " ".join(text.replace("\n", " ⏎ ").split())
+        if more:
+            text += " …"
+        self._cache[key] = text
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return text
+
+
+def age_text(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(0, seconds):.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def node_dict(tree: PrefixTree, node: Node, label: str, now: float) -> dict:
+    return {"id": node.id, "text": label, "blocks": len(node.keys), "tokens": node.tokens,
+            "prefix_tokens": tree.prefix_tokens(node), "creator": node.creator,
+            "creators": dict(node.creators) if len(node.creators) > 1 else None,
+            "reused_by": list(node.reusers), "hits": node.hits,
+            "age_s": round(max(0.0, now - node.last_ts), 3) if node.last_ts else None,
+            "sequences": node.sequences, "blocks_below": node.blocks_below, "orphan": node.orphan}
+
+
+def to_json(tree: PrefixTree, labels: Labels, limit: int = SHOWN_CHILDREN, now: float | None = None,
+            max_depth: int = MAX_DEPTH) -> dict:
+    """The tree as nested dicts: `{"blocks", "nodes", "roots": [node...]}`, each node with its
+    `children` (the first `limit`) and `more` (`{"branches", "blocks"}` left out) when any."""
+    now = time.time() if now is None else now
+    out = {"blocks": tree.num_blocks, "nodes": len(tree), "roots": []}
+    stack = [(out["roots"], tree.roots, 0)]
+    while stack:
+        dest, kids, depth = stack.pop()
+        shown, more, more_blocks = tree.shown(kids, limit)
+        if depth >= max_depth and kids:
+            shown, more, more_blocks = [], len(kids), sum(n.blocks_below for n in kids)
+        for n in shown:
+            d = node_dict(tree, n, labels(tree, n), now)
+            d["children"] = []
+            dest.append(d)
+            stack.append((d["children"], n.children, depth + 1))
+        if more:
+            dest.append({"more": {"branches": more, "blocks": more_blocks}})
+    return out
+
+
+def to_text(tree: PrefixTree, labels: Labels, limit: int = SHOWN_CHILDREN, now: float | None = None,
+            width: int = 100, max_depth: int = MAX_DEPTH) -> list[str]:
+    """The tree as indented lines, depth first with no recursion:
+    `├─ "text" · 4 blk 64 tok · alice → bob, carol · 3 hits · 12s`."""
+    now = time.time() if now is None else now
+    out = [f"{tree.num_blocks:,} cached blocks in {len(tree):,} nodes"]
+    stack: list = []
+
+    def push(prefix: str, kids: list, depth: int) -> None:
+        shown, more, more_blocks = tree.shown(kids, limit)
+        if depth >= max_depth and kids:
+            shown, more, more_blocks = [], len(kids), sum(n.blocks_below for n in kids)
+        items = [(prefix, n, i == len(shown) - 1 and not more, depth) for i, n in enumerate(shown)]
+        if more:
+            items.append((prefix, None, (more, more_blocks), depth))
+        stack.extend(reversed(items))
+
+    push("", tree.roots, 0)
+    while stack:
+        p, n, last, d = stack.pop()
+        if n is None:
+            out.append(p + f"└─ + {last[0]:,} more branches ({last[1]:,} blocks)")
+            continue
+        head = p + ("└─ " if last else "├─ ")
+        out.append(head + node_line(tree, n, labels, now, max(10, width - len(head))))
+        if n.children:
+            push(p + ("   " if last else "│  "), n.children, d + 1)
+    return out
+
+
+def node_line(tree: PrefixTree, node: Node, labels: Labels, now: float, width: int = 100) -> str:
+    facts = f" · {len(node.keys)} blk {node.tokens} tok · {node.creator or '?'}"
+    if node.reusers:
+        facts += " → " + ", ".join(map(str, node.reusers))
+    if node.hits:
+        facts += f" · {node.hits} hits"
+    if node.last_ts:
+        facts += f" · {age_text(now - node.last_ts)}"
+    if node.orphan:
+        facts += " · parent not cached"
+    room = max(8, width - len(facts) - 2)
+    text = labels(tree, node)
+    if len(text) > room:
+        text = text[:room - 1] + "…"
+    return f"\"{text}\"{facts}"
+
+
+def blocks_of(nodes: Iterable[Node]) -> list:
+    return [k for n in nodes for k in n.keys]
