@@ -210,3 +210,42 @@ def test_local_engine_events_through_the_feed(make_engine):
     feed.apply({"kind": "BlockStored", "block_hashes": [1, 2], "token_ids": "x"})
     feed.apply({"kind": "BlockStored", "block_hashes": ["a"], "token_ids": ["x"], "block_size": 1})
     assert feed.bad == 2
+
+
+# --- kvplay tree ---------------------------------------------------------------------------------
+SYSTEM = ("You are a helpful assistant for a bakery. You know the opening hours, the daily bread list, "
+          "that cakes must be ordered two days ahead and that nothing is guaranteed nut free.")
+
+
+def test_kvplay_tree_of_a_recorded_session(tmp_path, capsys, monkeypatch):
+    from kvplay.cli import main as cli
+
+    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "s.db"))
+    text = (f'[engine]\nmodel = "tiny:llama"\nnum_blocks = 64\n\n[system]\nprompt = {json.dumps(SYSTEM)}\n\n'
+            + "".join(f'[[users]]\nname = "{u}"\nmax_tokens = 4\n\n' for u in ("alice", "bob", "carol"))
+            + "".join(f'[[turns]]\nuser = "{u}"\ntext = "{q}"\n\n' for u, q in
+                      (("alice", "When are you open?"), ("bob", "Do you sell rye?"), ("carol", "Nut free?"))))
+    (tmp_path / "s.toml").write_text(text)
+    assert cli(["run", str(tmp_path / "s.toml")]) == 0
+    err = capsys.readouterr().err
+    sid = err.split("recorded as session ")[1].split()[0] if "recorded as session" in err else None
+    if sid is None:
+        from kvplay.sessions.store import open_db
+
+        db = open_db(str(tmp_path / "s.db"), create=False)
+        sid = next(iter(db.query("select id from sessions")))["id"]
+        db.close()
+    assert cli(["tree", sid[:10], "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tree = out["pods"]["local"]
+    root = tree["roots"][0]
+    assert root["creator"] == "alice" and set(root["reused_by"]) == {"bob", "carol"}
+    assert len(root["children"]) == 3
+    assert "You are a helpful" in root["text"]  # the tiny model's (character) tokenizer, decoded
+    total = out["events"]
+    assert cli(["tree", sid, "--at", "0"]) == 0
+    assert "(no cached blocks)" in capsys.readouterr().out
+    for bad in (["tree", sid, "--at", str(total + 1)], ["tree", "nope"], ["tree", sid, "--children", "0"],
+                ["tree", sid, "--events", "tcp://127.0.0.1:5"], ["tree", "http://127.0.0.1:9"]):
+        assert cli(bad) == 2, bad
+        assert capsys.readouterr().err.count("\n") == 1
