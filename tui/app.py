@@ -25,6 +25,7 @@ from textual.widgets import Header, Log, Static, Tabs
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
 from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec, sampling_for
+from kvplay.wire.engine_feed import EngineFeed
 
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
@@ -36,6 +37,7 @@ from .panes import ChatPane, safe_id
 from .screens import ErrorScreen
 from .theme import assign_looks
 from .timeline import Timeline, result_span
+from .tree_view import FeedTrees, TreeScreen
 from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars, update_static
 
 MIN_SIZE = (80, 24)
@@ -106,6 +108,8 @@ class KvplayApp(ControlsMixin, App):
         Binding("f9", "remove_user", "Remove user", show=False, id="user.remove"),
         Binding("f10", "toggle_events", "Events", id="view.events", tooltip="Show/hide the engine event log"),
         Binding("ctrl+b", "focus_map", "Map", id="view.map", tooltip="Move through the block map with the arrows"),
+        Binding("ctrl+r", "prefix_tree", "Tree", show=False, id="view.tree",
+                tooltip="The cached prefixes as a tree of text: who made and who reused them"),
         Binding("f11", "replay_pause", "Pause", show=False, id="replay.pause"),
         Binding("f12", "replay_step", "Step", show=False, id="replay.step"),
         Binding("ctrl+s", "screenshot", "Screenshot", id="app.screenshot"),
@@ -155,6 +159,7 @@ class KvplayApp(ControlsMixin, App):
         self._inflight: dict[int, tuple[ChatPane, str]] = {}
         self._pending: list = []  # messages typed while the model was loading
         self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
+        self.feed = EngineFeed()  # the engine's events as a Mirror, for the prefix tree (ctrl+r)
         self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
         self._last_blocks: set[int] = set()  # ... of the last request that finished
         self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)
@@ -534,6 +539,7 @@ class KvplayApp(ControlsMixin, App):
         each running request (a remote server's events name no request)."""
         self._dirty = True
         kind = ev.kind
+        self.feed.apply(ev)
         if kind == "BlockHit":
             self._hit = set(ev.block_ids)
             if self.flash_s:
@@ -725,9 +731,25 @@ class KvplayApp(ControlsMixin, App):
         from textual.app import SystemCommand
 
         yield SystemCommand("session: scrub", "Step back and forth through this session's cache history", self.action_scrub)
+        yield SystemCommand("cache: prefix tree", "The cached prefixes as a tree of text, who made and reused them "
+                            "(ctrl+r)", self.action_prefix_tree)
         yield from super().get_system_commands(screen)
 
-    # --- actions --------------------------------------------------------------------------------
+    # --- the prefix tree ------------------------------------------------------------------------
+    def tree_source(self):
+        """What the tree view reads: the engine's events fed into a Mirror (wire/engine_feed.py)."""
+        b = self.backend
+        return FeedTrees(self.feed, b.decode if b is not None else None, b)
+
+    def action_prefix_tree(self) -> None:
+        if isinstance(self.screen, TreeScreen):
+            self.pop_screen()
+            return
+        if self.backend is None:
+            self.notify("The model is still loading: no cache yet.", severity="warning")
+            return
+        self.push_screen(TreeScreen(self.tree_source(), self.looks))
+
     # --- shutdown -------------------------------------------------------------------------------
     def on_unmount(self) -> None:
         if self._unsubscribe:

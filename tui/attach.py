@@ -20,6 +20,7 @@ from kvplay.engine.errors import EngineError
 from .app import KvplayApp
 from .blockmap import BlockMap
 from .panes import safe_id
+from .tree_view import FleetTrees
 
 DIM = "dim"
 POD_STYLE = {"live": "bold green", "replaying": "bold yellow", "stale": "bold red", "waiting": "bold"}
@@ -61,6 +62,10 @@ class AttachApp(KvplayApp):
             self.query_one("#side").mount(title, bm, after=after)
             bm.set_source(PodRange(self._remote, name), self.looks)
             after = bm
+
+    def tree_source(self):
+        """The tree of the server's mirrored cache (the backend's Fleet), text from /detokenize."""
+        return FleetTrees(self._remote)
 
     # --- what the panels say --------------------------------------------------------------------
     def status_view(self, stats: dict) -> Text:

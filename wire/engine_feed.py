@@ -26,6 +26,7 @@ class EngineFeed:
     def __init__(self):
         self.mirrors: dict = {}
         self.block_id: dict = {}   # (pod, hash) -> block id, for events that carry block ids
+        self.key_at: dict = {}     # block id -> (pod, hash): the other way
         self.hits: dict = {}       # pod -> {hash: hits}
         self.bad = 0               # events skipped as malformed
         self.version = 0
@@ -66,7 +67,11 @@ class EngineFeed:
             wire = BlockStored(hashes, parent if isinstance(parent, str) else None, tokens, size,
                                medium=MEDIUM_GPU, session_id=user)
             for h, b in zip(hashes, ids):
+                old = self.block_id.get((pod, h))
+                if old is not None:
+                    self.key_at.pop(old, None)
                 self.block_id[(pod, h)] = b
+                self.key_at[b] = (pod, h)
             for h in hashes:
                 hits.pop(h, None)
         elif kind == "BlockHit":
@@ -78,12 +83,16 @@ class EngineFeed:
             wire = BlockStored(present, None, [], 0, medium=MEDIUM_GPU, session_id=user)
         elif kind == "BlockRemoved":
             for h in hashes:
-                self.block_id.pop((pod, h), None)
+                b = self.block_id.pop((pod, h), None)
+                if b is not None and self.key_at.get(b) == (pod, h):
+                    del self.key_at[b]
                 hits.pop(h, None)
             wire = BlockRemoved(hashes, MEDIUM_GPU)
         else:
             for k in [k for k in self.block_id if k[0] == pod]:
-                del self.block_id[k]
+                b = self.block_id.pop(k)
+                if self.key_at.get(b) == k:
+                    del self.key_at[b]
             hits.clear()
             wire = AllBlocksCleared()
         m.apply(EventBatch(ts, [wire]))
@@ -100,10 +109,7 @@ class EngineFeed:
 
     def key_of(self, block_id: int):
         """(pod, hash) of the block in `block_id`, or None."""
-        for k, b in self.block_id.items():
-            if b == block_id:
-                return k
-        return None
+        return self.key_at.get(block_id)
 
 
 def feed_events(events, n: int | None = None) -> EngineFeed:

@@ -239,11 +239,14 @@ class Labels:
                 text = self.detokenize(ids) or ""
             except Exception:  # a tokenizer or a server failing is a missing label, not a crash
                 text = ""
-        if not text and ids:
+        decoded = bool(text)
+        if not text and ids:  # no text (yet: a server's /detokenize may answer later): ids, not cached
             text = " ".join(map(str, ids))
         text = " ".join(text.replace("\n", " ⏎ ").split())
         if more:
             text += " …"
+        if not decoded:
+            return text
         self._cache[key] = text
         if len(self._cache) > self.size:
             self._cache.popitem(last=False)

@@ -1,0 +1,423 @@
+"""The prefix tree view (ctrl+r in the playground and in attach, `t` in the scrubber): the cached
+prefixes as a radix tree (wire/tree.py), each node its decoded text, blocks and tokens, its
+creator's glyph and colour → the users who reused it, hits and age; beside it the block map with
+the selected node's blocks marked (`+`) and zoomed to.
+
+Keys: ↑/↓ move, → or enter opens a node (its first `SHOWN_CHILDREN` branches; the
+"+ N more branches" line opens the next ones), ← closes; `m` moves to the map, where a click or
+the arrows pick a block and `f` finds its node; escape closes. The tree is rebuilt when the cache
+changes, at most every `REFRESH_S` (longer when building takes long: a big pool); the nodes that
+were open stay open.
+
+A *tree source* gives the trees and maps their blocks to map cells:
+`version`, `trees() -> {pod: PrefixTree}`, `block_ids(pod, keys) -> [block id]`,
+`key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None) and `map_source` (what
+the block map reads; None: the caller sets the map's blocks). `FeedTrees` is the local engine's
+and a recording's (wire/engine_feed.py), `FleetTrees` an attached server's mirror.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+from rich.text import Text
+from textual import on
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Static, Tree
+
+from kvplay.wire.codec import hash_hex
+from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text
+
+from .blockmap import BlockMap
+from .theme import UNKNOWN_COLOUR
+
+REFRESH_S = 0.5
+LABEL_W = 40  # characters of a node's text in its line
+
+
+# --- sources ------------------------------------------------------------------------------------
+class FeedTrees:
+    """Trees of an EngineFeed's mirrors (the local engine's events, or a recording's)."""
+
+    def __init__(self, feed, detokenize=None, map_source=None):
+        self.feed = feed
+        self.detokenize = detokenize
+        self.map_source = map_source
+
+    @property
+    def version(self) -> int:
+        return self.feed.version
+
+    def trees(self) -> dict:
+        return {pod: PrefixTree(dict(m.blocks), self.feed.hits[pod], m.version)
+                for pod, m in self.feed.mirrors.items()}
+
+    def block_ids(self, pod, keys) -> list[int]:
+        return self.feed.block_ids(pod, keys)
+
+    def key_of(self, block_id: int):
+        return self.feed.key_of(block_id)
+
+
+class FleetTrees:
+    """Trees of an attached server's mirrors (RemoteBackend.fleet); block ids are its map's slots;
+    text from the server's /detokenize, fetched off the UI thread (`RemoteLabels`)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.detokenize = RemoteText(backend.decode)
+        self.map_source = backend
+
+    @property
+    def version(self) -> int:
+        return self.backend.version + self.detokenize.version
+
+    def trees(self) -> dict:
+        with self.backend.fleet.lock:
+            return {name: PrefixTree(dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()}
+
+    def block_ids(self, pod, keys) -> list[int]:
+        slots = self.backend.pods.get(pod)
+        if slots is None:
+            return []
+        out = []
+        for k in keys:
+            s = slots.slot(hash_hex(k[1] if type(k) is tuple else k))
+            if s is not None:
+                out.append(s)
+        return out
+
+    def key_of(self, block_id: int):
+        for name, slots in self.backend.pods.items():
+            s = block_id - slots.offset
+            if 0 <= s < slots.capacity:
+                h = slots.hash_of.get(s)
+                if h is None:
+                    return None
+                return name, (int(h, 16) if len(h) == 16 else bytes.fromhex(h))
+        return None
+
+
+class RemoteText:
+    """`detokenize` that never blocks the UI: an unknown id run answers "" (the label shows ids)
+    and is fetched on one worker thread; `version` moves when a text arrives. Bounded: at most
+    `size` texts kept and `pending` fetches queued."""
+
+    def __init__(self, fetch, size: int = 4096, pending: int = 256):
+        self.fetch = fetch
+        self.size, self.max_pending = size, pending
+        self.done: OrderedDict = OrderedDict()
+        self.pending: set = set()
+        self.version = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-detokenize")
+
+    def __call__(self, ids) -> str:
+        key = tuple(ids)
+        with self._lock:
+            text = self.done.get(key)
+            if text is not None:
+                return text
+            if key in self.pending or len(self.pending) >= self.max_pending:
+                return ""
+            self.pending.add(key)
+        self._pool.submit(self._get, key)
+        return ""
+
+    def _get(self, key) -> None:
+        try:
+            text = self.fetch(list(key)) or ""
+        except Exception:
+            text = ""
+        with self._lock:
+            self.pending.discard(key)
+            if text:
+                self.done[key] = text
+                if len(self.done) > self.size:
+                    self.done.popitem(last=False)
+                self.version += 1
+
+
+# --- the screen ---------------------------------------------------------------------------------
+def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float) -> Text:
+    """`A 32 blk 512 tok → B C · 32 hits · 12s "You are Harbor…"`: the creator's glyph, then who
+    reused it, in the users' colours; the text last, so a narrow terminal cuts only the text."""
+    t = Text()
+    look = looks.get(node.creator)
+    t.append(f"{look.glyph if look else '?'} ", style=look.style if look else UNKNOWN_COLOUR)
+    t.append(f"{len(node.keys)} blk {node.tokens} tok", style="dim")
+    if node.reusers:
+        t.append(" →")
+        for who in node.reusers:
+            lk = looks.get(who)
+            t.append(f" {lk.glyph if lk else who}", style=lk.style if lk else UNKNOWN_COLOUR)
+    if node.hits:
+        t.append(f" · {node.hits} hits", style="dim")
+    if node.last_ts:
+        t.append(f" · {age_text(now - node.last_ts)}", style="dim")
+    if node.orphan:
+        t.append(" · parent not cached", style="dim italic")
+    text = labels(tree, node)
+    if len(text) > LABEL_W:
+        text = text[:LABEL_W - 1] + "…"
+    t.append(f" \"{text}\"", style=look.colour if look else UNKNOWN_COLOUR)
+    return t
+
+
+class TreeScreen(Screen):
+    """The prefix tree next to the block map (see the module's docstring)."""
+
+    DEFAULT_CSS = """
+    TreeScreen { layout: vertical; }
+    #tree-main { height: 1fr; }
+    #prefix-tree { width: 1fr; min-width: 40; overflow-x: hidden; }
+    #tree-side { width: 40%; max-width: 56; min-width: 28; border-left: vkey $panel-lighten-2; padding: 0 1; }
+    #tree-map { height: auto; max-height: 18; min-height: 2; background: transparent; }
+    #tree-detail { height: auto; color: $text-muted; border-top: dashed $panel-lighten-2; }
+    #tree-head { height: 1; padding: 0 1; color: $text-muted; }
+    """
+
+    BINDINGS = [
+        Binding("escape", "close", "Close", id="tree.close"),
+        Binding("right", "open_node", "Open", show=False, id="tree.open"),
+        Binding("left", "close_node", "Close node", show=False, id="tree.close_node"),
+        Binding("f", "find_block", "Find map block", id="tree.find"),
+        Binding("m", "focus_map", "Map", id="tree.map"),
+    ]
+
+    def __init__(self, source, looks: dict, title: str = "Prefix tree") -> None:
+        super().__init__()
+        self.source = source
+        self.looks = looks
+        self.heading = title
+        self.labels = Labels(source.detokenize)
+        self.trees: dict = {}
+        self._built_version = None
+        self._built_at = 0.0
+        self._interval = REFRESH_S
+        self._open: set = set()  # (pod, first key) of the nodes open
+
+    def compose(self):
+        yield Static(id="tree-head")
+        with Horizontal(id="tree-main"):
+            yield Tree("cache", id="prefix-tree")
+            with Vertical(id="tree-side"):
+                yield BlockMap(id="tree-map")
+                yield Static(Text("a node's blocks are marked + on the map; "
+                                  "pick a block there (m, arrows or a click), f finds its node", style="dim"), id="tree-detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        t = self.query_one(Tree)
+        t.show_root = False
+        t.guide_depth = 2
+        if self.source.map_source is not None:
+            self.query_one(BlockMap).set_source(self.source.map_source, self.looks)
+        self.rebuild()
+        self.set_interval(REFRESH_S, self._tick)
+        t.focus()
+
+    def _tick(self) -> None:
+        if self.source.version != self._built_version and time.monotonic() - self._built_at >= self._interval:
+            self.rebuild()
+
+    # --- building ---------------------------------------------------------------------------------
+    def rebuild(self) -> None:
+        """Trees from the source; the Textual tree re-made with the same nodes open."""
+        t0 = time.monotonic()
+        self._built_version = self.source.version
+        self.trees = self.source.trees()
+        widget = self.query_one(Tree)
+        cursor = widget.cursor_node.data if widget.cursor_node is not None else None
+        widget.clear()
+        now = time.time()
+        blocks = sum(t.num_blocks for t in self.trees.values())
+        nodes = sum(len(t) for t in self.trees.values())
+        self.query_one("#tree-head", Static).update(Text.assemble(
+            (self.heading, "bold"), f" · {blocks:,} cached blocks in {nodes:,} nodes · ",
+            ("↑↓ move, → open, ← close, f find a map block, m map, esc close", "dim")))
+        many = len(self.trees) > 1
+        for pod, tree in self.trees.items():
+            parent = widget.root
+            if many:
+                parent = widget.root.add(Text(f"pod {pod}", style="bold"), data=("pod", pod), expand=True)
+            self._add(parent, pod, tree, tree.roots, 0, now)
+        if not nodes:
+            widget.root.add_leaf(Text("no cached blocks yet", style="dim"))
+        if cursor is not None:
+            self._restore_cursor(cursor)
+        if widget.cursor_node is None and widget.root.children:
+            widget.move_cursor(widget.root.children[0])
+        tn = widget.cursor_node
+        if tn is not None and tn.data and tn.data[0] == "node":
+            self.show_node(tn.data[1], tn.data[2])
+        self._built_at = time.monotonic()
+        build = self._built_at - t0
+        self._interval = max(REFRESH_S, 4 * build)  # a big pool: rebuild less often
+
+    def _add(self, parent, pod, tree: PrefixTree, kids: list, start: int, now: float) -> None:
+        shown = kids[start:start + SHOWN_CHILDREN]
+        for n in shown:
+            key = (pod, n.keys[0])
+            tn = parent.add(node_label(tree, n, self.labels, self.looks, now), data=("node", pod, n),
+                            allow_expand=bool(n.children))
+            if key in self._open and n.children:
+                self._add(tn, pod, tree, n.children, 0, now)
+                tn.expand()
+        rest = kids[start + SHOWN_CHILDREN:]
+        if rest:
+            more = Text(f"+ {len(rest):,} more branches ({sum(n.blocks_below for n in rest):,} blocks): enter",
+                        style="dim")
+            parent.add_leaf(more, data=("more", pod, kids, start + SHOWN_CHILDREN))
+
+    @on(Tree.NodeExpanded, "#prefix-tree")
+    def _on_expand(self, msg: Tree.NodeExpanded) -> None:
+        d = msg.node.data
+        if not d or d[0] != "node":
+            return
+        _, pod, n = d
+        self._open.add((pod, n.keys[0]))
+        if not msg.node.children:
+            self._add(msg.node, pod, self.trees[pod], n.children, 0, time.time())
+
+    @on(Tree.NodeCollapsed, "#prefix-tree")
+    def _on_collapse(self, msg: Tree.NodeCollapsed) -> None:
+        d = msg.node.data
+        if d and d[0] == "node":
+            self._open.discard((d[1], d[2].keys[0]))
+
+    @on(Tree.NodeSelected, "#prefix-tree")
+    def _on_select(self, msg: Tree.NodeSelected) -> None:
+        d = msg.node.data
+        if d and d[0] == "more":
+            _, pod, kids, start = d
+            parent = msg.node.parent
+            msg.node.remove()
+            self._add(parent, pod, self.trees[pod], kids, start, time.time())
+
+    @on(Tree.NodeHighlighted, "#prefix-tree")
+    def _on_highlight(self, msg: Tree.NodeHighlighted) -> None:
+        d = msg.node.data
+        if not d or d[0] != "node":
+            return
+        _, pod, n = d
+        self.show_node(pod, n)
+
+    def show_node(self, pod, n) -> None:
+        """The node's blocks marked on the map (and zoomed to), its facts below it."""
+        tree = self.trees.get(pod)
+        if tree is None:
+            return
+        ids = self.source.block_ids(pod, n.keys)
+        bm = self.query_one(BlockMap)
+        bm.hit = bm.local(ids)
+        bm.flash = frozenset()
+        bm._rebuild()
+        if bm.hit:
+            bm.show_blocks(bm.hit)
+        t = Text()
+        look = self.looks.get(n.creator)
+        t.append("made by ", style="dim")
+        t.append(str(n.creator), style=look.style if look else UNKNOWN_COLOUR)
+        if len(n.creators) > 1:
+            t.append(" (" + ", ".join(f"{w} {c}" for w, c in n.creators.most_common()) + " blocks)", style="dim")
+        if n.reusers:
+            t.append(" · reused by ", style="dim")
+            for i, who in enumerate(n.reusers):
+                lk = self.looks.get(who)
+                t.append((", " if i else "") + str(who), style=lk.style if lk else UNKNOWN_COLOUR)
+        t.append(f"\n{len(n.keys)} blocks, {n.tokens} tokens (prefix {tree.prefix_tokens(n)}), {n.hits} hits, "
+                 f"{n.sequences} sequence{'s' if n.sequences != 1 else ''} through it", style="dim")
+        if not ids:
+            t.append("\n(its blocks are not on this map)", style="dim italic")
+        t.append("\n" + self.labels(tree, n))
+        self.query_one("#tree-detail", Static).update(t)
+
+    # --- from the map to the tree -----------------------------------------------------------------
+    @on(BlockMap.CellSelected)
+    def _on_cell(self, msg: BlockMap.CellSelected) -> None:
+        """The map's cursor (or a click) on a cell: remember it; `f` goes to its node."""
+        msg.stop()
+        bm = msg.blockmap
+        if bm is None or bm.id != "tree-map" or not bm.has_focus:
+            return  # the map moved to show a node's blocks: not the user's pick
+        self._cell = (msg.block_id + bm.offset, msg.blocks)
+        found = self._cell_key(*self._cell)
+        what = "holds no cached prefix" if found is None else "f: its node in the tree"
+        self.query_one("#tree-detail", Static).update(
+            Text(f"block {self._cell[0]}{'+' if msg.blocks > 1 else ''} · {what}", style="dim"))
+
+    def _cell_key(self, first: int, count: int):
+        for b in range(first, first + min(count, 4096)):
+            found = self.source.key_of(b)
+            if found is not None:
+                return found
+        return None
+
+    def action_find_block(self) -> None:
+        cell = getattr(self, "_cell", None)
+        if cell is None:
+            bm = self.query_one(BlockMap)
+            cell = (bm.cell_blocks(bm.cursor)[0] + bm.offset, bm.cell_blocks(bm.cursor)[1]) if bm.num_blocks else (0, 0)
+        self.find_block(*cell)
+
+    def find_block(self, block_id: int, count: int = 1) -> bool:
+        """Open the tree down to the node holding `block_id` (or the first cached block of the
+        `count` from it) and put the cursor on it."""
+        found = self._cell_key(block_id, count)
+        tree = self.trees.get(found[0]) if found else None
+        node = tree.node_of(found[1]) if tree is not None else None
+        if node is None:
+            self.notify(f"block {block_id} holds no cached prefix", timeout=3)
+            return False
+        for n in tree.path(node)[:-1]:
+            self._open.add((found[0], n.keys[0]))
+        self.rebuild()
+        self._restore_cursor(("node", found[0], node))
+        self.query_one(Tree).focus()
+        return True
+
+    def _restore_cursor(self, data) -> None:
+        widget = self.query_one(Tree)
+        want = (data[1], data[2].keys[0]) if data[0] == "node" else None
+
+        def walk(tn):
+            for c in tn.children:
+                d = c.data
+                if d and d[0] == "node" and (d[1], d[2].keys[0]) == want:
+                    return c
+                hit = walk(c) if c.is_expanded else None
+                if hit is not None:
+                    return hit
+            return None
+
+        tn = walk(widget.root) if want else None
+        if tn is not None:
+            widget.move_cursor(tn)
+
+    def action_open_node(self) -> None:
+        tn = self.query_one(Tree).cursor_node
+        if tn is not None and tn.allow_expand and not tn.is_expanded:
+            tn.expand()
+        elif tn is not None and tn.data and tn.data[0] == "more":
+            self.query_one(Tree).action_select_cursor()
+
+    def action_close_node(self) -> None:
+        widget = self.query_one(Tree)
+        tn = widget.cursor_node
+        if tn is None:
+            return
+        if tn.is_expanded:
+            tn.collapse()
+        elif tn.parent is not None and tn.parent is not widget.root:
+            widget.move_cursor(tn.parent)
+
+    def action_focus_map(self) -> None:
+        self.query_one(BlockMap).focus()
+
+    def action_close(self) -> None:
+        self.app.pop_screen()
