@@ -21,6 +21,7 @@ import time
 
 from kvplay.cli import KvplayError
 from kvplay.options import add_db_arg
+from kvplay.sessions.tokenizer import session_detokenizer
 from kvplay.wire.engine_feed import feed_events
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 from kvplay.wire.watch_cmd import add_source_args, sources_from_args
@@ -39,27 +40,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="K", help="a server: bearer token (default: env KVPLAY_API_KEY)")
     p.add_argument("--duration", type=float, default=2.0, metavar="S",
                    help="a server: listen to its KV events for S seconds (default 2)")
-
-
-def session_detokenizer(model: str | None):
-    """`detokenize` for a recorded session's model when its tokenizer is on this machine, else None."""
-    if not model:
-        return None
-    try:
-        if model.startswith("tiny:"):
-            from kvplay.engine.tiny import build_tokenizer
-
-            tok = build_tokenizer()
-        else:
-            from kvplay.engine.model import DEFAULT_MODEL, EMBEDDED_NAME, ensure_converted
-
-            from transformers import AutoTokenizer
-
-            path = str(ensure_converted(lambda *_: None)) if model in (DEFAULT_MODEL, EMBEDDED_NAME) else model
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:  # not here, not a tokenizer: ids instead
-        return None
-    return lambda ids: tok.decode(list(ids))
 
 
 def session_trees(args) -> tuple[dict, dict, object]:

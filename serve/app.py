@@ -496,6 +496,19 @@ def create_app(state: ServeState) -> FastAPI:
             "root": state.engine.model_name, "parent": None,
             "max_model_len": state.engine.runner.max_positions}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: the token ids a chat (`messages`) or completion (`prompt`) request's
+        prompt would be, as generation builds it (kvplay attach predicts cache hits with it)."""
+        identify(state, request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        g = parse(body, "chat" if "messages" in body else "completion")
+        check_model(state, g.model)
+        ids, _ = await run_in_threadpool(prepare_prompt, state, g)
+        return {"count": len(ids), "max_model_len": state.engine.runner.max_positions, "tokens": ids}
+
     @app.get("/health")
     async def health():
         eng = state.engine

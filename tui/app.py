@@ -606,7 +606,8 @@ class KvplayApp(ControlsMixin, App):
 
     def _redraw_map(self) -> None:
         for bm in self.query(BlockMap):  # one map, or one per pod of an attached fleet
-            bm.looks, bm.hit, bm.flash = self.looks, bm.local(self._hit), bm.local(self._flash)
+            if not getattr(bm, "own_marks", False):  # the tree view's map marks its node's blocks
+                bm.looks, bm.hit, bm.flash = self.looks, bm.local(self._hit), bm.local(self._flash)
             bm._rebuild()
 
     @on(BlockMap.ViewChanged)

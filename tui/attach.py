@@ -104,6 +104,12 @@ class AttachApp(KvplayApp):
         t.append("\nrequests ", style=DIM)
         t.append(f"{stats['requests_finished']:,}")
         t.append(" finished from these panes", style=DIM)
+        if stats.get("predicted_turns"):
+            t.append("\npredicted ", style=DIM)
+            t.append(f"{stats['predicted_turns'] - stats['mispredicted_turns']:,} of {stats['predicted_turns']:,}")
+            t.append(" turns' cached tokens as the mirror said", style=DIM)
+            if stats["mispredicted_turns"]:
+                t.append(f" · {stats['mispredicted_turns']:,} differ", style="bold red")
         return t
 
     # --- controls the server owns ----------------------------------------------------------------

@@ -20,7 +20,8 @@ def _look(looks: dict[str, UserLook], name: str) -> UserLook:
 
 
 def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
-    """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`."""
+    """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`; attached, also
+    `as predicted` or `predicted 480 ≠` (the mirror's prefix match before sending vs the usage)."""
     t = Text(style=DIM)
     t.append(f"prompt {stats.prompt_tokens} · cached {stats.cached_tokens}")
     if stats.cached_from:
@@ -32,6 +33,12 @@ def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
             label = "own" if who == stats.user else who
             t.append(f"{label} {n}", style=_look(looks, who).style)
         t.append(")")
+    predicted = getattr(stats, "predicted_tokens", None)  # attach: what the mirror said before sending
+    if predicted is not None:
+        if predicted == stats.cached_tokens:
+            t.append(" · as predicted")
+        else:
+            t.append(f" · predicted {predicted} ≠", style="bold red")
     if timings:
         ttft = "–" if stats.ttft_ms is None else f"{stats.ttft_ms / 1000:.2f} s"
         rate = "–" if not stats.decode_tok_s else f"{stats.decode_tok_s:.0f} tok/s"

@@ -7,14 +7,15 @@ wall-clock axis: its prompt tokens reused (coloured by their blocks' creators) a
 user's colour), and each user's TTFT; the cursor is the ▲; click it to seek there.
 
 Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s (or 1/2/4/8) speed 1x/2x/4x/8x,
-g go to a turn, home/end, escape closes.
+g go to a turn, t the prefix tree at the cursor (tui/tree_view.py; its text from the session's
+tokenizer when it is on this machine, loaded the first time), home/end, escape closes.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import App
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -22,11 +23,14 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 
 from kvplay.sessions.history import History, PoolState, Recording
+from kvplay.sessions.tokenizer import session_detokenizer
+from kvplay.wire.engine_feed import feed_events
 
-from .blockmap import BlockMap
+from .blockmap import BlockMap, ViewsSource
 from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
 from .theme import assign_looks
 from .timeline import Timeline, request_spans
+from .tree_view import FeedTrees, TreeScreen
 
 SPEEDS = (1, 2, 4, 8)
 TICK_S = 0.05
@@ -67,6 +71,7 @@ class ScrubScreen(Screen):
         Binding("s", "speed", "Speed", id="scrub.speed"),
         *[Binding(str(n), f"set_speed({n})", f"{n}x", show=False, id=f"scrub.speed{n}") for n in SPEEDS],
         Binding("g", "goto", "Go to turn", id="scrub.goto"),
+        Binding("t", "tree", "Tree", show=False, id="scrub.tree"),
         Binding("home", "seek(0)", "Start", show=False, id="scrub.start"),
         Binding("end", "seek(-1)", "End", show=False, id="scrub.end"),
         Binding("escape", "close", "Close", id="scrub.close"),
@@ -98,6 +103,8 @@ class ScrubScreen(Screen):
         self._timer = None
         self.state: PoolState | None = None
         self._detail: int | None = None
+        self._detok = None  # the session's tokenizer's decode, once loaded (for the tree)
+        self._detok_tried = False
 
     @staticmethod
     def _compressed(ts: list[float]) -> list[float]:
@@ -298,6 +305,29 @@ class ScrubScreen(Screen):
             self.playing = False
         if n != self.cursor or not self.playing:
             self.seek(n)
+
+    def action_tree(self) -> None:
+        """The prefix tree as it stood after the event under the cursor (the recorded events up to
+        it fed into a Mirror)."""
+        st = self.state or self.history.state(self.cursor)
+        source = FeedTrees(feed_events(self.rec.events, self.cursor), self._detok, ViewsSource(st.blocks))
+        screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}")
+        self.app.push_screen(screen)
+        if self._detok is None and not self._detok_tried:
+            self._detok_tried = True
+            self._load_tokenizer(screen)
+
+    @work(thread=True, exit_on_error=False, group="tokenizer", description="Loading the session's tokenizer")
+    def _load_tokenizer(self, screen: TreeScreen) -> None:
+        detok = session_detokenizer(self.rec.session.get("model"))
+        if detok is not None:
+            self._detok = detok
+            self.app.call_from_thread(self._labels_ready, screen, detok)
+
+    def _labels_ready(self, screen: TreeScreen, detok) -> None:
+        if screen.is_attached:
+            screen.labels.detokenize = detok
+            screen.rebuild()
 
     def action_close(self) -> None:
         box = self.query_one("#scrub-goto", Input)

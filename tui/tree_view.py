@@ -215,6 +215,7 @@ class TreeScreen(Screen):
         t = self.query_one(Tree)
         t.show_root = False
         t.guide_depth = 2
+        self.query_one(BlockMap).own_marks = True  # the app's redraws leave its marks alone
         if self.source.map_source is not None:
             self.query_one(BlockMap).set_source(self.source.map_source, self.looks)
         self.rebuild()
@@ -248,11 +249,10 @@ class TreeScreen(Screen):
             self._add(parent, pod, tree, tree.roots, 0, now)
         if not nodes:
             widget.root.add_leaf(Text("no cached blocks yet", style="dim"))
-        if cursor is not None:
-            self._restore_cursor(cursor)
-        if widget.cursor_node is None and widget.root.children:
-            widget.move_cursor(widget.root.children[0])
-        tn = widget.cursor_node
+        tn = self._restore_cursor(cursor) if cursor is not None else None
+        if tn is None and widget.root.children:
+            tn = widget.root.children[0]
+            widget.move_cursor(tn)
         if tn is not None and tn.data and tn.data[0] == "node":
             self.show_node(tn.data[1], tn.data[2])
         self._built_at = time.monotonic()
@@ -377,7 +377,9 @@ class TreeScreen(Screen):
         for n in tree.path(node)[:-1]:
             self._open.add((found[0], n.keys[0]))
         self.rebuild()
-        self._restore_cursor(("node", found[0], node))
+        tn = self._restore_cursor(("node", found[0], node))
+        if tn is not None:
+            self.show_node(found[0], node)
         self.query_one(Tree).focus()
         return True
 
@@ -398,6 +400,7 @@ class TreeScreen(Screen):
         tn = walk(widget.root) if want else None
         if tn is not None:
             widget.move_cursor(tn)
+        return tn
 
     def action_open_node(self) -> None:
         tn = self.query_one(Tree).cursor_node

@@ -13,6 +13,13 @@ mirror every cache view reads): vLLM sends no block ids, so it gives every cache
 (the lowest free one) and the events carry those ids; pod k's slots follow pod k-1's. Every
 mirrored block is "cached": the events do not say which ones running requests hold.
 
+Predicted vs delivered: before a turn is sent, its prompt's token ids (the server's `/tokenize`)
+are matched against the mirrored blocks (wire/tree.PrefixMatcher, per pod, the best pod counts):
+`RemoteStats.predicted_tokens`; after it, the server's `usage.prompt_tokens_details.cached_tokens`
+is what was delivered. `stats()` counts the turns predicted and those where the two differ (a
+stale mirror, an eviction or store the events did not show, a hash the tokens do not decide, such
+as a cache_salt). The match copies each pod's block dict: O(blocks) per turn.
+
 No Textual here: usable and testable without the app.
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 import httpx
@@ -37,8 +45,10 @@ from .mirror import Fleet
 from .recording import journal_events
 from .slots import SlotMirror
 from .subscriber import PodSource, Subscriber
+from .tree import PrefixMatcher
 
 DEFAULT_SLOTS = 4096
+MAX_PROMPT_IDS = 1 << 20  # token ids taken from a server's /tokenize answer
 
 
 class PodRange:
@@ -71,6 +81,13 @@ class PodRange:
 
     def block(self, block_id: int):
         return self.backend.block(self.offset + block_id) if 0 <= block_id < self.num_blocks else None
+
+
+@dataclass
+class RemoteStats(RequestStats):
+    """A remote turn's stats, plus the cached tokens the mirror predicted before it was sent
+    (None: no prediction, e.g. no KV events, or the server has no /tokenize)."""
+    predicted_tokens: int | None = None
 
 
 class RemoteTurn:
@@ -119,6 +136,8 @@ class RemoteBackend:
         self._version = 0
         self._block_size = 0
         self._query_tokens = self._hit_tokens = self._finished = 0
+        self._predicted = self._mispredicted = 0  # turns with a prediction, ... that the server's usage contradicted
+        self._can_tokenize = True
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
         self.pods: dict[str, SlotMirror] = {}
@@ -275,8 +294,43 @@ class RemoteBackend:
         threading.Thread(target=self._stream, args=(turn, body), name=f"kvplay-attach-{rid}", daemon=True).start()
         return turn
 
+    def tokenize(self, messages: list[dict]) -> list[int] | None:
+        """The prompt's token ids from the server's /tokenize (vLLM's, kvplay serve's); None when
+        it has none (asked once) or answers something else."""
+        if not self._can_tokenize:
+            return None
+        try:
+            r = self._http.post("/tokenize", json={"model": self.model_name, "messages": messages}, timeout=10)
+        except httpx.HTTPError:
+            return None
+        if r.status_code in (404, 405):
+            self._can_tokenize = False
+            return None
+        try:
+            ids = r.json().get("tokens") if r.status_code == 200 else None
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(ids, list) or len(ids) > MAX_PROMPT_IDS or not all(type(t) is int for t in ids):
+            return None
+        return ids
+
+    def predict(self, user: str, messages: list[dict]) -> int | None:
+        """The cached tokens the mirror says this prompt should get (the best pod's prefix match),
+        before it is sent; the prompt is registered for attribution. None without events or
+        /tokenize."""
+        if self._sub is None:
+            return None
+        ids = self.tokenize(messages)
+        if ids is None:
+            return None
+        with self.fleet.lock:
+            self.fleet.prompts.register(user, ids)
+            blocks = [dict(m.blocks) for m in self.fleet.pods.values()]
+        return max((PrefixMatcher(b).predicted_hit(ids) for b in blocks), default=0)
+
     def _stream(self, turn: RemoteTurn, body: dict) -> None:
-        stats = RequestStats(turn.request_id, turn.user)
+        stats = RemoteStats(turn.request_id, turn.user)
+        stats.predicted_tokens = self.predict(turn.user, body["messages"])
         text, finish, error = [], "stop", None
         t0 = time.monotonic()
         usage = None
@@ -319,6 +373,9 @@ class RemoteBackend:
             self._finished += 1
             self._query_tokens += stats.prompt_tokens
             self._hit_tokens += stats.cached_tokens
+            if stats.predicted_tokens is not None and error is None:
+                self._predicted += 1
+                self._mispredicted += stats.predicted_tokens != stats.cached_tokens
         turn._finish(RequestResult(turn.request_id, turn.user, "".join(text), [], stats, stats.finish_reason, error))
 
     def _cached_from(self, user: str, since: float, cached: int, wait: float = 1.0) -> dict[str, int]:
@@ -357,7 +414,8 @@ class RemoteBackend:
                     "preemptions": 0, "collisions_caught": 0, "requests_finished": self._finished,
                     "running": 0, "waiting": 0, "isolation": "remote", "eviction": "remote",
                     "deterministic": False, "hash": "remote", "verify_on_hit": False,
-                    "pods": {name: m.state for name, m in self.fleet.pods.items()}}
+                    "pods": {name: m.state for name, m in self.fleet.pods.items()},
+                    "predicted_turns": self._predicted, "mispredicted_turns": self._mispredicted}
 
     @property
     def version(self) -> int:

@@ -81,7 +81,7 @@ class PrefixTree:
         self.roots: list[Node] = []
         self.nodes: list[Node] = []
         self._start: dict = {}   # a node's first block key -> node
-        self._index: dict | None = None  # (parent key, tokens) -> key, built for match()
+        self._index: PrefixMatcher | None = None  # built for match()
         children: dict = {}
         roots = []
         for key, b in blocks.items():
@@ -168,38 +168,17 @@ class PrefixTree:
         return sum(n.tokens for n in self.path(node))
 
     # --- prediction -------------------------------------------------------------------------------
-    def _walk(self, token_ids) -> tuple[int, int]:
-        """(tokens matched, size of the last matched block), block by block from a true root."""
-        if self._index is None:
-            index = {}
-            sizes = set()
-            for key, b in self.blocks.items():
-                if b.size:
-                    index[(_parent_key(key, b.parent), tuple(b.tokens))] = key
-                    sizes.add(b.size)
-            self._index, self._sizes = index, sorted(sizes)
-        toks = list(token_ids)
-        pos, parent, last = 0, None, 0
-        while True:
-            for size in self._sizes:
-                if pos + size <= len(toks):
-                    key = self._index.get((parent, tuple(toks[pos:pos + size])))
-                    if key is not None:
-                        pos, parent, last = pos + size, key, size
-                        break
-            else:
-                return pos, last
-
     def match(self, token_ids) -> int:
-        """How many leading tokens of `token_ids` the cached blocks hold, matching each block's
-        tokens from a true root (a block with no parent)."""
-        return self._walk(token_ids)[0]
+        """How many leading tokens of `token_ids` the cached blocks hold (see PrefixMatcher)."""
+        return self._matcher().match(token_ids)
 
     def predicted_hit(self, token_ids) -> int:
-        """The cached tokens a server should report for this prompt: the matched blocks, less the
-        block holding the last prompt token when it matched (that token is always computed)."""
-        matched, last = self._walk(token_ids)
-        return matched - last if matched and matched >= len(token_ids) else matched
+        return self._matcher().predicted_hit(token_ids)
+
+    def _matcher(self) -> "PrefixMatcher":
+        if self._index is None:
+            self._index = PrefixMatcher(self.blocks)
+        return self._index
 
     # --- what a view lists ------------------------------------------------------------------------
     @staticmethod
@@ -209,6 +188,45 @@ class PrefixTree:
             return children, 0, 0
         rest = children[limit:]
         return children[:limit], len(rest), sum(n.blocks_below for n in rest)
+
+
+class PrefixMatcher:
+    """A prompt's cached prefix, found the way a server finds it: block by block from a true root
+    (a block with no parent), each block matched by its tokens under the one before. O(blocks) to
+    build (an index of (parent key, tokens) -> key), O(prompt) to ask."""
+
+    def __init__(self, blocks: dict):
+        self.blocks = blocks
+        index = {}
+        sizes = set()
+        for key, b in blocks.items():
+            if b.size:
+                index[(_parent_key(key, b.parent), tuple(b.tokens))] = key
+                sizes.add(b.size)
+        self.index, self.sizes = index, sorted(sizes)
+
+    def _walk(self, token_ids) -> tuple[int, int]:
+        """(tokens matched, size of the last matched block)."""
+        toks = list(token_ids)
+        pos, parent, last = 0, None, 0
+        while True:
+            for size in self.sizes:
+                if pos + size <= len(toks):
+                    key = self.index.get((parent, tuple(toks[pos:pos + size])))
+                    if key is not None:
+                        pos, parent, last = pos + size, key, size
+                        break
+            else:
+                return pos, last
+
+    def match(self, token_ids) -> int:
+        return self._walk(token_ids)[0]
+
+    def predicted_hit(self, token_ids) -> int:
+        """The cached tokens a server should report for this prompt: the matched blocks, less the
+        block holding the last prompt token when it matched (that token is always computed)."""
+        matched, last = self._walk(token_ids)
+        return matched - last if matched and matched >= len(token_ids) else matched
 
 
 class Labels:

@@ -1,0 +1,167 @@
+"""The prefix tree everywhere: in the playground (ctrl+r), in the scrubber (t) from the same
+session's recording, through `kvplay attach` on a real `kvplay serve` (its KV events), and
+predicted vs delivered cached tokens per attached turn."""
+from __future__ import annotations
+
+import httpx
+from serve_util import chat, serve  # noqa: F401 (fixture)
+from test_attach import attach_args
+from test_tui_app import badges, wait_until
+from test_watch_subscriber import free_port
+from textual.widgets import Tree
+
+from kvplay.engine.config import EngineConfig
+from kvplay.sessions.script import TurnSpec, UserSpec
+from kvplay.tui.app import KvplayApp
+from kvplay.tui.attach import AttachApp
+from kvplay.tui.attach_cli import open_backend
+from kvplay.tui.blockmap import BlockMap
+from kvplay.tui.tree_view import TreeScreen
+from kvplay.wire.engine_feed import EngineFeed
+from kvplay.wire.publisher import KVEventsConfig
+from kvplay.wire.tree import PrefixTree
+
+SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly and kindly. " * 3
+USERS = [UserSpec("alice", max_tokens=4), UserSpec("bob", max_tokens=4), UserSpec("carol", max_tokens=4)]
+TURNS = [TurnSpec("alice", "Do you sell rye bread?"), TurnSpec("bob", "Are croissants baked daily?"),
+         TurnSpec("carol", "Is anything nut free?")]
+
+
+def by_tokens(tree: PrefixTree) -> set:
+    """A tree's shape independent of hash spelling: each node as (its prefix's tokens, its own
+    tokens, creator, holders)."""
+    out = set()
+    for n in tree.nodes:
+        prefix = tuple(t for p in tree.path(n)[:-1] for k in p.keys for t in tree.blocks[k].tokens)
+        own = tuple(t for k in n.keys for t in tree.blocks[k].tokens)
+        out.add((prefix, own, n.creator, tuple(sorted(n.holders))))
+    return out
+
+
+def screen_lines(screen: TreeScreen) -> list[str]:
+    def walk(tn, out):
+        for c in tn.children:
+            out.append(str(c.label))
+            if c.is_expanded:
+                walk(c, out)
+        return out
+    return walk(screen.query_one(Tree).root, [])
+
+
+async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, tmp_path):
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), list(USERS), SYSTEM, turns=list(TURNS),
+                    db=str(tmp_path / "s.db"), loaded=tiny_llama, timings=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
+        await pilot.pause(0.3)
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen))
+        screen = app.screen
+        live = screen.trees[None]
+        root = live.roots[0]
+        assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"} and len(root.children) == 3
+        lines = screen_lines(screen)
+        assert lines[0].startswith("A ") and "→ B C" in lines[0] and "You are the" in lines[0]
+        await pilot.press("right", "down", "down")  # open the shared prompt; its second branch
+        node = app.screen.query_one(Tree).cursor_node.data[2]
+        assert node is root.children[1] and node.creator in ("bob", "carol", "alice")
+        bm = screen.query_one("#tree-map", BlockMap)
+        ids = app.feed.block_ids(None, node.keys)
+        assert ids and bm.hit == frozenset(ids)  # its blocks marked on the map
+        assert all(app.backend.block(i).creator == node.creator for i in ids)
+        # a block of carol's branch on the map finds carol's node
+        carol = next(c for c in root.children if c.creator == "carol")
+        assert screen.find_block(app.feed.block_ids(None, carol.keys)[-1])
+        assert app.screen.query_one(Tree).cursor_node.data[2].keys == carol.keys
+        await pilot.press("escape")
+        assert not isinstance(app.screen, TreeScreen)
+        app.recorder.flush()
+        sid = app.recorder.session_id
+        live_shape = by_tokens(live)
+    # the same tree from the session's recording, in the scrubber at its end
+    from kvplay.sessions.history import load_recording
+    from kvplay.sessions.store import open_db
+    from kvplay.tui.scrub import ScrubApp
+
+    db = open_db(str(tmp_path / "s.db"), create=False)
+    rec = load_recording(db, sid)
+    db.close()
+    scrub = ScrubApp(rec)
+    async with scrub.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.2)
+        await pilot.press("t")
+        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen))
+        assert by_tokens(scrub.screen.trees[None]) == live_shape
+        await wait_until(pilot, lambda: "You are the" in screen_lines(scrub.screen)[0])  # the tokenizer, loaded aside
+        await pilot.press("escape")
+        await pilot.press("left_square_bracket", "left_square_bracket", "t")  # two turns back: one branch
+        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen))
+        assert len(scrub.screen.trees[None].roots) == 1 and len(scrub.screen.trees[None].roots[0].children) == 0
+
+
+def kv_server(serve):
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(kv_events=cfg, num_blocks=64)
+    return srv, state, ev, rep
+
+
+async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
+    srv, state, ev, rep = kv_server(serve)
+    local = []
+    state.engine.subscribe(local.append)  # the server engine's own events: the reference tree
+    backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv"))
+    app = AttachApp(backend, list(USERS), SYSTEM, turns=list(TURNS) + [TurnSpec("alice", "And rye rolls?")],
+                    record=False, timings=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
+        stats = list(app._requests)
+        assert len(stats) == 4 and all(s.predicted_tokens == s.cached_tokens for s in stats)
+        assert stats[0].cached_tokens == 0 and all(s.cached_tokens >= 16 for s in stats[1:])
+        assert all(badges(app, u)[-1].count("as predicted") == 1 for u in ("alice", "bob", "carol"))
+        await wait_until(pilot, lambda: "4 of 4 turns' cached tokens as the mirror said" in
+                         str(app.query_one("#stats").render()))
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen))
+        tree = app.screen.trees["kv"]
+        feed = EngineFeed()
+        for e in list(local):
+            feed.apply(e)
+        assert by_tokens(tree) == by_tokens(PrefixTree(feed.mirror(None).blocks))
+        root = tree.roots[0]
+        assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"}
+        # a node's blocks are the map's slots
+        ids = app.screen.source.block_ids("kv", root.keys)
+        assert len(ids) == len(root.keys) and app.screen.query_one("#tree-map", BlockMap).hit == frozenset(ids)
+        # the text comes from the server's /detokenize (none on kvplay serve: ids until it answers)
+        assert screen_lines(app.screen)[0].startswith("A ")
+
+
+async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path):
+    srv, state, ev, _rep = kv_server(serve)
+    # a turn the mirror never hears of: sent before attaching, and no --replay to bring it back
+    with httpx.Client() as c:
+        assert chat(c, srv.url, system=SYSTEM, content="Do you sell rye bread?",
+                    model=state.model_name).status_code == 200
+    backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--pod", "kv"))
+    app = AttachApp(backend, [UserSpec("alice", max_tokens=4)], SYSTEM,
+                    turns=[TurnSpec("alice", "Do you sell rye bread?")], record=False, timings=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
+        s = app._requests[-1]
+        assert s.predicted_tokens == 0 and s.cached_tokens >= 16
+        assert "predicted 0 ≠" in badges(app, "alice")[-1]
+        await wait_until(pilot, lambda: "1 differ" in str(app.query_one("#stats").render()))
+        assert backend.stats()["mispredicted_turns"] == 1
+
+
+def test_tokenize_route(serve):
+    srv, state = serve(num_blocks=32)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    with httpx.Client() as c:
+        r = c.post(srv.url + "/tokenize", json={"model": state.model_name, "messages": msgs})
+        assert r.status_code == 200 and r.json()["tokens"] == state.engine.encode(msgs)[0]
+        assert r.json()["count"] == len(r.json()["tokens"])
+        for body in ([1], {"messages": "x"}, {"model": "nope", "prompt": "a"}):
+            r = c.post(srv.url + "/tokenize", json=body)
+            assert r.status_code in (400, 404) and "error" in r.json()
