@@ -55,7 +55,7 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
         await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
         await pilot.pause(0.3)
         await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
         screen = app.screen
         live = screen.trees[None]
         root = live.roots[0]
@@ -90,12 +90,12 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
     async with scrub.run_test(size=(80, 24)) as pilot:
         await pilot.pause(0.2)
         await pilot.press("t")
-        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen))
+        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen) and scrub.screen.ready)
         assert by_tokens(scrub.screen.trees[None]) == live_shape
         await wait_until(pilot, lambda: "You are the" in screen_lines(scrub.screen)[0])  # the tokenizer, loaded aside
         await pilot.press("escape")
         await pilot.press("left_square_bracket", "left_square_bracket", "t")  # two turns back: one branch
-        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen))
+        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen) and scrub.screen.ready)
         assert len(scrub.screen.trees[None].roots) == 1 and len(scrub.screen.trees[None].roots[0].children) == 0
 
 
@@ -122,7 +122,7 @@ async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
         await wait_until(pilot, lambda: "4 of 4 turns' cached tokens as the mirror said" in
                          str(app.query_one("#stats").render()))
         await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
         tree = app.screen.trees["kv"]
         feed = EngineFeed()
         for e in list(local):

@@ -36,13 +36,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--select-block", type=int, default=None, metavar="N",
                         help="show the details of block N under the map")
     parser.add_argument("--title", default=None, help="subtitle shown in the header")
+    parser.add_argument("--tree", action="store_true",
+                        help="show the prefix tree (ctrl+r) with its first node open and its second branch selected")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     add_engine_args(parser)
 
 
 async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float = 600.0,
                           show_events: bool = False, select_block: int | None = None,
-                          loaded_callback=None) -> Path:
+                          loaded_callback=None, tree: bool = False) -> Path:
     """Run `app` headless until its script has played, then save `out` (an SVG)."""
     # start-up time: imported when this first runs
     from .screens import ErrorScreen
@@ -61,6 +63,13 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
         app.set_focus(None)  # no focused input: no text cursor in the picture
         if select_block is not None:
             app.select_block(select_block)
+        if tree:
+            app.action_prefix_tree()
+            while not getattr(app.screen, "ready", False):
+                if loop.time() > deadline:
+                    raise KvplayError(f"the prefix tree was not built within {timeout:.0f} s")
+                await pilot.pause(0.1)
+            await pilot.press("right", "down", "down")
         await pilot.pause(0.3)
         await pilot.wait_for_scheduled_animations()
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +91,6 @@ def main(args: argparse.Namespace) -> int:
           f"on {config.model} at {size[0]}x{size[1]} …", file=sys.stderr)
     app = KvplayApp(config, script.users, script.system, turns=script.turns, speed=args.speed,
                     record=False, title=args.title)
-    asyncio.run(take_screenshot(app, out, size, args.timeout, args.show_events, args.select_block))
+    asyncio.run(take_screenshot(app, out, size, args.timeout, args.show_events, args.select_block, tree=args.tree))
     print(f"kvplay: saved {out}", file=sys.stderr)
     return 0

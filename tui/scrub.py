@@ -327,7 +327,8 @@ class ScrubScreen(Screen):
     def _labels_ready(self, screen: TreeScreen, detok) -> None:
         if screen.is_attached:
             screen.labels.detokenize = detok
-            screen.rebuild()
+            if screen.ready:
+                screen.populate()
 
     def action_close(self) -> None:
         box = self.query_one("#scrub-goto", Input)

@@ -9,8 +9,11 @@ the arrows pick a block and `f` finds its node; escape closes. The tree is rebui
 changes, at most every `REFRESH_S` (longer when building takes long: a big pool); the nodes that
 were open stay open.
 
-A *tree source* gives the trees and maps their blocks to map cells:
-`version`, `trees() -> {pod: PrefixTree}`, `block_ids(pod, keys) -> [block id]`,
+The trees are built on a worker thread from copies of the mirrors' block dicts (a 1M-block pool
+takes seconds to build: the screen stays live meanwhile and shows the last tree).
+
+A *tree source* gives the mirrors and maps their blocks to map cells:
+`version`, `snapshot() -> [(pod, blocks, hits or None, version)]` (copies), `block_ids(pod, keys) -> [block id]`,
 `key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None) and `map_source` (what
 the block map reads; None: the caller sets the map's blocks). `FeedTrees` is the local engine's
 and a recording's (wire/engine_feed.py), `FleetTrees` an attached server's mirror.
@@ -23,7 +26,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
@@ -52,9 +55,9 @@ class FeedTrees:
     def version(self) -> int:
         return self.feed.version
 
-    def trees(self) -> dict:
-        return {pod: PrefixTree(dict(m.blocks), self.feed.hits[pod], m.version)
-                for pod, m in self.feed.mirrors.items()}
+    def snapshot(self) -> list:
+        """(pod, blocks, hits, version) copies, cheap, on the UI thread (the feed changes there)."""
+        return [(pod, dict(m.blocks), dict(self.feed.hits[pod]), m.version) for pod, m in self.feed.mirrors.items()]
 
     def block_ids(self, pod, keys) -> list[int]:
         return self.feed.block_ids(pod, keys)
@@ -74,11 +77,11 @@ class FleetTrees:
 
     @property
     def version(self) -> int:
-        return self.backend.version + self.detokenize.version
+        return self.backend.version
 
-    def trees(self) -> dict:
-        with self.backend.fleet.lock:
-            return {name: PrefixTree(dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()}
+    def snapshot(self) -> list:
+        with self.backend.fleet.lock:  # the subscriber thread applies batches under it
+            return [(name, dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()]
 
     def block_ids(self, pod, keys) -> list[int]:
         slots = self.backend.pods.get(pod)
@@ -199,6 +202,9 @@ class TreeScreen(Screen):
         self._built_version = None
         self._built_at = 0.0
         self._interval = REFRESH_S
+        self._building = False
+        self._texts_version = None
+        self.ready = False  # the first trees are built and shown
         self._open: set = set()  # (pod, first key) of the nodes open
 
     def compose(self):
@@ -225,13 +231,39 @@ class TreeScreen(Screen):
     def _tick(self) -> None:
         if self.source.version != self._built_version and time.monotonic() - self._built_at >= self._interval:
             self.rebuild()
+        texts = getattr(self.labels.detokenize, "version", None)  # a server's texts arriving
+        if texts != self._texts_version and self.ready:
+            self._texts_version = texts
+            self.populate()
 
     # --- building ---------------------------------------------------------------------------------
     def rebuild(self) -> None:
-        """Trees from the source; the Textual tree re-made with the same nodes open."""
-        t0 = time.monotonic()
+        """New trees from the source, built aside; then `populate` shows them."""
+        if self._building:
+            return
+        self._building = True
         self._built_version = self.source.version
-        self.trees = self.source.trees()
+        self._build(self.source.snapshot())
+
+    @work(thread=True, exit_on_error=False, group="tree-build", description="Building the prefix tree")
+    def _build(self, snapshot: list) -> None:
+        t0 = time.monotonic()
+        try:
+            trees = {pod: PrefixTree(blocks, hits, version) for pod, blocks, hits, version in snapshot}
+        finally:
+            self._building = False
+        self.app.call_from_thread(self._built, trees, time.monotonic() - t0)
+
+    def _built(self, trees: dict, build_s: float) -> None:
+        self.trees = trees
+        self.ready = True
+        self._built_at = time.monotonic()
+        self._interval = max(REFRESH_S, 4 * build_s)  # a big pool: rebuild less often
+        if self.is_attached:
+            self.populate()
+
+    def populate(self) -> None:
+        """The Textual tree re-made from `trees`, with the same nodes open and the cursor kept."""
         widget = self.query_one(Tree)
         cursor = widget.cursor_node.data if widget.cursor_node is not None else None
         widget.clear()
@@ -255,9 +287,6 @@ class TreeScreen(Screen):
             widget.move_cursor(tn)
         if tn is not None and tn.data and tn.data[0] == "node":
             self.show_node(tn.data[1], tn.data[2])
-        self._built_at = time.monotonic()
-        build = self._built_at - t0
-        self._interval = max(REFRESH_S, 4 * build)  # a big pool: rebuild less often
 
     def _add(self, parent, pod, tree: PrefixTree, kids: list, start: int, now: float) -> None:
         shown = kids[start:start + SHOWN_CHILDREN]
@@ -376,7 +405,7 @@ class TreeScreen(Screen):
             return False
         for n in tree.path(node)[:-1]:
             self._open.add((found[0], n.keys[0]))
-        self.rebuild()
+        self.populate()
         tn = self._restore_cursor(("node", found[0], node))
         if tn is not None:
             self.show_node(found[0], node)

@@ -18,7 +18,8 @@ are matched against the mirrored blocks (wire/tree.PrefixMatcher, per pod, the b
 `RemoteStats.predicted_tokens`; after it, the server's `usage.prompt_tokens_details.cached_tokens`
 is what was delivered. `stats()` counts the turns predicted and those where the two differ (a
 stale mirror, an eviction or store the events did not show, a hash the tokens do not decide, such
-as a cache_salt). The match copies each pod's block dict: O(blocks) per turn.
+as a cache_salt). Each pod's PrefixMatcher is kept up to date from the mirror's journal as
+batches arrive, so a prediction costs O(prompt), not O(blocks).
 
 No Textual here: usable and testable without the app.
 """
@@ -138,6 +139,7 @@ class RemoteBackend:
         self._query_tokens = self._hit_tokens = self._finished = 0
         self._predicted = self._mispredicted = 0  # turns with a prediction, ... that the server's usage contradicted
         self._can_tokenize = True
+        self._matchers: dict[str, PrefixMatcher] = {}  # pod -> its cached blocks by (parent, tokens)
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
         self.pods: dict[str, SlotMirror] = {}
@@ -234,6 +236,14 @@ class RemoteBackend:
         off = slots.offset
         now = time.monotonic()
         with self._lock:
+            matcher = self._matchers.setdefault(pod, PrefixMatcher())
+            for entry in journal:  # the prediction's index, kept as the mirror changes
+                if entry[0] == "stored":
+                    matcher.add(entry[1], entry[2], entry[3])
+                elif entry[0] == "removed":
+                    matcher.remove(entry[1])
+                elif entry[0] == "cleared":
+                    matcher.clear()
             for ev in events:
                 k = ev.kind
                 if k == "BlockStored":
@@ -325,8 +335,8 @@ class RemoteBackend:
             return None
         with self.fleet.lock:
             self.fleet.prompts.register(user, ids)
-            blocks = [dict(m.blocks) for m in self.fleet.pods.values()]
-        return max((PrefixMatcher(b).predicted_hit(ids) for b in blocks), default=0)
+        with self._lock:
+            return max((mt.predicted_hit(ids) for mt in self._matchers.values()), default=0)
 
     def _stream(self, turn: RemoteTurn, body: dict) -> None:
         stats = RemoteStats(turn.request_id, turn.user)

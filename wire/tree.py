@@ -193,17 +193,36 @@ class PrefixTree:
 class PrefixMatcher:
     """A prompt's cached prefix, found the way a server finds it: block by block from a true root
     (a block with no parent), each block matched by its tokens under the one before. O(blocks) to
-    build (an index of (parent key, tokens) -> key), O(prompt) to ask."""
+    build from a mirror's blocks, or kept up to date block by block (`add`, `remove`, `clear`:
+    what attach does as batches arrive); O(prompt) to ask."""
 
-    def __init__(self, blocks: dict):
-        self.blocks = blocks
-        index = {}
-        sizes = set()
-        for key, b in blocks.items():
-            if b.size:
-                index[(_parent_key(key, b.parent), tuple(b.tokens))] = key
-                sizes.add(b.size)
-        self.index, self.sizes = index, sorted(sizes)
+    def __init__(self, blocks: dict | None = None):
+        self.index: dict = {}   # (parent key, tokens) -> key
+        self._entry: dict = {}  # key -> its index entry
+        self.sizes: list[int] = []
+        for key, b in (blocks or {}).items():
+            self.add(key, _parent_key(key, b.parent), b.tokens)
+
+    def add(self, key, parent_key, tokens) -> None:
+        if not tokens:
+            return
+        entry = (parent_key, tuple(tokens))
+        self.index[entry] = key
+        self._entry[key] = entry
+        if len(tokens) not in self.sizes:
+            self.sizes = sorted(self.sizes + [len(tokens)])
+
+    def remove(self, key) -> None:
+        entry = self._entry.pop(key, None)
+        if entry is not None and self.index.get(entry) == key:
+            del self.index[entry]
+
+    def clear(self) -> None:
+        self.index.clear()
+        self._entry.clear()
+
+    def __len__(self) -> int:
+        return len(self._entry)
 
     def _walk(self, token_ids) -> tuple[int, int]:
         """(tokens matched, size of the last matched block)."""
