@@ -8,6 +8,8 @@ KVPLAY=${KVPLAY:-kvplay}
 SIZE=${SIZE:-160x48}
 "$KVPLAY" screenshot screenshots/three_users.svg --script screenshots/three_users.toml \
     --model default --size "$SIZE" --select-block 3 --title "three users, one shared system prompt"
+"$KVPLAY" screenshot screenshots/tree.svg --script screenshots/three_users.toml \
+    --model default --size 120x32 --tree --title "the prefix tree: one shared system prompt, a branch per user"
 "$KVPLAY" screenshot screenshots/isolation.svg --script screenshots/isolation.toml \
     --model default --size "$SIZE" --title "isolation = user: no sharing across users"
 "$KVPLAY" screenshot screenshots/eviction.svg --script screenshots/eviction.toml \
