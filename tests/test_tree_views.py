@@ -16,7 +16,7 @@ from kvplay.tui.app import KvplayApp
 from kvplay.tui.attach import AttachApp
 from kvplay.tui.attach_cli import open_backend
 from kvplay.tui.blockmap import BlockMap
-from kvplay.tui.tree_view import TreeScreen
+from kvplay.tui.tree_view import FeedTrees, TreeScreen
 from kvplay.wire.engine_feed import EngineFeed
 from kvplay.wire.publisher import KVEventsConfig
 from kvplay.wire.tree import PrefixTree
@@ -165,3 +165,60 @@ def test_tokenize_route(serve):
         for body in ([1], {"messages": "x"}, {"model": "nope", "prompt": "a"}):
             r = c.post(srv.url + "/tokenize", json=body)
             assert r.status_code in (400, 404) and "error" in r.json()
+
+
+async def test_many_branches_are_listed_eight_at_a_time_and_a_block_finds_its_node():
+    from textual.app import App
+
+    feed = EngineFeed()
+    feed.apply({"kind": "BlockStored", "block_hashes": ["s0", "s1"], "token_ids": [1, 2, 3, 4], "block_size": 2,
+                "block_ids": [0, 1], "user": "alice", "ts": 1.0})
+    for i in range(20):
+        feed.apply({"kind": "BlockStored", "block_hashes": [f"b{i}"], "parent_block_hash": "s1",
+                    "token_ids": [10 + i, 0], "block_size": 2, "block_ids": [2 + i], "user": f"u{i % 3}", "ts": 2.0})
+    feed.apply({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0})
+    from kvplay.tui.blockmap import ViewsSource
+    from kvplay.engine.observe import BlockView
+
+    views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(32)]
+    source = FeedTrees(feed, lambda ids: "t" + "".join(map(chr, (65 + i % 26 for i in ids))), ViewsSource(views))
+    looks = {}
+
+    class Host(App):
+        def on_mount(self):
+            self.push_screen(TreeScreen(source, looks))
+
+    app = Host()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+        screen = app.screen
+        root = screen.trees[None].roots[0]
+        assert len(root.children) == 20 and root.reusers == ("bob",) and root.hits == 2
+        await pilot.press("right")
+        lines = screen_lines(screen)
+        assert len(lines) == 1 + 8 + 1 and lines[-1].startswith("+ 12 more branches (12 blocks)")
+        await pilot.press(*["down"] * 9, "enter")  # the "+ 12 more" line opens the next eight
+        lines = screen_lines(screen)
+        assert len(lines) == 1 + 16 + 1 and lines[-1].startswith("+ 4 more branches")
+        assert screen.find_block(21)  # the last branch's block: its node, beyond those listed
+        assert screen.query_one(Tree).cursor_node.data[2].keys == ["b19"]
+        assert not screen.find_block(30)  # a block holding no cached prefix: a notice
+
+
+async def test_kvplay_tree_of_a_server(serve, capsys):
+    import json
+
+    from kvplay.cli import main as cli
+
+    srv, state, ev, rep = kv_server(serve)
+    with httpx.Client() as c:
+        for q in ("Do you sell rye bread?", "Are croissants baked daily?"):
+            assert chat(c, srv.url, system=SYSTEM, content=q, model=state.model_name, user="alice").status_code == 200
+    # joined after the fact: the replay endpoint brings back what the server published before
+    assert cli(["tree", srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv", "--duration", "1.5",
+                "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pod = out["pods"]["kv"]
+    assert pod["blocks"] == state.engine.stats()["blocks_cached"] > 0
+    assert len(pod["roots"]) == 1 and len(pod["roots"][0]["children"]) == 2
+    assert cli(["tree", srv.url, "--at", "3", "--events-bind", ev]) == 2

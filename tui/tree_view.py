@@ -206,6 +206,7 @@ class TreeScreen(Screen):
         self._texts_version = None
         self.ready = False  # the first trees are built and shown
         self._open: set = set()  # (pod, first key) of the nodes open
+        self._reveal: set = set()  # ... of nodes found from the map: listed even past SHOWN_CHILDREN
 
     def compose(self):
         yield Static(id="tree-head")
@@ -290,6 +291,12 @@ class TreeScreen(Screen):
 
     def _add(self, parent, pod, tree: PrefixTree, kids: list, start: int, now: float) -> None:
         shown = kids[start:start + SHOWN_CHILDREN]
+        rest = kids[start + SHOWN_CHILDREN:]
+        if self._reveal and rest:  # a node found from the map is listed even beyond the first ones
+            found = [n for n in rest if (pod, n.keys[0]) in self._reveal]
+            if found:
+                shown = shown + found
+                rest = [n for n in rest if (pod, n.keys[0]) not in self._reveal]
         for n in shown:
             key = (pod, n.keys[0])
             tn = parent.add(node_label(tree, n, self.labels, self.looks, now), data=("node", pod, n),
@@ -297,11 +304,10 @@ class TreeScreen(Screen):
             if key in self._open and n.children:
                 self._add(tn, pod, tree, n.children, 0, now)
                 tn.expand()
-        rest = kids[start + SHOWN_CHILDREN:]
         if rest:
             more = Text(f"+ {len(rest):,} more branches ({sum(n.blocks_below for n in rest):,} blocks): enter",
                         style="dim")
-            parent.add_leaf(more, data=("more", pod, kids, start + SHOWN_CHILDREN))
+            parent.add_leaf(more, data=("more", pod, rest, 0))
 
     @on(Tree.NodeExpanded, "#prefix-tree")
     def _on_expand(self, msg: Tree.NodeExpanded) -> None:
@@ -403,6 +409,8 @@ class TreeScreen(Screen):
         if node is None:
             self.notify(f"block {block_id} holds no cached prefix", timeout=3)
             return False
+        for n in tree.path(node):
+            self._reveal.add((found[0], n.keys[0]))
         for n in tree.path(node)[:-1]:
             self._open.add((found[0], n.keys[0]))
         self.populate()
