@@ -30,7 +30,7 @@ COMMANDS = {
     "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
     "serve": ("kvplay.serve.cli", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
     "watch": ("kvplay.sessions.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
-    "tree": ("kvplay.tree_cmd", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),
+    "tree": ("kvplay.tui.tree_cli", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),
     "attach": ("kvplay.tui.attach_cli", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
 }
 

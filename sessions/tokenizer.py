@@ -6,7 +6,7 @@ def session_detokenizer(model: str | None):
     """`detokenize` for a recorded session's model when its tokenizer is on this machine, else None."""
     if not model:
         return None
-    try:
+    try:  # start-up time: transformers is imported only when a label is wanted
         if model.startswith("tiny:"):
             from kvplay.engine.tiny import build_tokenizer
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-from kvplay.cli import KvplayError
-from kvplay.options import add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
+from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 from kvplay.wire.engine_feed import feed_events
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
-from kvplay.wire.watch_cmd import add_source_args, sources_from_args
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def session_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a recorded session after --at events, its header, and detokenize."""
+    # start-up time: imported when this first runs
     from kvplay.sessions.history import session_events
     from kvplay.sessions.query import resolve_session
     from kvplay.sessions.store import open_db
@@ -68,10 +69,10 @@ def session_trees(args) -> tuple[dict, dict, object]:
 
 def server_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a server's KV events heard for --duration seconds."""
-    import os
-
-    from kvplay.tui.attach_cli import check_url
+    # start-up time: imported when this first runs
     from kvplay.wire.remote import RemoteBackend
+
+    from .attach_cli import check_url
 
     if not args.sources:
         raise KvplayError("a server's tree comes from its KV events: give --events EP (or --events-bind EP)")
