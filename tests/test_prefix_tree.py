@@ -249,3 +249,14 @@ def test_kvplay_tree_of_a_recorded_session(tmp_path, capsys, monkeypatch):
                 ["tree", sid, "--events", "tcp://127.0.0.1:5"], ["tree", "http://127.0.0.1:9"]):
         assert cli(bad) == 2, bad
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_branch_label_starts_where_it_differs_from_its_siblings():
+    m = Mirror()
+    store(m, [1, 1, 5, 6], "alice")
+    store(m, [1, 1, 5, 7], "bob")  # the prompts diverge inside the second block
+    tree = PrefixTree(m.blocks)
+    labels = Labels(lambda ids: " ".join(f"t{i}" for i in ids))
+    kids = sorted(tree.roots[0].children, key=lambda n: n.creator)
+    assert [labels(tree, k) for k in kids] == ["… t6", "… t7"]
+    assert labels(tree, tree.roots[0]) == "t1 t1"

@@ -18,7 +18,7 @@ is how many leading tokens of a prompt are cached (prefix match by block tokens,
 looks them up), the prediction `predicted_hit` makes for a request. `Labels` turns a node's tokens
 into text through a `detokenize(token_ids) -> str` callable (the local tokenizer, or a server's
 /detokenize), decoding at most `LABEL_TOKENS` tokens per node and caching at most `LABEL_CACHE`
-labels.
+labels; a branch's label starts where it differs from its siblings ("… and why does it").
 
 Pure: no Textual, no SQLite, no network.
 """
@@ -257,8 +257,29 @@ class Labels:
         self.size = size
         self._cache: OrderedDict = OrderedDict()
 
+    @staticmethod
+    def _shared(tree: PrefixTree, node: Node, siblings: int = 64) -> int:
+        """Tokens a branch's first block shares with its siblings' (the prompts diverge inside a
+        block): its label starts where it differs, after "…"."""
+        if node.parent is None:
+            return 0
+        first = tree.blocks[node.keys[0]].tokens
+        best = 0
+        for sib in node.parent.children[:siblings]:
+            if sib is node:
+                continue
+            other = tree.blocks[sib.keys[0]].tokens
+            n = 0
+            for a, b in zip(first, other):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, max(0, len(first) - 1))
+
     def __call__(self, tree: PrefixTree, node: Node) -> str:
-        key = (node.keys[0], len(node.keys))
+        skip = self._shared(tree, node)
+        key = (node.keys[0], len(node.keys), skip)
         text = self._cache.get(key)
         if text is not None:
             self._cache.move_to_end(key)
@@ -266,10 +287,10 @@ class Labels:
         ids: list[int] = []
         for k in node.keys:
             ids.extend(tree.blocks[k].tokens)
-            if len(ids) >= LABEL_TOKENS:
+            if len(ids) >= LABEL_TOKENS + skip:
                 break
-        more = len(ids) > LABEL_TOKENS or node.tokens > len(ids)
-        ids = ids[:LABEL_TOKENS]
+        more = len(ids) > LABEL_TOKENS + skip or node.tokens > len(ids)
+        ids = ids[skip:skip + LABEL_TOKENS]
         text = ""
         if self.detokenize is not None and ids:
             try:
@@ -280,6 +301,8 @@ class Labels:
         if not text and ids:  # no text (yet: a server's /detokenize may answer later): ids, not cached
             text = " ".join(map(str, ids))
         text = " ".join(text.replace("\n", " ⏎ ").split())
+        if skip:
+            text = "… " + text
         if more:
             text += " …"
         if not decoded:
