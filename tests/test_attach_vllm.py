@@ -1,6 +1,7 @@
 """`kvplay attach` on a real vLLM CPU server (scripts/vllm-cpu.sh): two panes chat, the map
 mirrors vLLM's KV events in the panes' colours, and the numbers agree with vLLM's own
-(`usage.prompt_tokens_details.cached_tokens`, `/metrics`)."""
+(`usage.prompt_tokens_details.cached_tokens`, `/metrics`); each turn's predicted hit is the
+delivered one, and the prefix tree shows the shared prompt as alice's, reused by bob."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,15 @@ async def test_attach_real_vllm_two_panes(tmp_path):
             assert stats["hit_tokens"] == hits_total(base) == b.cached_tokens
             assert stats["query_tokens"] == a.prompt_tokens + b.prompt_tokens
             await wait_until(pilot, lambda: "pod vllm live" in status(app))
+            # predicted vs delivered: vLLM's /tokenize and the mirror's prefix match said it before
+            assert (a.predicted_tokens, b.predicted_tokens) == (0, b.cached_tokens)
+            assert "as predicted" in badges(app, "bob")[-1]
+            # the prefix tree on vLLM's mirror: the shared prompt one node, alice's, reused by bob
+            await pilot.press("ctrl+r")
+            await wait_until(pilot, lambda: getattr(app.screen, "ready", False))
+            root = app.screen.trees["vllm"].roots[0]
+            assert root.creator == "alice" and "bob" in root.reusers and len(root.children) == 2
+            assert root.tokens == b.cached_tokens
         backend.close()
     finally:
         vllm.stop()
