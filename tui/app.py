@@ -539,7 +539,8 @@ class KvplayApp(ControlsMixin, App):
         each running request (a remote server's events name no request)."""
         self._dirty = True
         kind = ev.kind
-        self.feed.apply(ev)
+        if self.feed is not None:
+            self.feed.apply(ev)
         if kind == "BlockHit":
             self._hit = set(ev.block_ids)
             if self.flash_s:

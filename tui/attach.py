@@ -37,6 +37,7 @@ class AttachApp(KvplayApp):
         super().__init__(EngineConfig(model=backend.model_name), users, system_prompt, turns=turns, speed=speed,
                          db=db, record=record, title=title or f"attached to {backend.url}", timings=timings)
         self._remote = backend
+        self.feed = None  # the tree reads the backend's own mirrors (tree_source), not a copy fed here
 
     def open_backend(self):
         self._unsubscribe = self._remote.subscribe(self._event_queue.append)
