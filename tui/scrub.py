@@ -311,7 +311,8 @@ class ScrubScreen(Screen):
         it fed into a Mirror)."""
         st = self.state or self.history.state(self.cursor)
         source = FeedTrees(feed_events(self.rec.events, self.cursor), self._detok, ViewsSource(st.blocks))
-        screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}")
+        screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}",
+                            at=st.ts or None)
         self.app.push_screen(screen)
         if self._detok is None and not self._detok_tried:
             self._detok_tried = True

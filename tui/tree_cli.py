@@ -60,7 +60,8 @@ def session_trees(args) -> tuple[dict, dict, object]:
         raise KvplayError(f"--at {args.at}: session {s['id']} has events 0 to {len(events)}")
     feed = feed_events(events, n)
     trees = {pod: PrefixTree(m.blocks, feed.hits[pod], m.version) for pod, m in feed.mirrors.items()}
-    head = {"session": s["id"], "model": s.get("model"), "at": n, "events": len(events)}
+    head = {"session": s["id"], "model": s.get("model"), "at": n, "events": len(events),
+            "at_ts": (events[n - 1].get("ts") or None) if n else None}  # ages count to event N
     if feed.bad:
         head["bad_events"] = feed.bad
     detok = None if args.ids else session_detokenizer(s.get("model"))
@@ -114,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError("--events/--replay/--pod go with a server's URL, not a recorded session")
     trees, head, detok = server_trees(args) if url else session_trees(args)
     labels = Labels(detok)
-    now = time.time()
+    now = head.get("at_ts") or time.time()
     if args.json:
         out = dict(head)
         out["pods"] = {str(pod if pod is not None else "local"): to_json(t, labels, args.children, now)

@@ -7,7 +7,7 @@ Keys: ↑/↓ move, → or enter opens a node (its first `SHOWN_CHILDREN` branch
 "+ N more branches" line opens the next ones), ← closes; `m` moves to the map, where a click or
 the arrows pick a block and `f` finds its node; escape closes. The tree is rebuilt when the cache
 changes, at most every `REFRESH_S` (longer when building takes long: a big pool); the nodes that
-were open stay open.
+were open stay open, a node stored in the last `FRESH_S` says "new", evicted ones drop out.
 
 The trees are built on a worker thread from copies of the mirrors' block dicts (a 1M-block pool
 takes seconds to build: the screen stays live meanwhile and shows the last tree).
@@ -40,6 +40,7 @@ from .theme import UNKNOWN_COLOUR
 
 REFRESH_S = 0.5
 LABEL_W = 40  # characters of a node's text in its line
+FRESH_S = 3.0  # a node stored this recently says "new" in bold
 
 
 # --- sources ------------------------------------------------------------------------------------
@@ -161,7 +162,8 @@ def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float) 
     if node.hits:
         t.append(f" · {node.hits} hits", style="dim")
     if node.last_ts:
-        t.append(f" · {age_text(now - node.last_ts)}", style="dim")
+        fresh = now - node.last_ts < FRESH_S
+        t.append(f" · {'new' if fresh else age_text(now - node.last_ts)}", style="bold" if fresh else "dim")
     if node.orphan:
         t.append(" · parent not cached", style="dim italic")
     text = labels(tree, node)
@@ -192,8 +194,9 @@ class TreeScreen(Screen):
         Binding("m", "focus_map", "Map", id="tree.map"),
     ]
 
-    def __init__(self, source, looks: dict, title: str = "Prefix tree") -> None:
+    def __init__(self, source, looks: dict, title: str = "Prefix tree", at: float | None = None) -> None:
         super().__init__()
+        self.at = at  # the time ages are counted to (a recording's cursor); None: now
         self.source = source
         self.looks = looks
         self.heading = title
@@ -228,6 +231,9 @@ class TreeScreen(Screen):
         self.rebuild()
         self.set_interval(REFRESH_S, self._tick)
         t.focus()
+
+    def now(self) -> float:
+        return time.time() if self.at is None else self.at
 
     def _tick(self) -> None:
         if self.source.version != self._built_version and time.monotonic() - self._built_at >= self._interval:
@@ -268,7 +274,7 @@ class TreeScreen(Screen):
         widget = self.query_one(Tree)
         cursor = widget.cursor_node.data if widget.cursor_node is not None else None
         widget.clear()
-        now = time.time()
+        now = self.now()
         blocks = sum(t.num_blocks for t in self.trees.values())
         nodes = sum(len(t) for t in self.trees.values())
         self.query_one("#tree-head", Static).update(Text.assemble(
@@ -317,7 +323,7 @@ class TreeScreen(Screen):
         _, pod, n = d
         self._open.add((pod, n.keys[0]))
         if not msg.node.children:
-            self._add(msg.node, pod, self.trees[pod], n.children, 0, time.time())
+            self._add(msg.node, pod, self.trees[pod], n.children, 0, self.now())
 
     @on(Tree.NodeCollapsed, "#prefix-tree")
     def _on_collapse(self, msg: Tree.NodeCollapsed) -> None:
@@ -332,7 +338,7 @@ class TreeScreen(Screen):
             _, pod, kids, start = d
             parent = msg.node.parent
             msg.node.remove()
-            self._add(parent, pod, self.trees[pod], kids, start, time.time())
+            self._add(parent, pod, self.trees[pod], kids, start, self.now())
 
     @on(Tree.NodeHighlighted, "#prefix-tree")
     def _on_highlight(self, msg: Tree.NodeHighlighted) -> None:
