@@ -26,7 +26,7 @@ from kvplay.sessions.history import History, PoolState, Recording
 from kvplay.sessions.tokenizer import session_detokenizer
 from kvplay.wire.engine_feed import feed_events
 
-from .blockmap import BlockMap, ViewsSource
+from .blockmap import BlockMap
 from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
 from .theme import assign_looks
 from .timeline import Timeline, request_spans
@@ -310,7 +310,7 @@ class ScrubScreen(Screen):
         """The prefix tree as it stood after the event under the cursor (the recorded events up to
         it fed into a Mirror)."""
         st = self.state or self.history.state(self.cursor)
-        source = FeedTrees(feed_events(self.rec.events, self.cursor), self._detok, ViewsSource(st.blocks))
+        source = FeedTrees(feed_events(self.rec.events, self.cursor), self._detok, st.mirror.copy())
         screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}",
                             at=st.ts or None)
         self.app.push_screen(screen)

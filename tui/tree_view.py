@@ -85,21 +85,21 @@ class FleetTrees:
             return [(name, dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()]
 
     def block_ids(self, pod, keys) -> list[int]:
-        slots = self.backend.pods.get(pod)
+        slots = self.backend.pods.get(pod)  # the pod's SlotMirror: hash-only events get slots there
         if slots is None:
             return []
         out = []
         for k in keys:
-            s = slots.slot(hash_hex(k[1] if type(k) is tuple else k))
+            s = slots.slot_of.get((None, hash_hex(k[1] if type(k) is tuple else k)))
             if s is not None:
-                out.append(s)
+                out.append(s + slots.offset)
         return out
 
     def key_of(self, block_id: int):
         for name, slots in self.backend.pods.items():
             s = block_id - slots.offset
-            if 0 <= s < slots.capacity:
-                h = slots.hash_of.get(s)
+            if 0 <= s < slots.num_blocks:
+                h = slots.hash.get(s)
                 if h is None:
                     return None
                 return name, (int(h, 16) if len(h) == 16 else bytes.fromhex(h))
