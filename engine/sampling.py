@@ -5,11 +5,16 @@ token from it, so the same seed gives the same tokens however many other users a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .errors import EngineError
+
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily (dividing logits by 1e-300
+# overflows to inf and the softmax to NaN, which multinomial refuses)
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -22,6 +27,10 @@ class SamplingParams:
     stop_on_eos: bool = True
 
     def validate(self) -> "SamplingParams":
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise EngineError(f"{name} must be a finite number (got {v!r})")
         if self.temperature < 0:
             raise EngineError(f"temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
@@ -45,7 +54,7 @@ def make_generator(seed: int) -> torch.Generator:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick one token id from a 1-D float32 logits vector (on any device)."""
     logits = logits.detach().float().cpu()
-    if params.temperature == 0:
+    if params.temperature < SAMPLING_EPS:
         return int(torch.argmax(logits))
     scores = logits / params.temperature
     if params.top_k and params.top_k < scores.numel():

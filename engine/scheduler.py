@@ -203,7 +203,11 @@ class Scheduler:
             r.high_water = max(r.high_water, r.num_computed)
             self.kv.register_full_blocks(r)
             if r.pending == 0 and lg is not None:
-                reason = self.output.process(r, lg)
+                try:
+                    reason = self.output.process(r, lg)
+                except Exception as exc:  # one request's sampling/output fails that request only
+                    self._finish(r, "error", error=f"request failed in sampling: {type(exc).__name__}: {exc}")
+                    continue
                 if reason is not None:
                     self._finish(r, reason)
 
