@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -68,9 +69,28 @@ class RequestHandle:
         self._engine = engine
         self._queue: "queue.Queue[TokenDelta | RequestResult]" = queue.Queue()
         self._result: RequestResult | None = None
+        self._sink = None  # forward_to's callback
+        self._sink_lock = threading.Lock()
 
     def _put(self, item) -> None:
-        self._queue.put(item)
+        with self._sink_lock:
+            if self._sink is None:
+                self._queue.put(item)
+                return
+            sink = self._sink
+        sink(item)
+
+    def forward_to(self, sink) -> None:
+        """Hand every TokenDelta and then the RequestResult to `sink(item)` instead of queueing
+        them (what was queued already goes first). `sink` runs on the engine thread: it must be
+        quick and never raise (kvplay serve posts to its event loop, so no thread per request)."""
+        with self._sink_lock:
+            while True:
+                try:
+                    sink(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._sink = sink
 
     def _get(self, deadline: float | None):
         """The next streamed item. Waits in short slices so that an engine whose thread is gone
