@@ -26,14 +26,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvplay.engine.chat import encode_chat
 from kvplay.engine.errors import EngineError
 from kvplay.engine.sampling import SamplingParams
 
 from .bridge import HandleStream
 from .keys import Identity, lookup
-from .protocol import ApiError, GenRequest, StopMatcher, bad, parse
+from .limits import Admission, TokenizerPool, check_prompt_size
+from .protocol import ApiError, GenRequest, StopMatcher, bad, check_body, parse
 
 MAX_BODY_BYTES = 8 << 20
+BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a slow sender holds nothing longer)
+MAX_CONCURRENT = 256  # generation requests in flight (a stream counts until it ends)
 ANONYMOUS = "anonymous"
 
 
@@ -50,9 +54,16 @@ class ServeState:
     record_failures: int = 0
     _recorded_users: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # one tokenisation at a time: HF fast tokenizers can fail with "Already borrowed" when
-    # their padding/truncation state is touched from two threads at once
-    tokenize_lock: threading.Lock = field(default_factory=threading.Lock)
+    max_concurrent: int = MAX_CONCURRENT
+    metrics_users: bool = False  # /metrics user labels for every caller (else: admin keys, or no keys)
+    admission: Admission | None = None
+    # copies of the tokenizer, one per thread at a time: HF fast tokenizers can fail with
+    # "Already borrowed" when two threads use one; a long prompt never blocks the others
+    tokenizers: TokenizerPool | None = None
+
+    def __post_init__(self):
+        self.admission = Admission(self.max_concurrent)
+        self.tokenizers = TokenizerPool(self.engine.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -87,7 +98,7 @@ class ServeState:
 
 # --- helpers ----------------------------------------------------------------------------------
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def identify(state: ServeState, request: Request) -> Identity | None:
@@ -108,16 +119,25 @@ async def read_json(request: Request):
     if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES >> 20} MiB",
+                                   code="request_too_large")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout") from None
     if not raw.strip():
         raise bad("the request body is empty: send a JSON object")
     try:
-        return json.loads(bytes(raw))
+        body = json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
+    check_body(body)
+    return body
 
 
 def check_model(state: ServeState, model: str | None) -> None:
@@ -135,13 +155,13 @@ def prepare_prompt(state: ServeState, g: GenRequest) -> tuple[list[int], int]:
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} is outside the vocabulary (0..{vocab - 1})", "prompt")
         return list(g.prompt_ids), 0
-    with state.tokenize_lock:
-        if g.kind == "chat":
-            try:
-                return eng.encode(g.messages)
-            except EngineError as exc:
-                raise bad(str(exc), "messages") from None
-        return list(eng.tokenizer(g.prompt)["input_ids"]), 0
+    check_prompt_size(g, eng.runner.max_positions)
+    if g.kind == "chat":
+        try:
+            return state.tokenizers.run(encode_chat, g.messages)
+        except EngineError as exc:
+            raise bad(str(exc), "messages") from None
+    return state.tokenizers.run(lambda tok, text: (list(tok(text)["input_ids"]), 0), g.prompt)
 
 
 def check_limits(state: ServeState, g: GenRequest, n: int) -> int:
@@ -369,9 +389,10 @@ async def _merged(turns: list):
             task.cancel()
 
 
-async def stream_turn(turns: list[Turn]):
+async def stream_turn(turns: list[Turn], slot=None):
     """SSE for one request: its choices' chunks interleaved as they come (each with its index),
-    each choice's final chunk with its finish reason, then usage over all of them."""
+    each choice's final chunk with its finish reason, then usage over all of them. `slot`
+    (limits.Slot) is released when the stream ends."""
     turn = turns[0]
     try:
         if turn.g.kind == "chat":
@@ -400,6 +421,8 @@ async def stream_turn(turns: list[Turn]):
         for t in turns:
             if t.result is None:
                 t.stream.cancel()
+        if slot is not None:
+            slot.release()
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -422,11 +445,24 @@ def create_app(state: ServeState) -> FastAPI:
         return error_response(bad(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else "invalid request"))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+    async def _internal(request: Request, exc: Exception):  # the text stays in the server's log
+        print(f"kvplay serve: internal error on {request.method} {request.url.path}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return error_response(ApiError(500, "internal error (details are in the server's log)", code="internal_error"))
 
     async def generate(request: Request, kind: str):
         ident = identify(state, request)
+        slot = state.admission.enter()  # before the body is read: a full server costs nothing more
+        try:
+            resp = await _generate(request, kind, ident, slot)
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(resp, StreamingResponse):  # a stream releases its slot when it ends
+            slot.release()
+        return resp
+
+    async def _generate(request: Request, kind: str, ident, slot):
         g = parse(await read_json(request), kind)
         check_model(state, g.model)
         user, group = (ident.user, ident.group) if ident is not None else (g.body_user or ANONYMOUS, None)
@@ -465,7 +501,7 @@ def create_app(state: ServeState) -> FastAPI:
             turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle, on_result=on_result),
                               index=i, rid_base=rid))
         if g.stream:
-            return StreamingResponse(stream_turn(turns), media_type="text/event-stream",
+            return StreamingResponse(stream_turn(turns, slot), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
         async def drain(t):
@@ -511,10 +547,11 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while the engine thread runs and takes requests; a request that failed (and
+        ended alone) does not make the server unhealthy."""
         eng = state.engine
-        if not getattr(eng, "alive", True) or getattr(eng, "failure", None):
-            return error_response(ApiError(503, f"engine is down: {getattr(eng, 'failure', None) or 'stopped'}",
-                                           code="unavailable"))
+        if not getattr(eng, "alive", True) or getattr(eng, "_closed", False):
+            return error_response(ApiError(503, "engine is down: its thread has stopped", code="unavailable"))
         return Response(status_code=200)
 
     @app.post("/reset_prefix_cache")
@@ -527,9 +564,14 @@ def create_app(state: ServeState) -> FastAPI:
         return JSONResponse({"ok": True, "dropped_blocks": dropped})
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        # who reuses whose cache is for the operator: user labels need an admin key (with keys)
+        users = state.keys is None or state.metrics_users
+        if not users and request.headers.get("authorization"):
+            ident = lookup(state.keys, request.headers.get("authorization"))
+            users = ident is not None and ident.admin
         stats = await run_in_threadpool(state.engine.stats, 0.2)
-        return PlainTextResponse(state.metrics.render(stats, state.model_name),
+        return PlainTextResponse(state.metrics.render(stats, state.model_name, users=users),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -49,7 +49,9 @@ class ServerMetrics:
                 self.generation_tokens += st.get("output_tokens") or 0
                 self.finished[ev.finish_reason] += 1
 
-    def render(self, stats: dict, model_name: str) -> str:
+    def render(self, stats: dict, model_name: str, users: bool = True) -> str:
+        """Prometheus text; `users=False` leaves out the per-user series (who reuses whose
+        cache), which only the operator may see on a server with keys."""
         base = {"model_name": model_name, "engine": "0"}
         lines: list[str] = []
 
@@ -83,9 +85,10 @@ class ServerMetrics:
         metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", [({}, gen)])
         metric("vllm:request_success_total", "counter", "Count of finished requests by finish reason.",
                [({"finished_reason": r}, n) for r, n in sorted(finished.items())] or [({"finished_reason": "stop"}, 0)])
-        metric("kvplay:cached_tokens_total", "counter",
-               "Prompt tokens served from the cache, by the user who created the blocks and the user who reused them.",
-               [({"creator": c, "user": u}, n) for (c, u), n in sorted(cached_by.items())])
+        if users:
+            metric("kvplay:cached_tokens_total", "counter",
+                   "Prompt tokens served from the cache, by the user who created the blocks and the user who reused them.",
+                   [({"creator": c, "user": u}, n) for (c, u), n in sorted(cached_by.items())])
         metric("kvplay:evictions_total", "counter", "Cached blocks evicted.", [({}, stats.get("evictions", 0))])
         metric("kvplay:collisions_caught_total", "counter", "Hash hits whose stored tokens did not match.",
                [({}, stats.get("collisions_caught", 0))])

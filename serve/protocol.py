@@ -10,19 +10,25 @@ ignored; in particular nothing in the body chooses an identity or a salt.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 MAX_N = 16  # choices per request
 MAX_STOP = 8
 MAX_LOGPROBS = 20
+MAX_MESSAGES = 1024  # per chat request: refused before any of them is read
+MAX_NESTING = 32  # JSON depth a request body may have (OpenAI bodies need 4 or 5)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
     """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -70,8 +76,8 @@ def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open
     v = body[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise bad(f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}", key)
-    if v != v:  # NaN
-        raise bad(f"'{key}' must be a number, got NaN", key)
+    if isinstance(v, float) and not math.isfinite(v):  # NaN, Infinity (Python's json accepts them)
+        raise bad(f"'{key}' must be a finite number, got {v!r}", key)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise bad(f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {v!r}", key)
     if hi is not None and v > hi:
@@ -109,6 +115,8 @@ def _messages(body: dict) -> list[dict]:
         raise bad("'messages' must be a list of {role, content} objects", "messages")
     if not msgs:
         raise bad("'messages' must not be empty", "messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise bad(f"'messages' has {len(msgs)} entries; this server takes at most {MAX_MESSAGES}", "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -143,6 +151,30 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     raise bad("'prompt' must be a string or a list of token ids", "prompt")
 
 
+def check_body(body) -> None:
+    """Refuse a parsed JSON body nested deeper than MAX_NESTING or holding a lone surrogate
+    (``"\\ud800"``: valid JSON, but no UTF-8 text; the tokenizer and the reply would fail on it).
+    Iterative: O(size of the body), no recursion."""
+    stack = [(body, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise bad("the request holds a lone UTF-16 surrogate (e.g. \\ud800): not valid Unicode text",
+                          code="invalid_json")
+            continue
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_NESTING:
+                raise bad(f"the request body is nested deeper than {MAX_NESTING} levels", code="invalid_json")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    raise bad("the request holds a lone UTF-16 surrogate (e.g. \\ud800): not valid Unicode text",
+                              code="invalid_json")
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, depth + 1))
+
+
 def parse(body, kind: str) -> GenRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -159,6 +191,8 @@ def parse(body, kind: str) -> GenRequest:
     if so is not None:
         if not isinstance(so, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        if not req.stream:  # as vLLM: stream_options only make sense for a stream
+            raise bad("'stream_options' needs 'stream': true", "stream_options")
         req.include_usage = _bool(so, "include_usage", False)
     req.temperature = float(_num(body, "temperature", 1.0, lo=0))
     req.top_p = float(_num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))

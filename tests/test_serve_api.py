@@ -264,7 +264,9 @@ def test_metrics_and_reset(serve, tmp_path):
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, ALICE, "one")
         chat(c, srv.url, BOB, "two")
-        text = c.get(srv.url + "/metrics").text
+        open_text = c.get(srv.url + "/metrics").text
+        text = c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {BOB}"}).text  # admin
+        alice_text = c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {ALICE}"}).text
         assert c.post(srv.url + "/reset_prefix_cache").status_code == 401
         denied = c.post(srv.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {ALICE}"})
         assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
@@ -277,6 +279,9 @@ def test_metrics_and_reset(serve, tmp_path):
     hits = samples['vllm:prefix_cache_hits_total{model_name="tiny:llama",engine="0"}']
     assert hits > 0 and samples['vllm:prefix_cache_queries_total{model_name="tiny:llama",engine="0"}'] > hits
     assert samples['kvplay:cached_tokens_total{model_name="tiny:llama",engine="0",creator="alice",user="bob"}'] == hits
+    # who reuses whose cache: only for an admin key (issue 20, item 5)
+    assert "creator=" not in open_text and "creator=" not in alice_text
+    assert "vllm:prefix_cache_hits_total" in open_text
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prompt_tokens_cached_total"):
         assert f"# TYPE {name} " in text
 
