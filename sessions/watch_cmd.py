@@ -23,6 +23,7 @@ import time
 
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.wire.codec import WireError
+from kvplay.wire.curve import client_from_args
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import PodSource, Subscriber, check_endpoint, default_pod_name
 
@@ -49,6 +50,11 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
                    help="the pod's replay endpoint (vLLM's replay_endpoint), in the order of the pods")
     p.add_argument("--pod", action="append", default=[], metavar="NAME",
                    help="a name for each pod, in order (default: its endpoint's host:port)")
+    p.add_argument("--events-curve-server-key", default=None, metavar="FILE",
+                   help="the CURVE publisher's public key (its server.key, or the 40-character key): "
+                        "for a `kvplay serve --kv-events-curve` server")
+    p.add_argument("--events-curve-key", default=None, metavar="FILE",
+                   help="this subscriber's CURVE key pair (a .key_secret file whose public key the server allows)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -74,6 +80,7 @@ def sources_from_args(args) -> list[PodSource]:
     if len(args.pod) > n:
         raise KvplayError(f"{len(args.pod)} --pod names for {n} pod(s)")
     out = []
+    curve = client_from_args(args.events_curve_server_key, args.events_curve_key)
     try:
         for i, (bind, ep) in enumerate(args.sources):
             check_endpoint(ep, "--events-bind" if bind else "--events")
@@ -83,7 +90,7 @@ def sources_from_args(args) -> list[PodSource]:
             name = args.pod[i] if i < len(args.pod) else default_pod_name(ep)
             if not name:
                 raise KvplayError("--pod: a name cannot be empty")
-            out.append(PodSource(name, ep, bind, replay, args.topic))
+            out.append(PodSource(name, ep, bind, replay, args.topic, curve=curve))
     except WireError as exc:
         raise KvplayError(str(exc)) from None
     names = [s.name for s in out]

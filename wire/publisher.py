@@ -14,13 +14,25 @@ Same semantics as vLLM's ``ZmqEventPublisher`` (vllm/distributed/kv_events.py):
   ``[b"", b"", -1 as 8 bytes, b""]``.
 
 One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
+
+Under abuse (anyone who reaches the ports, unless CURVE is on; wire/curve.py):
+
+- The live socket is an XPUB that applies subscriptions itself (``XPUB_MANUAL``): only a
+  filter that can match this publisher's topic (a prefix of it) is kept, so a peer sending
+  800k distinct subscriptions costs nothing kept; incoming frames are capped (``MAXMSGSIZE``,
+  a peer over it is disconnected). A SUB sees exactly what a PUB would send.
+- Replay requests are rate-limited per peer and in total (token buckets; over the limit a
+  request is dropped and counted, the consumer retries), at most REPLAY_MAX_PENDING are being
+  answered at once, and an answer goes out REPLAY_FRAMES_PER_TURN frames at a time between
+  live batches: live events keep flowing while replay is hammered.
 """
 from __future__ import annotations
 
 import json
 import queue
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 
 import zmq
@@ -30,6 +42,29 @@ from kvplay.engine.errors import EngineError
 from .codec import END_SEQ_BYTES, EventBatch, encode_batch, pack_seq, topic_bytes
 
 LOOPBACK = "127.0.0.1"
+MAX_INCOMING_BYTES = 1024  # any frame a peer sends us (subscriptions, replay requests)
+SUBSCRIPTIONS_PER_TURN = 1000  # subscription messages handled between live batches
+REPLAY_REQUESTS_PER_TURN = 256
+REPLAY_FRAMES_PER_TURN = 256
+REPLAY_MAX_PENDING = 16
+REPLAY_PEER_RATE, REPLAY_PEER_BURST = 2.0, 4  # requests per second per peer (ZMQ routing id)
+REPLAY_TOTAL_RATE, REPLAY_TOTAL_BURST = 20.0, 40
+REPLAY_PEERS_KEPT = 4096
+
+
+class TokenBucket:
+    __slots__ = ("rate", "burst", "tokens", "at")
+
+    def __init__(self, rate: float, burst: float, now: float):
+        self.rate, self.burst, self.tokens, self.at = rate, burst, float(burst), now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
 
 
 @dataclass
@@ -108,13 +143,23 @@ def loopback_only(endpoint: str | None) -> str | None:
 
 
 class ZmqEventPublisher:
-    """PUB + replay ROUTER with an in-memory buffer of the last `buffer_steps` batches."""
+    """XPUB (a PUB to its subscribers) + replay ROUTER with an in-memory buffer of the last
+    `buffer_steps` batches. `curve` (wire.curve.ServerCurve): both sockets are CURVE servers
+    that admit only the allowed subscriber keys."""
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
                  topic: str = "", data_parallel_rank: int = 0, ctx: zmq.Context | None = None,
-                 bind: bool | None = None):
-        self._ctx = ctx or zmq.Context.instance()
+                 bind: bool | None = None, curve=None):
+        self._own_ctx = curve is not None and ctx is None  # a ZAP handler serves a whole context
+        self._ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
+        self._auth = curve.start_authenticator(self._ctx) if curve is not None else None
+        self.curve = curve
+        self.subs_dropped = 0  # subscriptions that could never match (not kept)
+        self.replay_refused = 0  # replay requests over the rate limits
+        self._replay_pending: deque = deque()  # [client, next seq, last seq]
+        self._peers: OrderedDict = OrderedDict()  # routing id -> TokenBucket
+        self._replay_total = TokenBucket(REPLAY_TOTAL_RATE, REPLAY_TOTAL_BURST, time.monotonic())
         self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._topic = topic_bytes(topic)
@@ -122,9 +167,14 @@ class ZmqEventPublisher:
         self._seq = 0
         self.dropped = 0
         self.binds = is_bind_endpoint(endpoint) if bind is None else bind
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._pub.setsockopt(zmq.RCVHWM, 1000)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
+        if curve is not None:
+            curve.apply(self._pub)
         self._replay = None
         try:
             if self.binds:
@@ -137,6 +187,10 @@ class ZmqEventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
+                self._replay.setsockopt(zmq.RCVHWM, 1000)
+                if curve is not None:
+                    curve.apply(self._replay)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -149,7 +203,7 @@ class ZmqEventPublisher:
 
     @classmethod
     def from_config(cls, cfg: KVEventsConfig, data_parallel_rank: int = 0,
-                    loopback: bool = False) -> "ZmqEventPublisher":
+                    loopback: bool = False, curve=None) -> "ZmqEventPublisher":
         """With `loopback`, what would bind every interface binds 127.0.0.1 (same port)."""
         binds = is_bind_endpoint(cfg.endpoint)
         endpoint, replay = cfg.endpoint, cfg.replay_endpoint
@@ -157,7 +211,7 @@ class ZmqEventPublisher:
             endpoint = loopback_only(endpoint) if binds else endpoint
             replay = loopback_only(replay)
         return cls(endpoint, replay, cfg.buffer_steps, cfg.hwm, cfg.max_queue_size, cfg.topic,
-                   data_parallel_rank, bind=binds)
+                   data_parallel_rank, bind=binds, curve=curve)
 
     # --- producer side (any thread) ------------------------------------------------------------
     def publish(self, batch: EventBatch) -> None:
@@ -190,40 +244,106 @@ class ZmqEventPublisher:
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+            self._own_ctx = False
 
     # --- the thread that owns the sockets -----------------------------------------------------
     def _run(self) -> None:
+        """Each turn: subscriptions, replay (bounded), then live batches (all that are queued)."""
         while True:
+            self._take_subscriptions()
             if self._replay is not None:
-                while self._replay.poll(0):
-                    try:
-                        self._serve_replay()
-                    except zmq.ZMQError:
-                        break
+                self._take_replay_requests()
+                self._send_replay()
             try:
-                batch = self._queue.get(timeout=0.02)
+                batch = self._queue.get(timeout=0.002 if self._replay_pending else 0.02)
             except queue.Empty:
                 continue
+            while batch is not None:
+                self._send_live(batch)
+                try:
+                    batch = self._queue.get_nowait()
+                except queue.Empty:
+                    break
             if batch is None:
                 break
-            try:
-                payload = encode_batch(batch)
-                seq = self._seq
-                self._pub.send_multipart((self._topic, pack_seq(seq), payload))
-                self._seq += 1
-                self._buffer.append((seq, payload))
-            except (zmq.ZMQError, TypeError, ValueError):
-                self.dropped += 1
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:  # [client id, b"", seq8] from a DEALER; anything else is ignored
-            return
-        client, _, start = frames
-        if len(start) != 8:
-            return
-        start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, pack_seq(seq), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ_BYTES, b""))
+    def _send_live(self, batch: EventBatch) -> None:
+        try:
+            payload = encode_batch(batch)
+            seq = self._seq
+            self._pub.send_multipart((self._topic, pack_seq(seq), payload))
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        except (zmq.ZMQError, TypeError, ValueError):
+            self.dropped += 1
+
+    def _take_subscriptions(self) -> None:
+        """XPUB_MANUAL: keep a filter only if it can match our topic (a prefix of it)."""
+        for _ in range(SUBSCRIPTIONS_PER_TURN):
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            if not msg or msg[0] not in (0, 1):
+                continue
+            prefix = msg[1:]
+            if not self._topic.startswith(prefix):
+                self.subs_dropped += 1
+                continue
+            try:
+                self._pub.setsockopt(zmq.SUBSCRIBE if msg[0] == 1 else zmq.UNSUBSCRIBE, prefix)
+            except zmq.ZMQError:
+                pass
+
+    def _take_replay_requests(self) -> None:
+        now = time.monotonic()
+        for _ in range(REPLAY_REQUESTS_PER_TURN):
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:  # [client id, b"", seq8] from a DEALER
+                continue
+            client = frames[0]
+            bucket = self._peers.get(client)
+            if bucket is None:
+                bucket = self._peers[client] = TokenBucket(REPLAY_PEER_RATE, REPLAY_PEER_BURST, now)
+                if len(self._peers) > REPLAY_PEERS_KEPT:
+                    self._peers.popitem(last=False)
+            else:
+                self._peers.move_to_end(client)
+            if (len(self._replay_pending) >= REPLAY_MAX_PENDING or not bucket.take(now)
+                    or not self._replay_total.take(now)):
+                self.replay_refused += 1
+                continue
+            self._replay_pending.append([client, int.from_bytes(frames[2], "big"), self._seq - 1])
+
+    def _send_replay(self) -> None:
+        """Up to REPLAY_FRAMES_PER_TURN frames of the pending answers, oldest request first."""
+        budget = REPLAY_FRAMES_PER_TURN
+        while self._replay_pending and budget > 0:
+            entry = self._replay_pending[0]
+            client, nxt, last = entry
+            first = self._buffer[0][0] if self._buffer else self._seq
+            i = max(nxt, first) - first
+            try:
+                while budget > 0 and i < len(self._buffer) and self._buffer[i][0] <= last:
+                    seq, payload = self._buffer[i]
+                    self._replay.send_multipart((client, b"", self._topic, pack_seq(seq), payload), zmq.NOBLOCK)
+                    i += 1
+                    budget -= 1
+                    entry[1] = seq + 1
+                if budget > 0:
+                    self._replay.send_multipart((client, b"", b"", END_SEQ_BYTES, b""), zmq.NOBLOCK)
+                    self._replay_pending.popleft()
+            except zmq.ZMQError:  # the peer is gone or not reading: drop its answer
+                self._replay_pending.popleft()

@@ -77,6 +77,7 @@ class PodSource:
     bind: bool = False
     replay: str | None = None
     topic: str = ""
+    curve: object = None  # wire.curve.ClientCurve: subscribe to a CURVE publisher with these keys
 
 
 @dataclass
@@ -171,6 +172,8 @@ class Subscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, topic_bytes(src.topic))
+        if src.curve is not None:
+            src.curve.apply(sub)
         pod.sub = sub
         self._by_socket[sub] = (pod, "sub")
         pod.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -188,6 +191,8 @@ class Subscriber:
         d.setsockopt(zmq.RCVHWM, 0)
         d.setsockopt(zmq.RECONNECT_IVL, 100)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if pod.src.curve is not None:
+            pod.src.curve.apply(d)
         self._zmq_call(d.connect, pod.src.replay, "--replay")
         pod.dealer = d
         self._by_socket[d] = (pod, "dealer")
