@@ -77,6 +77,12 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
             raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
         if not os.access(p.parent, os.W_OK):
             raise StoreError(f"cannot create a database at {p}: directory is not writable")
+        try:  # owner-only from the start (it holds every prompt; SQLite gives -wal/-shm the same mode)
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
     t = float(os.environ.get("KVPLAY_DB_TIMEOUT", "5")) if timeout is None else timeout
     try:
         conn = sqlite3.connect(str(p), timeout=t, check_same_thread=False)
