@@ -351,6 +351,8 @@ def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
                               "--no-record", "--model", "tiny:llama", "--num-blocks", "32", *extra],
                              stderr=subprocess.PIPE, text=True)
         lines = []
+        killer = threading.Timer(120, p.kill)  # a line that never comes fails the test, never hangs it
+        killer.start()
         try:
             for line in p.stderr:
                 lines.append(line)
@@ -359,6 +361,7 @@ def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
                         lines.append(p.stderr.readline())
                     break
         finally:
+            killer.cancel()
             p.terminate()
             p.wait(30)
         return "".join(lines)
