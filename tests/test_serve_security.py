@@ -142,13 +142,13 @@ def test_cli_refuses_open_events_without_keys_before_loading(tmp_path, capsys):
 
 
 def test_watch_subscribes_with_curve_keys(tmp_path):
-    """`kvplay watch`'s flags give the subscriber's sockets the keys (wire/watch_cmd.py)."""
+    """`kvplay watch`'s flags give the subscriber's sockets the keys (sessions/watch_cmd.py)."""
     import argparse
 
     from kvplay.wire import curve
     from kvplay.wire.publisher import ZmqEventPublisher
     from kvplay.wire.subscriber import Subscriber
-    from kvplay.wire.watch_cmd import configure, sources_from_args
+    from kvplay.sessions.watch_cmd import configure, sources_from_args
 
     d = curve.generate(tmp_path / "keys")
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=curve.ServerCurve.load(d))
