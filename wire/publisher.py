@@ -43,7 +43,9 @@ from .codec import END_SEQ_BYTES, EventBatch, encode_batch, pack_seq, topic_byte
 
 LOOPBACK = "127.0.0.1"
 MAX_INCOMING_BYTES = 1024  # any frame a peer sends us (subscriptions, replay requests)
-SUBSCRIPTIONS_PER_TURN = 1000  # subscription messages handled between live batches
+# subscription messages handled between live batches: libzmq queues a peer's subscriptions for an
+# XPUB_MANUAL socket without a bound, so they are drained fast (a flood is memory until read)
+SUBSCRIPTIONS_PER_TURN = 10_000
 REPLAY_REQUESTS_PER_TURN = 256
 REPLAY_FRAMES_PER_TURN = 256
 REPLAY_MAX_PENDING = 16
