@@ -1,0 +1,89 @@
+"""labs/stats.py: the intervals cover what they claim on synthetic data (fixed seeds), the tests
+reject what they should, and the verdict words follow the interval."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as st
+
+from kvplay.labs import stats
+
+
+def test_auc_counts_ties_half_and_matches_the_pairwise_definition():
+    assert stats.auc([2, 3], [1, 1]) == 1.0
+    assert stats.auc([1, 1], [2, 3]) == 0.0
+    assert stats.auc([1, 2], [1, 2]) == 0.5
+    rng = np.random.default_rng(1)
+    pos, neg = rng.integers(0, 5, 30), rng.integers(0, 5, 20)  # many ties
+    pairwise = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg) / (30 * 20)
+    assert stats.auc(pos, neg) == pytest.approx(pairwise)
+    assert math.isnan(stats.auc([], [1.0]))
+
+
+def test_bootstrap_auc_interval_covers_the_true_auc_about_95_percent():
+    # positives ~ N(d, 1), negatives ~ N(0, 1): true AUC = Phi(d / sqrt 2)
+    rng = np.random.default_rng(7)
+    for d in (0.0, 0.8):
+        true = float(st.norm.cdf(d / math.sqrt(2)))
+        trials, hits = 300, 0
+        for t in range(trials):
+            _, lo, hi = stats.auc_ci(rng.normal(d, 1, 40), rng.normal(0, 1, 40), n_boot=400, seed=t)
+            hits += lo <= true <= hi
+        assert 0.89 <= hits / trials <= 0.99, (d, hits / trials)
+
+
+def test_sample_size_for_plus_minus_0_08_and_the_bootstrap_agrees():
+    n = stats.samples_for_auc(0.08)
+    assert n == 101  # 1.96 * sqrt(1 / (6 n)) <= 0.08 at AUC 0.5
+    assert stats.auc_halfwidth(15, 15) == pytest.approx(0.21, abs=0.01)  # the old 15 + 15 probes
+    rng = np.random.default_rng(3)
+    widths = [np.subtract(*stats.auc_ci(rng.normal(0, 1, n), rng.normal(0, 1, n), seed=s)[2:0:-1]) / 2
+              for s in range(20)]
+    assert 0.07 <= float(np.mean(widths)) <= 0.09
+    with pytest.raises(ValueError):
+        stats.samples_for_auc(0)
+
+
+def test_clopper_pearson_is_exact_and_at_least_nominal():
+    assert stats.clopper_pearson(0, 10)[0] == 0.0 and stats.clopper_pearson(10, 10)[1] == 1.0
+    assert stats.clopper_pearson(0, 30)[1] == pytest.approx(1 - 0.025 ** (1 / 30))  # the closed form at k = 0
+    for n, p in ((12, 0.1), (30, 0.5), (100, 0.03)):
+        cover = sum(st.binom.pmf(k, n, p) for k in range(n + 1)
+                    if stats.clopper_pearson(k, n)[0] <= p <= stats.clopper_pearson(k, n)[1])
+        assert cover >= 0.95, (n, p, cover)
+    assert stats.rate(0, 24) == "0/24 (95 % CI 0–14 %)"
+
+
+def test_poisson_interval_is_at_least_nominal_and_holds_the_birthday_counts():
+    for mu in (0.5, 1.22, 7.0, 50.0):
+        ks = range(0, int(mu * 4 + 30))
+        cover = sum(st.poisson.pmf(k, mu) for k in ks if stats.poisson_ci(k)[0] <= mu <= stats.poisson_ci(k)[1])
+        assert cover >= 0.95, (mu, cover)
+    lo, hi = stats.poisson_ci(2)
+    assert lo < 1.22 < hi  # the collide lab's 2 engine collisions vs the bound 1.22
+    lo, hi = stats.poisson_ci(3018)
+    assert lo < 3052 < hi
+
+
+def test_ks_less_rejects_a_shift_and_is_uniform_under_the_null():
+    rng = np.random.default_rng(11)
+    d, p = stats.ks_less(rng.normal(0, 1, 100), rng.normal(1, 1, 100))  # x smaller
+    assert p < 1e-6 and d > 0.3
+    assert stats.ks_less(rng.normal(1, 1, 100), rng.normal(0, 1, 100))[1] > 0.5  # wrong direction
+    ps = [stats.ks_less(rng.normal(0, 1, 50), rng.normal(0, 1, 50))[1] for _ in range(400)]
+    assert np.mean(np.array(ps) < 0.05) <= 0.08
+
+
+def test_leak_call_says_only_what_the_interval_allows():
+    assert stats.leak_call(0.62, 0.78) == "leak"
+    assert stats.leak_call(0.20, 0.40) == "leak"  # slower hits separate just as well
+    assert stats.leak_call(0.43, 0.59) == "no evidence of a leak"
+    assert stats.leak_call(0.48, 0.90) == "inconclusive"  # 15 + 15 probes at AUC 0.70
+    assert stats.leak_call(float("nan"), float("nan")) == "inconclusive"
+    rng = np.random.default_rng(2)  # one null draw; over 300 draws 91 % say this, 5 % "leak", 4 % inconclusive
+    s = stats.separation(rng.normal(100, 5, 101).tolist(), rng.normal(100, 5, 101).tolist(), seed=1)
+    assert s["call"] == "no evidence of a leak" and s["auc_hi"] - s["auc_lo"] <= 0.2
+    s = stats.separation(rng.normal(90, 5, 101).tolist(), rng.normal(100, 5, 101).tolist(), seed=1)
+    assert s["call"] == "leak" and s["auc"] > 0.8 and s["ks_p"] < 1e-6
