@@ -8,9 +8,14 @@ the wall time from submit to its first streamed token, in its own code (the ``At
 holds its connection, never the engine). A **hit** candidate starts with the victim's first k
 blocks, a **miss** candidate with random tokens; both have the same length. The attacker
 calibrates a threshold on its own prompts (a fresh one, then the same one again) and guesses
-hit when a probe is faster. We report ROC AUC and accuracy against k, a one-sided KS test of
-hit vs miss TTFT, under each isolation mode, and under two server-side mitigations: a random
-delay before the first token, and padding TTFT up to a constant.
+hit when a probe is faster. We report ROC AUC (with a bootstrap 95 % interval) and accuracy
+against k, a one-sided KS test of hit vs miss TTFT, under each isolation mode, and under two
+server-side mitigations: a random delay before the first token, and padding TTFT up to a constant.
+Each row pools several repeats (seeds), each with its own calibration, secrets and shuffled order;
+the default probe count makes the AUC interval about ± 0.08, and the verdict says "leak", "no
+evidence of a leak" or "inconclusive" only as the interval allows (labs/stats.py). With
+``control`` every setting also gets an A/A row: the same procedure with "hit" probes unrelated to
+the victim, whose AUC is what the procedure alone (order, load drift) produces.
 
 Against a real server (vLLM, SGLang, `kvplay serve`): `--target URL` runs the same method over
 HTTP with two clients, with and without per-user `cache_salt` (labs/target.py).
@@ -24,22 +29,30 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
-from .common import LabContext, LabResult, Table, pyplot, roc_auc, token_messages, token_pool
+from . import stats
+from .common import LabContext, LabResult, Table, pyplot, token_messages, token_pool
 
 PROBE = SamplingParams(max_tokens=1, temperature=0.0, stop_on_eos=False)
 VICTIM, ATTACKER = "victim", "mallory"
 
 
+REPEATS = 3  # independent runs (seeds seed, seed+1, …) pooled into every row
+SAMPLES = -(-stats.samples_for_auc(stats.LEAK_HALFWIDTH) // REPEATS) * REPEATS  # 102: AUC ± 0.08 at 95 %
+QUICK_SAMPLES = 15  # `--quick`: a fast look, interval about ± 0.2
+
+
 @dataclass
 class LeakParams:
     blocks: list[int] = field(default_factory=lambda: [1, 4, 8])  # prefix blocks shared with the secret
-    samples: int = 15  # hit probes and miss probes per setting
+    samples: int = SAMPLES  # hit probes and miss probes per row, over all repeats
+    repeats: int = REPEATS  # seeds seed .. seed+repeats-1, each with its own calibration, secrets and order
     tail: int = 4  # tokens after the guessed prefix in every probe
-    calibration: int = 5  # attacker's own (miss, hit) pairs per setting
+    calibration: int = 5  # attacker's own (miss, hit) pairs per setting and repeat
     isolations: list[str] = field(default_factory=lambda: ["shared", "user"])
     mitigations: list[str] = field(default_factory=lambda: ["delay", "pad"])
     delay_ms: float | None = None  # uniform(0, delay_ms); None = 3x the measured gap
     pad_ms: float | None = None  # pad TTFT to this; None = 2x the unmitigated median miss
+    control: bool = False  # also a row per setting whose "hit" probes are unrelated to the victim (A/A)
     seed: int = 0
 
 
@@ -122,15 +135,17 @@ class Attacker:
         return (statistics.median(cold) + statistics.median(warm)) / 2
 
 
-def _ks(hit: list[float], miss: list[float]) -> tuple[float, float]:
-    # start-up time: imported when this first runs
-    from scipy.stats import ks_2samp
-
-    r = ks_2samp(hit, miss, alternative="greater")  # H1: hit TTFTs are stochastically smaller
-    return float(r.statistic), float(r.pvalue)
+def _split(total: int, parts: int) -> list[int]:
+    """`total` probes per class over `parts` repeats, as evenly as possible (none empty)."""
+    parts = max(1, min(parts, total))
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random, vocab: list[int]) -> dict:
+def _measure_once(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random, vocab: list[int],
+                  n: int, control: bool) -> dict:
+    """One repeat of one setting: a fresh cache, the attacker's own calibration, then n hit and n
+    miss probes in a shuffled order, each after a fresh victim secret. In a control run the "hit"
+    probes are random like the misses (the victim's content is in none): the procedure's own AUC."""
     bs = eng.config.block_size
     length = k * bs + p.tail
     rand = lambda n: [rng.choice(vocab) for _ in range(n)]  # noqa: E731
@@ -138,16 +153,16 @@ def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random
     victim = Server(eng, ctx).connect(VICTIM)
     attacker = Attacker(server.connect(ATTACKER))
     threshold = attacker.calibrate(lambda: rand(length), p.calibration)
-    labels = ["hit"] * p.samples + ["miss"] * p.samples
+    labels = ["hit"] * n + ["miss"] * n
     rng.shuffle(labels)
     hit, miss, correct = [], [], 0
-    for i, label in enumerate(labels):
+    for label in labels:
         # A fresh secret before every probe: a hit probe can only hit the victim's blocks,
         # never blocks the attacker wrote itself with an earlier probe.
         secret = rand(length)
         for _ in victim.complete(secret):
             pass
-        if label == "hit":
+        if label == "hit" and not control:
             probe = secret[:k * bs] + rand(p.tail)
         else:
             probe = rand(length)
@@ -157,10 +172,27 @@ def _measure(eng, ctx, server: Server, k: int, p: LeakParams, rng: random.Random
         (hit if label == "hit" else miss).append(ms)
         correct += (ms < threshold) == (label == "hit")
         ctx.advance()
-    d, pval = _ks(hit, miss)
-    return {"blocks": k, "tokens": k * bs, "hit_ms": hit, "miss_ms": miss, "threshold_ms": threshold,
-            "auc": roc_auc(miss, hit), "accuracy": correct / len(labels), "ks_d": d, "ks_p": pval,
-            "median_hit_ms": statistics.median(hit), "median_miss_ms": statistics.median(miss),
+    return {"hit_ms": hit, "miss_ms": miss, "threshold_ms": threshold, "correct": correct}
+
+
+def _measure(eng, ctx, server: Server, k: int, p: LeakParams, vocab: list[int], setting: str,
+             control: bool = False) -> dict:
+    """One row: the repeats' probes pooled; AUC with its bootstrap interval, KS, and per-seed AUCs."""
+    hit, miss, correct, per_seed = [], [], 0, []
+    for i, n in enumerate(_split(p.samples, p.repeats)):
+        seed = p.seed + i
+        # every (seed, setting) draws its own secrets and order: rows are independent measurements
+        rng = random.Random(f"leak:{seed}:{setting}:{k}:{'control' if control else 'content'}")
+        once = _measure_once(eng, ctx, server, k, p, rng, vocab, n, control)
+        hit += once["hit_ms"]
+        miss += once["miss_ms"]
+        correct += once["correct"]
+        per_seed.append({"seed": seed, "n": n, "threshold_ms": once["threshold_ms"],
+                         "auc": stats.auc(once["miss_ms"], once["hit_ms"])})
+    sep = stats.separation(hit, miss, seed=p.seed)
+    return {"blocks": k, "tokens": k * eng.config.block_size, "probes": "control" if control else "content",
+            "hit_ms": hit, "miss_ms": miss, "accuracy": correct / (len(hit) + len(miss)), **sep,
+            "per_seed": per_seed, "median_hit_ms": statistics.median(hit), "median_miss_ms": statistics.median(miss),
             "mean_ms": statistics.fmean(hit + miss)}
 
 
@@ -175,14 +207,17 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
     kmax = max(p.blocks)
     for _ in Server(eng, LabContext()).connect("warmup").complete([rng.choice(vocab) for _ in range(8)]):
         pass  # warm up the model before timing anything
+    kinds = [False, True] if p.control else [False]
     for iso in p.isolations:
         eng.reconfigure(isolation=iso)
-        ctx.phase(f"isolation={iso}", 2 * p.samples * len(p.blocks))
+        ctx.phase(f"isolation={iso}", 2 * p.samples * len(p.blocks) * len(kinds))
         for k in p.blocks:
-            r = _measure(eng, ctx, Server(eng, ctx, seed=p.seed), k, p, rng, vocab)
-            results.append({"isolation": iso, "mitigation": "none", **r})
+            for control in kinds:
+                r = _measure(eng, ctx, Server(eng, ctx, seed=p.seed), k, p, vocab, iso, control)
+                results.append({"isolation": iso, "mitigation": "none", **r})
     mitigated = []
-    base = next((r for r in results if r["isolation"] == "shared" and r["blocks"] == kmax), None)
+    base = next((r for r in results if r["isolation"] == "shared" and r["blocks"] == kmax
+                 and r["probes"] == "content"), None)
     if p.mitigations and base is not None:
         eng.reconfigure(isolation="shared")
         gap = max(base["median_miss_ms"] - base["median_hit_ms"], 1.0)
@@ -191,43 +226,96 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
         for m in p.mitigations:
             ctx.phase(f"mitigation={m}", 2 * p.samples)
             server = Server(eng, ctx, mitigation=m, delay_ms=delay, pad_ms=pad, seed=p.seed + 1)
-            r = _measure(eng, ctx, server, kmax, p, rng, vocab)
+            r = _measure(eng, ctx, server, kmax, p, vocab, f"shared+{m}")
             r.update(mitigation=m, isolation="shared", delay_ms=delay if m == "delay" else None,
                      pad_ms=pad if m == "pad" else None, extra_ms=r["mean_ms"] - base["mean_ms"])
             mitigated.append(r)
     eng.reconfigure(isolation=old_isolation)
     ctx.progress.close()
-    rows = [[r["isolation"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"],
-             r["accuracy"], r["ks_d"], r["ks_p"]] for r in results]
-    tables = [Table(f"Attacker's client-side TTFT, {p.samples} hit + {p.samples} miss probes per row",
-                    ["isolation", "shared blocks", "tokens", "median hit ms", "median miss ms", "ROC AUC",
-                     "accuracy", "KS D", "KS p (hit<miss)"], rows)]
+    seeds = _seeds_text(p)
+    rows = [[r["isolation"], r["probes"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"],
+             stats.interval(r["auc_lo"], r["auc_hi"]), r["ks_p"], r["accuracy"], r["call"]] for r in results]
+    tables = [Table(f"Attacker's client-side TTFT, {p.samples} hit + {p.samples} miss probes per row ({seeds})",
+                    ["isolation", "probes", "shared blocks", "tokens", "median hit ms", "median miss ms", "ROC AUC",
+                     "95 % CI", "KS p (hit<miss)", "accuracy", "verdict"], rows)]
     if mitigated:
         tables.append(Table(f"Mitigations (shared isolation, {kmax} blocks)",
-                            ["mitigation", "setting", "ROC AUC", "accuracy", "KS p", "mean TTFT ms", "cost: extra mean ms"],
-                            [["none", "", base["auc"], base["accuracy"], base["ks_p"], base["mean_ms"], 0.0]] +
+                            ["mitigation", "setting", "ROC AUC", "95 % CI", "KS p", "verdict", "mean TTFT ms",
+                             "cost: extra mean ms"],
+                            [["none", "", base["auc"], stats.interval(base["auc_lo"], base["auc_hi"]), base["ks_p"],
+                              base["call"], base["mean_ms"], 0.0]] +
                             [[m["mitigation"], f"uniform 0–{m['delay_ms']:.0f} ms" if m["delay_ms"] is not None
-                              else f"pad to {m['pad_ms']:.0f} ms", m["auc"], m["accuracy"], m["ks_p"], m["mean_ms"],
-                              m["extra_ms"]] for m in mitigated]))
-    data = {"params": p.__dict__, "results": results, "mitigations": mitigated}
-    return LabResult("leak", _verdict(results, mitigated, kmax), tables, data, eng.model_name,
+                              else f"pad to {m['pad_ms']:.0f} ms", m["auc"], stats.interval(m["auc_lo"], m["auc_hi"]),
+                              m["ks_p"], m["call"], m["mean_ms"], m["extra_ms"]] for m in mitigated]))
+    data = {"params": p.__dict__, "halfwidth_target": stats.LEAK_HALFWIDTH,
+            "expected_halfwidth": stats.auc_halfwidth(p.samples, p.samples), "results": results,
+            "mitigations": mitigated}
+    return LabResult("leak", _verdict(results, mitigated, p), tables, data, eng.model_name,
                      eng.config.to_dict(), time.perf_counter() - t_start)
 
 
-def _verdict(results: list[dict], mitigated: list[dict], kmax: int) -> str:
-    parts = []
+def _seeds_text(p: LeakParams) -> str:
+    n = len(_split(p.samples, p.repeats))
+    return f"seed {p.seed}" if n == 1 else f"seeds {p.seed}–{p.seed + n - 1} pooled"
+
+
+def row_phrase(r: dict) -> str:
+    """"AUC 0.52 [0.44, 0.60] at 4 blocks": a row's AUC with its interval, for a verdict sentence."""
+    return f"AUC {r['auc']:.2f} {stats.interval(r['auc_lo'], r['auc_hi'])} at {r['blocks']}"
+
+
+def overall(calls: list[str]) -> str:
+    """The words for several rows: a leak if any row shows one, no evidence only if every row says so."""
+    if "leak" in calls:
+        return "leak"
+    if calls and all(c == "no evidence of a leak" for c in calls):
+        return "no evidence of a leak"
+    return "inconclusive"
+
+
+def _verdict(results: list[dict], mitigated: list[dict], p: LeakParams) -> str:
+    n = results[0]["n_hit"] if results else p.samples
+    parts = [f"With {n} hit and {n} miss probes per row ({_seeds_text(p)}), 95 % intervals:"]
     for iso in dict.fromkeys(r["isolation"] for r in results):
-        rs = [r for r in results if r["isolation"] == iso]
-        aucs = ", ".join(f"{r['auc']:.2f}@{r['blocks']}" for r in rs)
+        rs = [r for r in results if r["isolation"] == iso and r["probes"] == "content"]
+        word = overall([r["call"] for r in rs])
         top = rs[-1]
-        parts.append(f"{iso} isolation: attacker AUC {aucs} (AUC@blocks), accuracy {top['accuracy']:.0%} and "
-                     f"KS p={top['ks_p']:.1g} at {top['blocks']} blocks "
-                     f"(median hit {top['median_hit_ms']:.0f} vs miss {top['median_miss_ms']:.0f} ms).")
+        parts.append(f"{iso} isolation — {word.upper()}: " + ", ".join(row_phrase(r) for r in rs) + " blocks; "
+                     f"KS p={top['ks_p']:.1g} and median hit {top['median_hit_ms']:.0f} vs miss "
+                     f"{top['median_miss_ms']:.0f} ms at {top['blocks']} blocks.")
+        controls = [r for r in results if r["isolation"] == iso and r["probes"] == "control"]
+        if controls:
+            parts.append(_control_sentence(iso, rs, controls))
     for m in mitigated:
         what = (f"random delay 0–{m['delay_ms']:.0f} ms" if m["mitigation"] == "delay"
                 else f"padding TTFT to {m['pad_ms']:.0f} ms")
-        parts.append(f"{what}: AUC {m['auc']:.2f}, KS p={m['ks_p']:.1g}, costing {m['extra_ms']:+.0f} ms mean TTFT.")
+        parts.append(f"{what}: {m['call']}, AUC {m['auc']:.2f} {stats.interval(m['auc_lo'], m['auc_hi'])}, "
+                     f"KS p={m['ks_p']:.1g}, costing {m['extra_ms']:+.0f} ms mean TTFT.")
+    wide = max((r["auc_hi"] - r["auc_lo"]) / 2 for r in results + mitigated) if results else 0.0
+    if wide > stats.LEAK_HALFWIDTH + 0.02:
+        parts.append(f"The widest interval is ±{wide:.2f}, wider than ±{stats.LEAK_HALFWIDTH}: "
+                     f"use --samples {SAMPLES} (the default without --quick) to decide.")
     return " ".join(parts)
+
+
+def _control_sentence(iso: str, content: list[dict], controls: list[dict]) -> str:
+    """What the content rows and their A/A controls (same procedure, probes unrelated to the victim)
+    say together about a signal under `iso` isolation."""
+    c_word = overall([r["call"] for r in content])
+    a_word = overall([r["call"] for r in controls])
+    s = (f"Control (\"hit\" probes unrelated to the victim, same procedure): {a_word}, "
+         + ", ".join(row_phrase(r) for r in controls) + " blocks. ")
+    if c_word == "leak" and a_word != "leak":
+        return s + "The signal follows the victim's content: a channel, not chance."
+    if c_word == "leak":
+        return s + "The control separates too: the signal comes from the procedure (order, load drift), not the victim."
+    if c_word == "no evidence of a leak" and a_word == "no evidence of a leak":
+        return s + "Neither separates: what an attacker sees is chance."
+    return s + "Inconclusive: more probes are needed to tell chance from a channel."
+
+
+def _bar(x: float) -> float:
+    return x if x >= 0 else 0.0  # nan (no interval) draws no bar
 
 
 def plot(result: LabResult, path: str) -> None:
@@ -237,13 +325,19 @@ def plot(result: LabResult, path: str) -> None:
     n = 2 + len(mit)
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4))
     for iso in dict.fromkeys(r["isolation"] for r in res):
-        rs = [r for r in res if r["isolation"] == iso]
-        axes[0].plot([r["blocks"] for r in rs], [r["auc"] for r in rs], marker="o", label=iso)
+        for probes in dict.fromkeys(r.get("probes", "content") for r in res):
+            rs = [r for r in res if r["isolation"] == iso and r.get("probes", "content") == probes]
+            if not rs:
+                continue
+            lo = [_bar(r["auc"] - r.get("auc_lo", r["auc"])) for r in rs]
+            hi = [_bar(r.get("auc_hi", r["auc"]) - r["auc"]) for r in rs]
+            axes[0].errorbar([r["blocks"] for r in rs], [r["auc"] for r in rs], yerr=[lo, hi], marker="o",
+                             capsize=3, label=iso if probes == "content" else f"{iso}, control")
     axes[0].axhline(0.5, color="grey", ls=":")
     axes[0].set(xscale="log", xlabel="blocks shared with the secret", ylabel="ROC AUC", ylim=(0, 1.05),
-                title="attacker AUC vs shared blocks")
+                title="attacker AUC (95 % CI) vs shared blocks")
     axes[0].legend()
-    rows = [r for r in res if r["isolation"] == "shared"][-1:] + mit
+    rows = [r for r in res if r["isolation"] == "shared" and r.get("probes", "content") == "content"][-1:] + mit
     for ax, r in zip(axes[1:], rows):
         title = r.get("mitigation", "none")
         ax.hist(r["hit_ms"], bins=20, alpha=0.6, label="hit")

@@ -33,9 +33,10 @@ from kvplay.engine.errors import EngineError
 from kvplay.options import KvplayError, check_output_file, save_plot
 from kvplay.serve.client import HttpPeer
 
-from .common import LabContext, LabResult, Progress, Table, dump_json, quoted, render, roc_auc
+from . import stats
+from .common import LabContext, LabResult, Progress, Table, dump_json, quoted, render
 from .determinism import COMPANIONS, OTHER_QUESTION, PROMPTS, SYSTEM
-from .leak import Attacker, _ks, plot
+from .leak import SAMPLES, Attacker, overall, plot, row_phrase
 
 VICTIM, ATTACKER = "victim", "mallory"
 VOCAB_TRIES = (32000, 4096, 256, 100)  # the largest id range the server accepts is the probe's
@@ -147,7 +148,7 @@ def open_target(args) -> Target:
 @dataclass
 class TargetLeakParams:
     blocks: list[int] = field(default_factory=lambda: [1, 4])
-    samples: int = 15
+    samples: int = SAMPLES  # AUC interval about ± 0.08
     tail: int = 4
     calibration: int = 5
     salts: list[str] = field(default_factory=lambda: ["none"])
@@ -184,11 +185,10 @@ def _measure_leak(target: Target, ctx: LabContext, salt_mode: str, k: int, bs: i
             miss.append(ms)
         correct += (ms < threshold) == (label == "hit")
         ctx.advance()
-    d, pval = _ks(hit, miss)
     reported = [c for c in hit_cached if c is not None]
     return {"salt": salt_mode, "blocks": k, "tokens": k * bs, "hit_ms": hit, "miss_ms": miss,
-            "threshold_ms": threshold, "auc": roc_auc(miss, hit), "accuracy": correct / len(labels),
-            "ks_d": d, "ks_p": pval, "median_hit_ms": statistics.median(hit),
+            "threshold_ms": threshold, "accuracy": correct / len(labels),
+            **stats.separation(hit, miss, seed=p.seed), "median_hit_ms": statistics.median(hit),
             "median_miss_ms": statistics.median(miss),
             "hit_cached_tokens": statistics.median(reported) if reported else None,
             # leak.plot draws one line per "isolation"
@@ -213,12 +213,14 @@ def run_leak(target: Target, params: TargetLeakParams | None = None, ctx: LabCon
         for k in p.blocks:
             results.append(_measure_leak(target, ctx, mode, k, bs, p, rng, top))
     ctx.progress.close()
-    rows = [[r["salt"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"], r["accuracy"],
-             r["ks_d"], r["ks_p"], r["hit_cached_tokens"]] for r in results]
+    rows = [[r["salt"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"],
+             stats.interval(r["auc_lo"], r["auc_hi"]), r["ks_p"], r["accuracy"], r["call"], r["hit_cached_tokens"]]
+            for r in results]
     tables = [Table(f"Attacker's client-side TTFT over HTTP, {p.samples} hit + {p.samples} miss probes per row "
                     f"(block size {bs})",
                     ["cache_salt", "shared blocks", "tokens", "median hit ms", "median miss ms", "ROC AUC",
-                     "accuracy", "KS D", "KS p (hit<miss)", "server cached tokens (hit probes, median)"], rows)]
+                     "95 % CI", "KS p (hit<miss)", "accuracy", "verdict", "server cached tokens (hit probes, median)"],
+                    rows)]
     cfg = {"target": target.url, "server": target.label, "block_size": bs, "vocab_ids": [FIRST_ID, top],
            "reset_before": f"POST {target.main.reset_path}" if reset else None,
            "cold_by": "a fresh random secret before every probe"}
@@ -233,8 +235,9 @@ def _leak_verdict(results: list[dict], label: str) -> str:
         rs = [r for r in results if r["salt"] == mode]
         top = rs[-1]
         what = "no cache_salt" if mode == "none" else "a cache_salt per user"
-        parts.append(f"With {what}, attacker AUC " + ", ".join(f"{r['auc']:.2f}@{r['blocks']}" for r in rs)
-                     + f" (AUC@blocks), accuracy {top['accuracy']:.0%} and KS p={top['ks_p']:.1g} at "
+        parts.append(f"With {what} ({top['n_hit']} hit + {top['n_miss']} miss probes per row) — "
+                     f"{overall([r['call'] for r in rs]).upper()}: " + ", ".join(row_phrase(r) for r in rs)
+                     + f" blocks (95 % intervals); accuracy {top['accuracy']:.0%} and KS p={top['ks_p']:.1g} at "
                        f"{top['blocks']} blocks (median hit {top['median_hit_ms']:.0f} vs miss "
                        f"{top['median_miss_ms']:.0f} ms).")
         if mode == "per-user":

@@ -72,8 +72,86 @@ def test_leak_auc_high_when_shared_and_chance_when_isolated(make_engine):
     by = {x["isolation"]: x for x in r.data["results"]}
     assert by["shared"]["auc"] >= 0.85, by["shared"]
     assert by["shared"]["ks_p"] < 0.01
+    assert by["shared"]["call"] == "leak" and by["shared"]["auc_lo"] > 0.5
     assert abs(by["user"]["auc"] - 0.5) <= 0.3, by["user"]
+    assert by["user"]["call"] != "leak" or by["user"]["auc_lo"] > 0.5  # words follow the interval
+    assert "shared isolation — LEAK" in r.verdict
     assert eng.config.isolation == "shared"
+
+
+class _Seen:
+    """A session recorder stand-in that keeps, per attacker request, whom its cached tokens came from."""
+
+    def __init__(self):
+        self.turns = []
+
+    def record_turn(self, user, text, messages, sampling, result):
+        self.turns.append((user, dict(result.stats.cached_from or {})))
+
+
+def test_leak_rows_pool_seeds_with_intervals_and_a_control_unrelated_to_the_victim(make_engine):
+    from kvplay.labs.common import LabContext
+
+    eng = make_engine(num_blocks=256)
+    seen = _Seen()
+    p = leak.LeakParams(blocks=[2], samples=6, repeats=3, calibration=1, isolations=["shared"], mitigations=[],
+                        control=True, seed=4)
+    r = leak.run(eng, p, LabContext(recorder=seen))
+    content, control = r.data["results"]
+    assert (content["probes"], control["probes"]) == ("content", "control")
+    for row in (content, control):
+        assert row["n_hit"] == row["n_miss"] == 6 and len(row["hit_ms"]) == 6
+        assert [s["seed"] for s in row["per_seed"]] == [4, 5, 6] and [s["n"] for s in row["per_seed"]] == [2, 2, 2]
+        assert row["auc_lo"] <= row["auc"] <= row["auc_hi"] and row["call"] in ("leak", "inconclusive")
+    from_victim = [u for u, src in seen.turns if u == leak.ATTACKER and leak.VICTIM in src]
+    # shared cache: each content hit probe reused the victim's blocks; no control probe did
+    assert len(from_victim) == 6
+    assert content["hit_ms"] != control["hit_ms"]
+    assert "Control (" in r.verdict and "95 % intervals" in r.verdict
+    assert r.data["expected_halfwidth"] > 0.3  # 6 + 6 probes: a wide interval, and the verdict says so
+    assert "wider than ±0.08" in r.verdict
+
+
+def _row(call, auc=0.5, lo=0.4, hi=0.6, probes="content", iso="user"):
+    return {"isolation": iso, "probes": probes, "blocks": 1, "auc": auc, "auc_lo": lo, "auc_hi": hi, "call": call,
+            "ks_p": 0.5, "median_hit_ms": 10.0, "median_miss_ms": 10.0, "n_hit": 102, "n_miss": 102}
+
+
+@pytest.mark.parametrize("content, control, needle", [
+    ("leak", "no evidence of a leak", "a channel, not chance"),
+    ("leak", "leak", "not the victim"),
+    ("no evidence of a leak", "no evidence of a leak", "what an attacker sees is chance"),
+    ("inconclusive", "no evidence of a leak", "more probes are needed"),
+])
+def test_leak_control_sentence_decides_chance_or_channel(content, control, needle):
+    v = leak._verdict([_row(content), _row(control, probes="control")], [], leak.LeakParams())
+    assert needle in v and f"user isolation — {content.upper()}" in v
+    assert "wider than" not in v  # ± 0.1 intervals at 102 + 102 probes: nothing to add
+
+
+def test_leak_default_samples_give_plus_minus_0_08():
+    from kvplay.labs import stats
+
+    p = leak.LeakParams()
+    assert p.samples == 102 and p.repeats == 3 and p.samples % p.repeats == 0
+    assert stats.auc_halfwidth(p.samples, p.samples) <= 0.08 < stats.auc_halfwidth(leak.QUICK_SAMPLES, 15)
+    assert leak.overall(["leak", "no evidence of a leak"]) == "leak"
+    assert leak.overall(["no evidence of a leak", "inconclusive"]) == "inconclusive"
+
+
+def test_cli_leak_quick_repeats_and_control():
+    import argparse
+
+    from kvplay.labs.cli import build_params, configure
+
+    def params(*argv):
+        parser = argparse.ArgumentParser()
+        configure(parser)
+        return build_params(parser.parse_args(["leak", *argv]))[1]
+
+    assert (params().samples, params().repeats, params().control) == (102, 3, False)
+    assert (params("--quick").samples, params("--quick").repeats) == (15, 1)
+    assert (params("--quick", "--samples", "40").samples, params("--control").control) == (40, True)
 
 
 def test_collide_finds_collisions_and_verify_catches_every_one(make_engine):
@@ -163,8 +241,11 @@ def test_lab_reports_print_no_python_reprs(make_engine):
     (["lab", "nope"], "unknown lab"),
     (["lab", "collide", "--bits", "0"], "1 to 256"),
     (["lab", "collide", "--hash", "trunc:257"], "1 to 256"),
-    (["lab", "leak", "--samples", "0"], "at least 1"),
+    (["lab", "leak", "--samples", "0"], "from 1 to 10000"),
     (["lab", "collide", "--feed", "0"], "at least 1"),
+    (["lab", "leak", "--repeats", "0"], "from 1 to 10000"),
+    (["lab", "leak", "--samples", "99999999"], "from 1 to 10000"),
+    (["lab", "leak", "--target", "http://127.0.0.1:9", "--control"], "not --target"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, needle, capsys):
     from kvplay.cli import main
