@@ -26,6 +26,7 @@ from kvplay.engine import events as ev
 from kvplay.engine.prefix import BlockHasher, block_extras
 from kvplay.engine.sampling import SamplingParams
 
+from . import stats
 from .common import LabContext, LabResult, Table, cached_cell, pyplot, quoted, token_messages, token_pool
 
 TEMPLATE = "{pad}Remember this: my locker code is {code}.\nWhat is my locker code? Reply with the code only."
@@ -203,14 +204,22 @@ def run(eng, params: CollideParams | None = None, ctx: LabContext | None = None)
             demos.append(d)
     eng.reconfigure(**old)
     ctx.progress.close()
+    for d, k in ((offline, "pairs"), (feed, "predicted")):
+        d["ci"] = stats.poisson_ci(d[k])  # the count's mean, 95 %: does the birthday bound lie in it?
+        d["bound_in_ci"] = d["ci"][0] <= d["expected"] <= d["ci"][1]
+    feed["caught_ci"] = stats.clopper_pearson(feed["caught"], feed["predicted"])
+    feed["false_hit_ci"] = stats.clopper_pearson(feed["false_hits"], feed["n"])
     scale = [[bits, f"{n:.0e}", expected_pairs(n, bits), p_any(n, bits)]
              for bits in (p.bits, 64, 256) for n in SCALES]
     tables = [
         Table(f"Birthday check at trunc:{p.bits}",
-              ["experiment", "blocks n", "collisions measured", "expected (birthday)", "caught by verify-on-hit"],
-              [["offline: colliding pairs, random blocks", offline["n"], offline["pairs"], offline["expected"], "—"],
-               ["engine: requests whose block met another with its hash", feed["n"], feed["predicted"], feed["expected"],
-                f"{feed['caught']}/{feed['predicted']} (false hits {feed['false_hits']})"]]),
+              ["experiment", "blocks n", "collisions measured", "95 % CI (Poisson)", "expected (birthday)",
+               "bound in CI", "caught by verify-on-hit"],
+              [["offline: colliding pairs, random blocks", offline["n"], offline["pairs"], _ci(offline["ci"]),
+                offline["expected"], offline["bound_in_ci"], "—"],
+               ["engine: requests whose block met another with its hash", feed["n"], feed["predicted"], _ci(feed["ci"]),
+                feed["expected"], feed["bound_in_ci"],
+                f"{stats.rate(feed['caught'], feed['predicted'])}; false hits {stats.rate(feed['false_hits'], feed['n'])}"]]),
         Table("Birthday bound at realistic scales", ["bits", "blocks", "expected pairs", "P(≥1 collision)"], scale),
     ]
     if demos:
@@ -228,12 +237,22 @@ def run(eng, params: CollideParams | None = None, ctx: LabContext | None = None)
                      eng.config.to_dict(), time.perf_counter() - t_start)
 
 
+def _ci(ci: tuple[float, float]) -> str:
+    return f"{ci[0]:.3g}–{ci[1]:.3g}"
+
+
+def _fits(d: dict) -> str:
+    return "the bound lies inside" if d["bound_in_ci"] else "the bound lies OUTSIDE"
+
+
 def _verdict(p, offline, feed, pair, demos) -> str:
     s = (f"trunc:{p.bits}: {offline['pairs']} colliding pairs among {offline['n']} random blocks "
-         f"(birthday bound {offline['expected']:.3g}); through the engine {feed['predicted']} of {feed['n']} "
-         f"random prompts collided (bound {feed['expected']:.3g}"
-         + (f", first at prompt {feed['first_collision_at']}" if feed["first_collision_at"] else "")
-         + f") and verify-on-hit caught {feed['caught']}/{feed['predicted']}. ")
+         f"(95 % CI of the mean {_ci(offline['ci'])}; birthday bound {offline['expected']:.3g}: {_fits(offline)}); "
+         f"through the engine {feed['predicted']} of {feed['n']} random prompts collided (95 % CI {_ci(feed['ci'])}; "
+         f"bound {feed['expected']:.3g}: {_fits(feed)}"
+         + (f"; first at prompt {feed['first_collision_at']}" if feed["first_collision_at"] else "")
+         + f") and verify-on-hit caught {stats.rate(feed['caught'], feed['predicted'])}, with false hits in "
+           f"{stats.rate(feed['false_hits'], feed['n'])} requests. ")
     if demos:
         off = next(d for d in demos if not d["verify_on_hit"])
         on = next(d for d in demos if d["verify_on_hit"])

@@ -19,6 +19,7 @@ import torch
 
 from kvplay.engine.sampling import SamplingParams
 
+from . import stats
 from .common import LabContext, LabResult, Table, pyplot, quoted
 
 SYSTEM = ("You are a careful assistant for a small library. Answer briefly and precisely, "
@@ -177,11 +178,12 @@ def run(eng, params: DeterminismParams | None = None, ctx: LabContext | None = N
     tables = [Table("Cached / batched vs cold (greedy, float32 logits)",
                     ["mode", "prompt", "run", "cached/prompt", "steps", "max |Δlogit|", "bitwise",
                      "diverges", "at step", "top-2 gap there"], rows),
-              Table("Per mode", ["mode", "runs vs cold", "bitwise equal", "max |Δlogit|", "greedy text diverged",
-                                 "min top-2 gap (cold)", "seconds"],
-                    [[m, s["compared"], s["bitwise"], s["max_delta"], s["diverged"], s["min_top2_gap_cold"],
-                      s["seconds"]]
-                     for m, s in summary["modes"].items()])]
+              Table("Per mode and kind of run (95 % Clopper-Pearson intervals on the rates)",
+                    ["mode", "run vs cold", "n", "bitwise equal", "greedy text changed", "max |Δlogit|",
+                     "min top-2 gap (cold)", "seconds"],
+                    [[m, kind, k["n"], stats.rate(k["bitwise"], k["n"]), stats.rate(k["diverged"], k["n"]),
+                      k["max_delta"], s["min_top2_gap_cold"], s["seconds"]]
+                     for m, s in summary["modes"].items() for kind, k in s["by_kind"].items() if k["n"]])]
     if texts:
         ref_text = {(r["mode"], r["prompt"]): r["text"] for r in runs if r["variant"].startswith("cold (")}
         tables.append(Table("Diverged texts", ["mode", "prompt", "run", "text (cold text below)"],
@@ -198,11 +200,14 @@ def _summarise(runs: list[dict], seconds: dict) -> dict:
         by_kind = {}
         for kind in ("cold again", "warm", "batch"):
             ks = [r for r in rs if r["variant"].startswith(kind)]
-            by_kind[kind] = {"n": len(ks), "bitwise": sum(r["bitwise"] for r in ks),
-                             "diverged": sum(r["diverged"] for r in ks),
+            n, bitwise, diverged = len(ks), sum(r["bitwise"] for r in ks), sum(r["diverged"] for r in ks)
+            by_kind[kind] = {"n": n, "bitwise": bitwise, "diverged": diverged,
+                             "bitwise_ci": stats.clopper_pearson(bitwise, n),
+                             "diverged_ci": stats.clopper_pearson(diverged, n),
                              "max_delta": max((r["max_delta"] for r in ks), default=0.0)}
         modes[mode] = {"compared": len(rs), "bitwise": sum(r["bitwise"] for r in rs),
                        "diverged": sum(r["diverged"] for r in rs),
+                       "diverged_ci": stats.clopper_pearson(sum(r["diverged"] for r in rs), len(rs)),
                        "max_delta": max((r["max_delta"] for r in rs), default=0.0),
                        "seconds": sec, "by_kind": by_kind,
                        "min_top2_gap_cold": min((r["min_top2_gap_cold"] for r in runs if r["mode"] == mode
@@ -214,11 +219,12 @@ def _summarise(runs: list[dict], seconds: dict) -> dict:
 
 
 def _verdict(s: dict) -> str:
-    parts = []
+    """A plain sentence about the claim, per mode, then the measurements behind it."""
+    parts = [plain(mode, m) for mode, m in s["modes"].items()]
     for mode, m in s["modes"].items():
         k = m["by_kind"]
         parts.append(
-            f"{mode} mode: cached (warm) vs cold bitwise equal in {k['warm']['bitwise']}/{k['warm']['n']} runs "
+            f"Details, {mode} mode: cached (warm) vs cold bitwise equal in {k['warm']['bitwise']}/{k['warm']['n']} runs "
             f"(max |Δlogit| {k['warm']['max_delta']:.2g}), batched vs alone in {k['batch']['bitwise']}/{k['batch']['n']} "
             f"(max {k['batch']['max_delta']:.2g}), cold vs cold in {k['cold again']['bitwise']}/{k['cold again']['n']}; "
             f"greedy text diverged in {m['diverged']}/{m['compared']}"
@@ -228,6 +234,38 @@ def _verdict(s: dict) -> str:
         parts.append(f"Deterministic mode cost {s['deterministic_time_ratio']:.1f}× the wall time of default "
                      f"mode for the same requests.")
     return " ".join(parts)
+
+
+def plain(mode: str, m: dict) -> str:
+    """What one mode's counts say about "a shared cache makes outputs non-deterministic", in words,
+    with n and the interval of every rate claimed."""
+    warm, batch = m["by_kind"]["warm"], m["by_kind"]["batch"]
+    out = [f"In {mode} mode:"]
+    if warm["n"]:
+        _, hi = warm["diverged_ci"]
+        if warm["diverged"]:
+            out.append(f"reusing another user's cached prefix CHANGED the answer in {stats.rate(warm['diverged'], warm['n'])} "
+                       "runs, so the claim holds here.")
+        else:
+            same = ("bit for bit" if warm["bitwise"] == warm["n"] else
+                    f"though the scores differed in their last digits in {warm['n'] - warm['bitwise']} of them "
+                    f"(at most {warm['max_delta']:.1g})")
+            out.append(f"reusing another user's cached prefix gave the same answer as a cold cache in "
+                       f"{warm['n']}/{warm['n']} runs, {same}; so the claim does not hold here — with {warm['n']} runs, "
+                       f"a change rate above {100 * hi:.0f} % would very likely have shown (95 % CI 0–{100 * hi:.0f} %).")
+    if batch["n"]:
+        gap = m.get("min_top2_gap_cold")
+        margin = (f", {gap / batch['max_delta']:.0f}× less than the closest call between the two likeliest next "
+                  f"tokens on any cold run ({gap:.2g})" if gap and batch["max_delta"] > 0 else "")
+        if batch["diverged"]:
+            out.append(f"Sharing a batch with other users changed the answer in {stats.rate(batch['diverged'], batch['n'])} "
+                       "runs.")
+        elif batch["bitwise"] == batch["n"]:
+            out.append(f"Sharing a batch with other users changed nothing, bit for bit ({batch['n']}/{batch['n']}).")
+        else:
+            out.append(f"Sharing a batch with other users changed the scores by at most {batch['max_delta']:.1g}"
+                       f"{margin}, and no answer ({batch['diverged']}/{batch['n']}).")
+    return " ".join(out)
 
 
 def plot(result: LabResult, path: str) -> None:

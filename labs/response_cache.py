@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.sampling import SamplingParams
 
+from . import stats
 from .common import LabContext, LabResult, Table, cached_cell, pyplot
 
 QUESTION = "Am I pretty?"
@@ -105,6 +106,9 @@ def run(eng, params: ResponseCacheParams | None = None, ctx: LabContext | None =
         "kv_prompt_tokens": kv[0].stats.prompt_tokens if kv else 0,
         "kv_equals_cold": [r.text == c for r, c in zip(kv, cold)],
     }
+    got_first = sum(1 for x in rc_texts[1:] if rc_texts and x == rc_texts[0])
+    summary["response_cache_got_first_ci"] = stats.clopper_pearson(got_first, len(people) - 1)
+    summary["kv_equals_cold_ci"] = stats.clopper_pearson(sum(summary["kv_equals_cold"]), len(people))
     verdict = make_verdict(summary)
     tables = [Table(f"“{p.question}” at temperature {p.temperature}, own seed per user",
                     ["user", "seed", "response cache: answer", "source", "KV prefix cache: answer",
@@ -123,6 +127,14 @@ def served_first(summary: dict) -> list[bool]:
     return [kv[i] == kv[0] and cold[i] != kv[0] for i in range(1, len(kv))]
 
 
+def _ci(k: int, n: int) -> str:
+    """The rate's 95 % Clopper-Pearson interval: with a handful of users it is wide, and says so."""
+    if n <= 0:
+        return ""
+    lo, hi = stats.clopper_pearson(k, n)
+    return f"; 95 % CI of the rate {100 * lo:.0f}–{100 * hi:.0f} %"
+
+
 def make_verdict(summary: dict) -> str:
     """The verdict; every clause is decided by the measurements in `summary` (see run())."""
     users, t = summary["users"], summary["temperature"]
@@ -131,7 +143,7 @@ def make_verdict(summary: dict) -> str:
     rc_got_first = sum(1 for x in rc[1:] if x == rc[0])
     calls = summary["response_cache_engine_calls"]
     parts = [f"Response cache: {rc_got_first} of {n - 1} later users got {first}'s answer verbatim "
-             f"({calls} engine call{'' if calls == 1 else 's'} for {n} users)."]
+             f"({calls} engine call{'' if calls == 1 else 's'} for {n} users{_ci(rc_got_first, n - 1)})."]
     cached = summary["kv_cached_tokens"][1:]
     reuse = (f"reused {', '.join(str(c) for c in cached)} of {summary['kv_prompt_tokens']} prompt tokens"
              if cached else "had no one to reuse from")
@@ -139,7 +151,7 @@ def make_verdict(summary: dict) -> str:
     distinct = summary["kv_distinct_answers"]
     parts.append(f"KV prefix cache: {distinct} distinct answer{'' if distinct == 1 else 's'} from {n} seeds at "
                  f"temperature {t:g}; users after the first {reuse}; {eq_cold}/{n} answers equal the same seed "
-                 "on a cold cache.")
+                 f"on a cold cache{_ci(eq_cold, n)}.")
     kv_first = served_first(summary)
     rc_true = n > 1 and rc_got_first == n - 1
     kv_true = bool(kv_first) and all(kv_first)

@@ -381,7 +381,7 @@ def _det_verdict(s: dict, target: Target) -> str:
     parts = [f"Against {target.label} (cold: {target.cold_by}; outputs compared by {' and '.join(s['by'])}):"]
     for name, k in s["kinds"].items():
         parts.append(f"{name}: greedy output equal to cold in {k['agree']}/{k['n']} prompts "
-                     f"(warm in {k['warm']}/{k['n']}).")
+                     f"(warm in {k['warm']}/{k['n']}; changed in {stats.rate(k['n'] - k['agree'], k['n'])}).")
     if s["min_top2_gap_cold"] is not None:
         parts.append(f"Closest near-tie on the cold paths: top-2 logprob gap {s['min_top2_gap_cold']:.2g}.")
     return " ".join(parts)

@@ -33,7 +33,32 @@ def test_determinism_is_bitwise_in_deterministic_mode(make_engine):
     warm = [x for x in r.data["runs"] if x["variant"].startswith("warm")]
     assert all(x["cached_tokens"] > 0 for x in warm)  # warm runs really used another user's blocks
     assert "deterministic mode: cached (warm) vs cold bitwise equal in 2/2" in r.verdict
+    assert ("In deterministic mode: reusing another user's cached prefix gave the same answer as a cold cache "
+            "in 2/2 runs, bit for bit; so the claim does not hold here") in r.verdict
+    assert "95 % CI 0–84 %" in r.verdict  # 0 of 2: the interval says how little 2 runs show
+    assert r.data["summary"]["modes"]["deterministic"]["by_kind"]["warm"]["diverged_ci"][1] == pytest.approx(0.842,
+                                                                                                            abs=1e-3)
     assert eng.config.deterministic is False  # restored
+
+
+def _kind(n, bitwise, diverged, max_delta):
+    from kvplay.labs import stats
+
+    return {"n": n, "bitwise": bitwise, "diverged": diverged, "max_delta": max_delta,
+            "bitwise_ci": stats.clopper_pearson(bitwise, n), "diverged_ci": stats.clopper_pearson(diverged, n)}
+
+
+def test_determinism_plain_sentence_follows_the_counts():
+    ok = {"by_kind": {"warm": _kind(6, 6, 0, 0.0), "batch": _kind(3, 0, 0, 5e-5)}, "min_top2_gap_cold": 0.047}
+    text = determinism.plain("default", ok)
+    assert "same answer as a cold cache in 6/6 runs, bit for bit; so the claim does not hold" in text
+    assert "95 % CI 0–46 %" in text and "940× less than the closest call" in text and "no answer (0/3)" in text
+    flips = {"by_kind": {"warm": _kind(10, 2, 3, 0.02), "batch": _kind(4, 0, 1, 0.03)}, "min_top2_gap_cold": 0.01}
+    text = determinism.plain("default", flips)
+    assert "CHANGED the answer in 3/10 (95 % CI 6.7–65 %) runs, so the claim holds here" in text
+    assert "changed the answer in 1/4" in text
+    drift = {"by_kind": {"warm": _kind(6, 4, 0, 3e-5), "batch": _kind(0, 0, 0, 0.0)}, "min_top2_gap_cold": None}
+    assert "last digits in 2 of them (at most 3e-05)" in determinism.plain("default", drift)
 
 
 def test_leak_attacker_sees_only_its_client():
@@ -160,6 +185,11 @@ def test_collide_finds_collisions_and_verify_catches_every_one(make_engine):
     off, feed = r.data["offline"], r.data["feed"]
     assert abs(off["pairs"] - off["expected"]) < 0.2 * off["expected"]
     assert feed["predicted"] > 0 and feed["caught"] == feed["predicted"] and feed["false_hits"] == 0
+    off = r.data["offline"]
+    for d, k in ((off, "pairs"), (feed, "predicted")):
+        assert d["ci"][0] <= d[k] <= d["ci"][1] and d["bound_in_ci"] == (d["ci"][0] <= d["expected"] <= d["ci"][1])
+    assert feed["caught_ci"][1] == 1.0 and feed["false_hit_ci"][0] == 0.0
+    assert "95 % CI of the mean" in r.verdict and f"false hits in 0/{feed['n']} (95 % CI 0–" in r.verdict
     pair = r.data["pair"]
     assert pair["code_a"] != pair["code_b"] and pair["tokenization_matches"]
     off_demo, on_demo = r.data["demos"]
@@ -200,7 +230,7 @@ def test_response_cache_verdict_follows_the_measurements():
     # a KV cache that served alice's answer to everyone (their own seeds give other answers cold)
     kv_leaks = response_cache.make_verdict(_rc_summary(["A", "A", "A"], ["A", "A", "A"], ["A", "B", "C"]))
     assert "held for the KV prefix cache and for the response cache" in kv_leaks
-    assert "1/3 answers equal the same seed" in kv_leaks
+    assert "1/3 answers equal the same seed on a cold cache; 95 % CI of the rate 1–91 %" in kv_leaks
     # a response cache that did not answer from its store (e.g. keyed per user)
     neither = response_cache.make_verdict(_rc_summary(["A", "B", "C"], ["A", "B", "C"], ["A", "B", "C"], calls=3))
     assert "held for neither cache" in neither and "0 of 2 later users" in neither and "3 engine calls" in neither
