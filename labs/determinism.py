@@ -252,7 +252,8 @@ def plain(mode: str, m: dict) -> str:
                     f"(at most {warm['max_delta']:.1g})")
             out.append(f"reusing another user's cached prefix gave the same answer as a cold cache in "
                        f"{warm['n']}/{warm['n']} runs, {same}; so the claim does not hold here — with {warm['n']} runs, "
-                       f"a change rate above {100 * hi:.0f} % would very likely have shown (95 % CI 0–{100 * hi:.0f} %).")
+                       f"a change rate above {100 * hi:.0f} % would very likely have shown (95 % CI 0–{100 * hi:.0f} %"
+                       + ("; more prompts narrow it)." if hi > 0.2 else ")."))
     if batch["n"]:
         gap = m.get("min_top2_gap_cold")
         margin = (f", {gap / batch['max_delta']:.0f}× less than the closest call between the two likeliest next "
