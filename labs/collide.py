@@ -219,7 +219,8 @@ def run(eng, params: CollideParams | None = None, ctx: LabContext | None = None)
                 offline["expected"], offline["bound_in_ci"], "—"],
                ["engine: requests whose block met another with its hash", feed["n"], feed["predicted"], _ci(feed["ci"]),
                 feed["expected"], feed["bound_in_ci"],
-                f"{stats.rate(feed['caught'], feed['predicted'])}; false hits {stats.rate(feed['false_hits'], feed['n'])}"]]),
+                f"{stats.rate(feed['caught'], feed['predicted'])}; "
+                f"false hits {stats.rate(feed['false_hits'], feed['n'])}"]]),
         Table("Birthday bound at realistic scales", ["bits", "blocks", "expected pairs", "P(≥1 collision)"], scale),
     ]
     if demos:

@@ -224,9 +224,10 @@ def _verdict(s: dict) -> str:
     for mode, m in s["modes"].items():
         k = m["by_kind"]
         parts.append(
-            f"Details, {mode} mode: cached (warm) vs cold bitwise equal in {k['warm']['bitwise']}/{k['warm']['n']} runs "
-            f"(max |Δlogit| {k['warm']['max_delta']:.2g}), batched vs alone in {k['batch']['bitwise']}/{k['batch']['n']} "
-            f"(max {k['batch']['max_delta']:.2g}), cold vs cold in {k['cold again']['bitwise']}/{k['cold again']['n']}; "
+            f"Details, {mode} mode: cached (warm) vs cold bitwise equal in {k['warm']['bitwise']}/{k['warm']['n']} "
+            f"runs (max |Δlogit| {k['warm']['max_delta']:.2g}), batched vs alone in "
+            f"{k['batch']['bitwise']}/{k['batch']['n']} (max {k['batch']['max_delta']:.2g}), cold vs cold in "
+            f"{k['cold again']['bitwise']}/{k['cold again']['n']}; "
             f"greedy text diverged in {m['diverged']}/{m['compared']}"
             + (f" (closest near-tie on the cold paths: top-2 gap {m['min_top2_gap_cold']:.2g})."
                if m["min_top2_gap_cold"] is not None else "."))
@@ -244,23 +245,24 @@ def plain(mode: str, m: dict) -> str:
     if warm["n"]:
         _, hi = warm["diverged_ci"]
         if warm["diverged"]:
-            out.append(f"reusing another user's cached prefix CHANGED the answer in {stats.rate(warm['diverged'], warm['n'])} "
-                       "runs, so the claim holds here.")
+            out.append("reusing another user's cached prefix CHANGED the answer in "
+                       f"{stats.rate(warm['diverged'], warm['n'])} runs, so the claim holds here.")
         else:
             same = ("bit for bit" if warm["bitwise"] == warm["n"] else
                     f"though the scores differed in their last digits in {warm['n'] - warm['bitwise']} of them "
                     f"(at most {warm['max_delta']:.1g})")
             out.append(f"reusing another user's cached prefix gave the same answer as a cold cache in "
-                       f"{warm['n']}/{warm['n']} runs, {same}; so the claim does not hold here — with {warm['n']} runs, "
-                       f"a change rate above {100 * hi:.0f} % would very likely have shown (95 % CI 0–{100 * hi:.0f} %"
+                       f"{warm['n']}/{warm['n']} runs, {same}; so the claim does not hold here — with "
+                       f"{warm['n']} runs, a change rate above {100 * hi:.0f} % would very likely have shown "
+                       f"(95 % CI 0–{100 * hi:.0f} %"
                        + ("; more prompts narrow it)." if hi > 0.2 else ")."))
     if batch["n"]:
         gap = m.get("min_top2_gap_cold")
         margin = (f", {gap / batch['max_delta']:.0f}× less than the closest call between the two likeliest next "
                   f"tokens on any cold run ({gap:.2g})" if gap and batch["max_delta"] > 0 else "")
         if batch["diverged"]:
-            out.append(f"Sharing a batch with other users changed the answer in {stats.rate(batch['diverged'], batch['n'])} "
-                       "runs.")
+            out.append("Sharing a batch with other users changed the answer in "
+                       f"{stats.rate(batch['diverged'], batch['n'])} runs.")
         elif batch["bitwise"] == batch["n"]:
             out.append(f"Sharing a batch with other users changed nothing, bit for bit ({batch['n']}/{batch['n']}).")
         else:
