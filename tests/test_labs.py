@@ -1,6 +1,7 @@
 """The labs on the tiny random model: each verdict's key measurement, and the CLI's bad input."""
 from __future__ import annotations
 
+import argparse
 import inspect
 import io
 import json
@@ -8,7 +9,9 @@ import json
 import pytest
 import torch
 
-from kvplay.labs import collide, determinism, leak, response_cache
+from kvplay.labs import collide, determinism, leak, response_cache, stats
+from kvplay.labs.cli import build_params, configure
+from kvplay.labs.common import LabContext
 
 
 def test_compare_finds_first_divergence_and_gap():
@@ -42,8 +45,6 @@ def test_determinism_is_bitwise_in_deterministic_mode(make_engine):
 
 
 def _kind(n, bitwise, diverged, max_delta):
-    from kvplay.labs import stats
-
     return {"n": n, "bitwise": bitwise, "diverged": diverged, "max_delta": max_delta,
             "bitwise_ci": stats.clopper_pearson(bitwise, n), "diverged_ci": stats.clopper_pearson(diverged, n)}
 
@@ -115,8 +116,6 @@ class _Seen:
 
 
 def test_leak_rows_pool_seeds_with_intervals_and_a_control_unrelated_to_the_victim(make_engine):
-    from kvplay.labs.common import LabContext
-
     eng = make_engine(num_blocks=256)
     seen = _Seen()
     p = leak.LeakParams(blocks=[2], samples=6, repeats=3, calibration=1, isolations=["shared"], mitigations=[],
@@ -155,8 +154,6 @@ def test_leak_control_sentence_decides_chance_or_channel(content, control, needl
 
 
 def test_leak_default_samples_give_plus_minus_0_08():
-    from kvplay.labs import stats
-
     p = leak.LeakParams()
     assert p.samples == 102 and p.repeats == 3 and p.samples % p.repeats == 0
     assert stats.auc_halfwidth(p.samples, p.samples) <= 0.08 < stats.auc_halfwidth(leak.QUICK_SAMPLES, 15)
@@ -165,10 +162,6 @@ def test_leak_default_samples_give_plus_minus_0_08():
 
 
 def test_cli_leak_quick_repeats_and_control():
-    import argparse
-
-    from kvplay.labs.cli import build_params, configure
-
     def params(*argv):
         parser = argparse.ArgumentParser()
         configure(parser)
