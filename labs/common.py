@@ -182,14 +182,3 @@ def open_recorder(db_path: str | None, config, model_name: str, lab: str, engine
 def token_messages(tokenizer, prompt_ids: list[int]) -> list[dict]:
     """Messages to record for a raw-token request (what the client sent, decoded)."""
     return [{"role": "user", "content": tokenizer.decode(prompt_ids)}]
-
-
-def roc_auc(positive: list[float], negative: list[float]) -> float:
-    """P(score of a random positive > a random negative), ties count one half (Mann-Whitney U)."""
-    if not positive or not negative:
-        return float("nan")
-    wins = 0.0
-    for p in positive:
-        for n in negative:
-            wins += 1.0 if p > n else 0.5 if p == n else 0.0
-    return wins / (len(positive) * len(negative))
