@@ -260,8 +260,13 @@ def _seeds_text(p: LeakParams) -> str:
 
 
 def row_phrase(r: dict) -> str:
-    """"AUC 0.52 [0.44, 0.60] at 4 blocks": a row's AUC with its interval, for a verdict sentence."""
+    """"AUC 0.52 [0.44, 0.60] at 4": a row's AUC with its interval, for a verdict sentence."""
     return f"AUC {r['auc']:.2f} {stats.interval(r['auc_lo'], r['auc_hi'])} at {r['blocks']}"
+
+
+def blocks_word(rows: list[dict]) -> str:
+    """" block" after a list of rows ending with 1 block, else " blocks"."""
+    return " block" if rows and rows[-1]["blocks"] == 1 else " blocks"
 
 
 def overall(calls: list[str]) -> str:
@@ -280,9 +285,9 @@ def _verdict(results: list[dict], mitigated: list[dict], p: LeakParams) -> str:
         rs = [r for r in results if r["isolation"] == iso and r["probes"] == "content"]
         word = overall([r["call"] for r in rs])
         top = rs[-1]
-        parts.append(f"{iso} isolation — {word.upper()}: " + ", ".join(row_phrase(r) for r in rs) + " blocks; "
-                     f"KS p={top['ks_p']:.1g} and median hit {top['median_hit_ms']:.0f} vs miss "
-                     f"{top['median_miss_ms']:.0f} ms at {top['blocks']} blocks.")
+        parts.append(f"{iso} isolation — {word.upper()}: " + ", ".join(row_phrase(r) for r in rs)
+                     + blocks_word(rs) + f"; KS p={top['ks_p']:.1g} and median hit {top['median_hit_ms']:.0f} vs miss "
+                     f"{top['median_miss_ms']:.0f} ms at {top['blocks']}{blocks_word([top])}.")
         controls = [r for r in results if r["isolation"] == iso and r["probes"] == "control"]
         if controls:
             parts.append(_control_sentence(iso, rs, controls))
@@ -304,7 +309,7 @@ def _control_sentence(iso: str, content: list[dict], controls: list[dict]) -> st
     c_word = overall([r["call"] for r in content])
     a_word = overall([r["call"] for r in controls])
     s = (f"Control (\"hit\" probes unrelated to the victim, same procedure): {a_word}, "
-         + ", ".join(row_phrase(r) for r in controls) + " blocks. ")
+         + ", ".join(row_phrase(r) for r in controls) + blocks_word(controls) + ". ")
     if c_word == "leak" and a_word != "leak":
         return s + "The signal follows the victim's content: a channel, not chance."
     if c_word == "leak":

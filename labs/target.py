@@ -36,7 +36,7 @@ from kvplay.serve.client import HttpPeer
 from . import stats
 from .common import LabContext, LabResult, Progress, Table, dump_json, quoted, render
 from .determinism import COMPANIONS, OTHER_QUESTION, PROMPTS, SYSTEM
-from .leak import SAMPLES, Attacker, overall, plot, row_phrase
+from .leak import SAMPLES, Attacker, blocks_word, overall, plot, row_phrase
 
 VICTIM, ATTACKER = "victim", "mallory"
 VOCAB_TRIES = (32000, 4096, 256, 100)  # the largest id range the server accepts is the probe's
@@ -237,9 +237,9 @@ def _leak_verdict(results: list[dict], label: str) -> str:
         what = "no cache_salt" if mode == "none" else "a cache_salt per user"
         parts.append(f"With {what} ({top['n_hit']} hit + {top['n_miss']} miss probes per row) — "
                      f"{overall([r['call'] for r in rs]).upper()}: " + ", ".join(row_phrase(r) for r in rs)
-                     + f" blocks (95 % intervals); accuracy {top['accuracy']:.0%} and KS p={top['ks_p']:.1g} at "
-                       f"{top['blocks']} blocks (median hit {top['median_hit_ms']:.0f} vs miss "
-                       f"{top['median_miss_ms']:.0f} ms).")
+                     + f"{blocks_word(rs)} (95 % intervals); accuracy {top['accuracy']:.0%} and "
+                       f"KS p={top['ks_p']:.1g} at {top['blocks']}{blocks_word([top])} "
+                       f"(median hit {top['median_hit_ms']:.0f} vs miss {top['median_miss_ms']:.0f} ms).")
         if mode == "per-user":
             cached = [r["hit_cached_tokens"] for r in rs if r["hit_cached_tokens"] is not None]
             if cached and max(cached) > 0:
