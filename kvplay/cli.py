@@ -35,10 +35,17 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; only `command`'s module is imported (None: none of them), so `kvplay
     --help` and a bad flag answer at once instead of after importing torch and transformers."""
-    parser = argparse.ArgumentParser(prog="kvplay", description=(
+    parser = Parser(prog="kvplay", description=(
         "See how a shared, paged LLM prefix KV cache behaves: many users, one model, one block pool."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
@@ -32,9 +33,10 @@ from kvplay.engine.events import RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.prefix import BlockHasher, block_extras
-from kvplay.engine.request import Request
-from kvplay.engine.sampling import SamplingParams, make_generator
-from kvplay.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvplay.engine.request import Request
+    from kvplay.engine.scheduler import Scheduler
 
 SIM_POLICIES = tuple(POLICIES) + ("belady",)
 MAX_STEPS = 5_000_000
@@ -219,6 +221,12 @@ def _future(trace: Trace, config: EngineConfig, hasher: BlockHasher) -> FutureUs
 def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = None,
              isolation: str | None = None, keep_events: bool = False) -> SimResult:
     """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused."""
+    # Imported here for start-up time: the scheduler pulls in torch (seconds), and `kvplay
+    # export --help` / `simulate --help` import this module for its names alone.
+    from kvplay.engine.request import Request
+    from kvplay.engine.sampling import SamplingParams, make_generator
+    from kvplay.engine.scheduler import Scheduler
+
     cfg = trace.config
     policy = policy or cfg.eviction
     if policy not in SIM_POLICIES:

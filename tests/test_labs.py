@@ -261,7 +261,6 @@ def test_lab_reports_print_no_python_reprs(make_engine):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["lab", "nope"], "unknown lab"),
     (["lab", "collide", "--bits", "0"], "1 to 256"),
     (["lab", "collide", "--hash", "trunc:257"], "1 to 256"),
     (["lab", "leak", "--samples", "0"], "from 1 to 10000"),
@@ -276,6 +275,28 @@ def test_cli_bad_input_is_one_line_exit_2(argv, needle, capsys):
     assert main(argv + ["--model", "tiny:llama"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_lab_without_a_name_is_one_line_listing_the_labs(capsys):
+    from kvplay.cli import main
+
+    assert main(["lab"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in ("determinism", "leak", "collide", "response-cache"))
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "nope"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "invalid choice: 'nope'" in err
+
+
+def test_lab_help_lists_only_that_labs_options(capsys):
+    from kvplay.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["lab", "collide", "--help"])
+    out = capsys.readouterr().out
+    assert "--bits" in out and "--feed" in out and "--model" in out
+    assert "--question" not in out and "--samples" not in out and "--batch-sizes" not in out and "--target" not in out
 
 
 def test_cli_json_plot_and_recording(tmp_path, capsys):

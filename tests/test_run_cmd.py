@@ -189,7 +189,9 @@ def test_terminal_table_fits_the_width_and_never_clips_a_header(width):
         assert "reply" in header
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["sessions", "--help"], ["run", "x.toml", "--bogus"]])
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["sessions", "--help"], ["run", "x.toml", "--bogus"],
+                                  ["export", "--help"], ["simulate", "--help"], ["lab", "nope"], ["lab"],
+                                  ["lab", "collide", "--help"], ["lab", "collide", "--bits", "0"]])
 def test_help_and_argument_errors_import_neither_torch_nor_transformers(argv):
     import subprocess
     import sys
