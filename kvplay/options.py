@@ -75,8 +75,8 @@ def check_output_file(path: str | None, flag: str, suffix: str | None = None) ->
     if suffix and not path.lower().endswith(suffix):
         raise KvplayError(f"{flag} {path!r}: give a {suffix} file name")
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise KvplayError(f"{flag} {path!r}: folder {folder} does not exist")
+    if not os.path.isdir(folder):  # never created: a typo makes no directories
+        raise KvplayError(f"{flag} {path!r}: no such directory: {folder}")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise KvplayError(f"{flag} {path!r}: not writable")
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvplay.options import KvplayError, add_db_arg
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
 from .cli_list import when
 from .cli_show import load
@@ -58,6 +58,7 @@ def to_md(s: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_file(args.output, "-o")
     if args.format == "vllm-msgpack" and not args.output and sys.stdout.isatty():
         raise KvplayError("--format vllm-msgpack is binary: give -o FILE (or redirect stdout)")
     db = open_db(args.db, create=False)

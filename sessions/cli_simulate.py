@@ -58,6 +58,10 @@ def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
 def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple[Trace, str | None]:
     """A trace file when `source` names a file, else a session in the sessions DB; with the
     line naming a trace file's first bad record (its good records are still simulated)."""
+    if not os.path.isfile(source) and ("." in source or "/" in source or os.sep in source):
+        # a session id is letters and digits: this names a file (kvplay simulate nope.jsonl)
+        what = "is a directory, not a trace file" if os.path.isdir(source) else "no such file"
+        raise KvplayError(f"{source}: {what} (give a trace file or a session id from `kvplay sessions`)")
     if os.path.isfile(source):
         # start-up time: imported when this first runs
         from .traces import read_trace_file

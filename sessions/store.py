@@ -1,7 +1,8 @@
 """Open the sessions database safely.
 
 Default path: `<XDG data dir>/kvplay/sessions.db` (platformdirs); env `KVPLAY_DB` overrides it,
-`--db PATH` overrides both. WAL mode so the app and a headless replay can share one DB.
+`--db PATH` overrides both. Only the default's folders are created; a `--db` in a missing
+folder is refused ("no such directory"). WAL mode so the app and a headless replay can share one DB.
 
 A file that is not SQLite, a DB written by a newer kvplay, a locked DB or an unwritable path
 is refused with one clear line (KvplayError) — and such a file is never modified: every check
@@ -71,10 +72,15 @@ def open_db(path: str | os.PathLike | None = None, create: bool = True,
     elif not create:
         raise StoreError(f"no sessions database at {p} (record one with `kvplay run` or the app)")
     else:
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
+        if path:  # a --db the user named: its folder must exist (a typo makes no directories)
+            if not p.parent.is_dir():
+                what = "not a directory" if p.parent.exists() else "no such directory"
+                raise StoreError(f"cannot create a database at {p}: {what}: {p.parent}")
+        else:  # the default place (XDG data dir, KVPLAY_DB) is ours to make
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create a database at {p}: {exc.strerror or exc}") from None
         if not os.access(p.parent, os.W_OK):
             raise StoreError(f"cannot create a database at {p}: directory is not writable")
         try:  # owner-only from the start (it holds every prompt; SQLite gives -wal/-shm the same mode)

@@ -201,3 +201,25 @@ def test_help_and_argument_errors_import_neither_torch_nor_transformers(argv):
             "print('HEAVY', heavy, file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert "HEAVY []" in out.stderr, out.stderr
+
+
+def test_paths_never_create_missing_folders(tmp_path, capsys):
+    """--db, -o, --plot and screenshot's OUT in a folder that does not exist: one line, exit 2,
+    and no folder made (the issue saw `-o no/such/dir/x.md` create `no/such/dir/`)."""
+    s = script(tmp_path, TWO)
+    missing = tmp_path / "no" / "such"
+    for argv in (["run", s, "--db", str(missing / "x.db")],
+                 ["export", "X", "-o", str(missing / "x.md")],
+                 ["simulate", "X", "--plot", str(missing / "p.png")],
+                 ["screenshot", str(missing / "x.svg"), "--model", "tiny:llama"]):
+        assert cli(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "no such directory" in err and len(err.splitlines()) == 1, (argv, err)
+        assert not (tmp_path / "no").exists(), argv
+
+
+def test_simulate_a_missing_file_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["simulate", "nope.jsonl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nope.jsonl: no such file" in err and "session id 'NOPE" not in err and len(err.splitlines()) == 1

@@ -80,11 +80,18 @@ def test_ulid_time_decodes():
     assert abs(ulid_time(new_ulid()) - time.time()) < 5
 
 
-def test_open_creates_wal_db(tmp_path):
-    db = open_db(tmp_path / "sub" / "s.db")
+def test_open_creates_wal_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "sub" / "s.db"))  # the default place: its folders are made
+    db = open_db()
     assert db.journal_mode == "wal"
     assert set(EXPECTED) <= set(db.table_names())
     db.close()
+
+
+def test_a_named_db_in_a_missing_folder_is_refused_and_no_folder_made(tmp_path):
+    with pytest.raises(StoreError, match="no such directory"):
+        open_db(tmp_path / "no" / "such" / "s.db")
+    assert not (tmp_path / "no").exists()
 
 
 def test_recorder_from_another_thread(tmp_path, make_engine):

@@ -35,6 +35,15 @@ from .widgets import CACHE_TAB
 LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
 
 
+def screenshot_dir() -> Path:
+    """Where ctrl+s saves: `<XDG data dir>/kvplay/screenshots` (next to the sessions DB's
+    default place), whatever the current directory is."""
+    # start-up time: imported when this first runs (as sessions/store.py does)
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("kvplay", appauthor=False)) / "screenshots"
+
+
 def without_labs(stats: dict, excluded: dict[str, int]) -> dict:
     """The engine's stats minus what labs run from the app added: the app's numbers describe
     the app's own requests (as its request bars and its recorded session do)."""
@@ -280,8 +289,14 @@ class ControlsMixin:
         self.call_from_thread(self.push_screen, LabScreen(f"lab: {name}", [parts[-2], *parts[:-2], parts[-1]]))
 
     def action_screenshot(self) -> None:
-        path = self.save_screenshot(path=str(Path.cwd()))
-        self.notify(f"Saved {path}", title="Screenshot")
+        folder = screenshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)  # our own data dir, never the cwd
+            path = self.save_screenshot(path=str(folder))
+        except OSError as exc:
+            self.notify(f"Could not save the screenshot in {folder}: {exc.strerror or exc}", severity="error")
+            return
+        self.notify(f"Saved {path}", title="Screenshot", timeout=8)
 
     # --- command palette: "category: action" ---------------------------------------------------
     def get_system_commands(self, screen):
@@ -297,7 +312,7 @@ class ControlsMixin:
             ("prompt: edit system prompt", "Change the shared system prompt", self.action_edit_system),
             ("view: toggle event log", "Show or hide the engine's event log", self.action_toggle_events),
             ("view: block map", "Focus the block map (arrows move, details below it)", self.action_focus_map),
-            ("app: save screenshot", "Save an SVG of the screen in the current directory", self.action_screenshot),
+            ("app: save screenshot", "Save an SVG of the screen in kvplay's data folder (screenshots/)", self.action_screenshot),
             ("lab: determinism", "Cached vs cold vs batched logits, default and deterministic mode",
              lambda: self.action_run_lab("determinism")),
             ("lab: leak", "Can another user tell a cache hit from their TTFT? (ROC AUC)",

@@ -80,7 +80,7 @@ clears the cache and switches modes while it runs, then shows its verdict.
 | F8 / F9 | add a user / remove this pane's user |
 | F10 | show or hide the event log |
 | F11 / F12 | pause or resume / play one turn (scripts and replays) |
-| ctrl+s | save an SVG screenshot in the current directory |
+| ctrl+s | save an SVG screenshot in kvplay's data folder, `~/.local/share/kvplay/screenshots/` on Linux (the toast names the file) |
 | ctrl+p | command palette: every action as "category: action" |
 | ctrl+q | quit |
 

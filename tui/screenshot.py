@@ -10,7 +10,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kvplay.options import KvplayError, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args
 from kvplay.sessions.script import load_script, parse_script
 
 from .demo import DEMO_TOML
@@ -72,7 +72,6 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
             await pilot.press("right", "down", "down")
         await pilot.pause(0.3)
         await pilot.wait_for_scheduled_animations()
-        out.parent.mkdir(parents=True, exist_ok=True)
         app.save_screenshot(filename=out.name, path=str(out.parent))
     return out
 
@@ -87,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() != ".svg":
         out = out.with_suffix(".svg")
+    check_output_file(str(out), "OUT")  # before minutes of play, and no folders made
     print(f"kvplay: playing {len(script.turns)} turns of {script.path or 'the built-in demo'} "
           f"on {config.model} at {size[0]}x{size[1]} …", file=sys.stderr)
     app = KvplayApp(config, script.users, script.system, turns=script.turns, speed=args.speed,

@@ -37,7 +37,6 @@ async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
         await pilot.pause(0.3)
         app.set_focus(None)
         await pilot.pause(0.1)
-        out.parent.mkdir(parents=True, exist_ok=True)
         app.save_screenshot(filename=out.name, path=str(out.parent))
     return out
 
