@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import datetime as dt
 
 from kvplay.options import add_db_arg
@@ -26,9 +27,6 @@ def hit_rate(row: dict) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from rich.table import Table
-
     path = resolve_path(args.db)
     if not path.exists():
         if not args.json:
@@ -52,19 +50,62 @@ def main(args: argparse.Namespace) -> int:
         print(f"no sessions recorded yet in {path}")
         return 0
     hidden = f" ({empty} app session{'s' if empty != 1 else ''} without turns not shown)" if empty else ""
-    table = Table(title=f"sessions in {path}{hidden}", header_style="bold")
-    for name, kw in [("id", {"no_wrap": True}), ("when", {"no_wrap": True}), ("source", {}), ("model", {"no_wrap": True}),
-                     ("users", {"justify": "right"}), ("turns", {"justify": "right"}),
-                     ("hit rate", {"justify": "right"}), ("note", {"no_wrap": True})]:
-        table.add_column(name, **kw)
+    con = console()
+    piped = not con.is_terminal
+    if piped:  # every cell whole (ids to copy, paths to grep): as wide as the longest row needs
+        con = console(width=10_000)
+    con.print(table_of(rows, f"sessions in {path}{hidden}", None if piped else con.width))
+    return 0
+
+
+def note_of(r: dict) -> str:
+    """What tells sessions apart: the script a run played, the title, a replay's original,
+    an unfinished recording."""
+    note = []
+    if r.get("script_path"):
+        note.append(os.path.splitext(os.path.basename(r["script_path"]))[0])  # examples/x.toml: x
+    elif r.get("title"):
+        note.append(r["title"])
+    if r["replay_of"]:
+        note.append(f"replay of {r['replay_of']}")
+    if r["ended"] is None:
+        note.append("unfinished")
+    return ", ".join(note)
+
+
+def table_of(rows: list[dict], title: str, width: int | None):
+    """Ids, times and numbers never shrink (an 80-column terminal still shows whole ids and hit
+    rates); in `width` columns the model loses its org/ prefix, then what the session is (source
+    and note: a run's script) and the model give way with an ellipsis, the model first (under
+    ~90 columns it is left out). `width` None (piped): every cell whole."""
+    # start-up time: imported when this first runs
+    from rich.table import Table
+
+    cells = []
     for r in rows:
         hr = hit_rate(r)
-        note = []
-        if r["ended"] is None:
-            note.append("unfinished")
-        if r["replay_of"]:
-            note.append(f"replay of {r['replay_of'][:10]}")
-        table.add_row(r["id"], when(r["created"]), r["source"], r["model"] or "-", str(r["users"]), str(r["turns"]),
-                      "-" if hr is None else f"{hr:.1%}", ", ".join(note))
-    console().print(table)
-    return 0
+        model = r["model"] or "-"
+        what = " ".join(x for x in (r["source"], note_of(r)) if x)
+        cells.append([r["id"], short_when(r["created"]), str(r["users"]), str(r["turns"]),
+                      "-" if hr is None else f"{hr:.1%}", what, model if width is None else model.rsplit("/", 1)[-1]])
+    names = ["id", "when", "users", "turns", "hit", "what", "model"]
+    widths = [max([len(name)] + [len(c[i]) for c in cells]) for i, name in enumerate(names)]
+    if width is not None:
+        room = max(16, width - sum(widths[:5]) - len(names))  # one space after each column
+        if room < 28:  # 80 columns: the model (mostly the same one) goes, what the session is stays
+            names, widths, cells = names[:6], widths[:6], [c[:6] for c in cells]
+            widths[5] = min(widths[5], room + 1)
+        else:
+            model = min(widths[6], max(8, room // 3))
+            widths[5] = min(widths[5], room - model)
+            widths[6] = min(widths[6], room - widths[5])
+    table = Table(title=title, header_style="bold underline", box=None, padding=(0, 1, 0, 0), title_justify="left")
+    for i, name in enumerate(names):
+        table.add_column(name, no_wrap=True, overflow="ellipsis", width=widths[i], justify="right" if 2 <= i <= 4 else "left")
+    for c in cells:
+        table.add_row(*c)
+    return table
+
+
+def short_when(ts: float | None) -> str:
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%m-%d %H:%M")

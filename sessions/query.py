@@ -119,7 +119,7 @@ def submit_order(turns: list[dict]) -> list[dict]:
 
 def list_sessions(db, limit: int | None = None) -> list[dict]:
     sql = """
-      select s.id, s.created, s.ended, s.source, s.model, s.replay_of, s.script_path,
+      select s.id, s.created, s.ended, s.source, s.model, s.replay_of, s.script_path, s.title,
         (select count(*) from users u where u.session_id = s.id) as users,
         (select count(*) from turns t where t.session_id = s.id) as turns,
         (select sum(cached_tokens) from turns t where t.session_id = s.id) as cached,

@@ -256,3 +256,58 @@ def test_locked_db_is_one_line_not_a_traceback(tmp_path):
         holder.close()
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "locked" in r.stderr.strip().splitlines()[-1]
+
+
+def _listed_db(tmp_path):
+    """Six example runs (as the issue's new user made them), an app session and a lab's."""
+    p = tmp_path / "list.db"
+    db = open_db(p)
+    scripts = ["am-i-pretty", "concurrent", "eviction-pressure", "group-attack", "multi-turn", "shared-system"]
+    rows = [(new_ulid(), "run", f"/home/someone/kvplay/examples/{s}.toml") for s in scripts]
+    rows += [(new_ulid(), "app", None), (new_ulid(), "lab:leak", None)]
+    for i, (sid, source, script) in enumerate(rows):
+        db["sessions"].insert({"id": sid, "created": 1.7e9 + i, "ended": 1.7e9 + i + 5, "source": source,
+                               "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "script_path": script})
+        db["users"].insert({"session_id": sid, "name": "alice"})
+        db["turns"].insert({"session_id": sid, "seq": 1, "user": "alice", "text": "hi",
+                            "prompt_tokens": 100, "cached_tokens": 32 + i})
+    db.close()
+    return p, rows
+
+
+def test_sessions_at_80_columns_keep_whole_ids_and_numbers(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from kvplay.sessions.cli_list import table_of
+    from kvplay.sessions.query import list_sessions
+
+    p, rows = _listed_db(tmp_path)
+    db = open_db(p, create=False)
+    listed = list_sessions(db)
+    db.close()
+    out = io.StringIO()
+    Console(file=out, width=80).print(table_of(listed, f"sessions in {p}", 80))
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    header = next(line for line in lines if "id" in line and "hit" in line)
+    for col in ("when", "users", "turns", "hit", "what"):
+        assert col in header, (col, header)
+    for (sid, source, _), i in zip(rows, range(len(rows))):
+        line = next(line for line in lines if sid in line)  # the whole id, never `s…`
+        assert f"{(32 + i) / 100:.1%}" in line and source in line, line
+    assert "run shared-system " in text and "run eviction-pressure " in text
+
+
+def test_sessions_piped_are_whole_and_runs_name_their_script(tmp_path, capsys):
+    p, rows = _listed_db(tmp_path)
+    assert cli(["sessions", "--db", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    for sid, source, script in rows:
+        line = next(line for line in out.splitlines() if sid in line)
+        assert "SmolLM2-135M-Instruct" in line
+        if script:
+            assert f"run {script.rsplit('/', 1)[-1][:-5]} " in line, line
