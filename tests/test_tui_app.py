@@ -508,3 +508,53 @@ async def test_live_timeline_shows_each_request_and_each_users_ttft(tiny_llama):
         await pilot.resize_terminal(200, 48)
         await pilot.pause(0.3)
         assert len(tl.render().plain.splitlines()[-1]) == wide
+
+
+async def test_too_small_notice_follows_each_resize(tiny_llama):
+    """The notice names the size the terminal has now (on_resize read the old one: one behind)."""
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause(0.1)
+        assert not app.screen.has_class("too-small")
+        await pilot.resize_terminal(60, 20)
+        await pilot.pause(0.1)
+        assert app.screen.has_class("too-small") and "is 60×20" in str(app.query_one("#too-small").render())
+        await pilot.resize_terminal(70, 22)
+        await pilot.pause(0.1)
+        assert "is 70×22" in str(app.query_one("#too-small").render())
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.1)
+        assert not app.screen.has_class("too-small")
+
+
+async def test_cache_tab_then_wide_then_small_again_shows_the_pane_and_ctrl_t_works(tiny_llama):
+    from kvplay.tui.widgets import CACHE_TAB, PaneSwitcher
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.press("ctrl+t")
+        await pilot.pause(0.2)
+        assert app.screen.has_class("show-cache")
+        await pilot.resize_terminal(200, 50)
+        await pilot.pause(0.3)
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.3)
+        switcher = app.query_one(PaneSwitcher)
+        shown = [p.user for p in app.panes if p.display and p.region.width]
+        assert not app.screen.has_class("show-cache") and shown == ["alice"]
+        assert switcher.active == app._tab_id("alice")  # the tab bar names what is shown
+        await pilot.press("ctrl+t")  # at once, no alt+→ needed first
+        await pilot.pause(0.2)
+        assert app.screen.has_class("show-cache") and switcher.active == CACHE_TAB
+
+
+async def test_event_log_is_on_screen_when_opened_with_four_users(tiny_llama):
+    app = make_app(tiny_llama, users=("alice", "bob", "carol", "dave"))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "Hello there")
+        await pilot.press("f10")
+        await pilot.pause(0.3)
+        log, side = app.query_one("#events"), app.query_one("#side")
+        assert log.region.height >= 3 and side.region.contains_region(log.region), (log.region, side.region, side.scroll_y, side.max_scroll_y, side.virtual_size, app.size)

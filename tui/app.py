@@ -246,6 +246,9 @@ class KvplayApp(ControlsMixin, App):
             grid.styles.grid_size_rows = 1
             return
         self.screen.remove_class("show-cache")
+        switcher = self.query_one(PaneSwitcher)  # back to compact later: the tab bar names the pane shown
+        if switcher.active == CACHE_TAB:
+            switcher.active = self._tab_id(self.current_pane().user)
         cols = n if n <= 3 else 2 if n == 4 else 3
         room = self.size.width - self.query_one("#side").outer_size.width
         if room > 0:  # stack panes rather than squeeze them under ~30 columns
@@ -291,11 +294,11 @@ class KvplayApp(ControlsMixin, App):
                     p.input.focus()
 
     def on_resize(self, event) -> None:
-        self._check_size()
+        self._check_size(event.size)  # self.size is still the old one here
         self.call_after_refresh(self._layout_panes)
 
-    def _check_size(self) -> None:
-        w, h = self.size
+    def _check_size(self, size=None) -> None:
+        w, h = size or self.size
         small = w < MIN_SIZE[0] or h < MIN_SIZE[1]
         self.screen.set_class(small, "too-small")
         if small:
@@ -528,11 +531,16 @@ class KvplayApp(ControlsMixin, App):
             log.write_lines(lines)
 
     def show_events(self, shown: bool) -> None:
+        """Show or hide the event log: shown, it is brought into view (the panel's last item, below
+        the fold with four users; compact: on the cache tab)."""
         log = self.query_one("#events", Log)
         log.set_class(shown, "shown")
         log.clear()
         if shown:
             log.write_lines(list(self._event_lines))
+            if self.compact and not self.screen.has_class("show-cache"):
+                self.query_one(PaneSwitcher).active = CACHE_TAB
+            self.call_after_refresh(self.query_one("#side").scroll_end, animate=False)  # the log is last
 
     def _note_event(self, ev) -> None:
         """What the map and the jump key need from an event: hit and flash sets, the blocks of
