@@ -558,3 +558,91 @@ async def test_event_log_is_on_screen_when_opened_with_four_users(tiny_llama):
         await pilot.pause(0.3)
         log, side = app.query_one("#events"), app.query_one("#side")
         assert log.region.height >= 3 and side.region.contains_region(log.region), (log.region, side.region, side.scroll_y, side.max_scroll_y, side.virtual_size, app.size)
+
+
+async def test_loading_note_goes_when_the_queued_message_is_sent(tiny_llama, monkeypatch):
+    import threading
+
+    go = threading.Event()
+    real_open = KvplayApp.open_backend
+
+    def slow_open(self):  # the real engine, opened once the test has typed (a model still loading)
+        go.wait(30)
+        return real_open(self)
+
+    monkeypatch.setattr(KvplayApp, "open_backend", slow_open)
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        pane = app.pane("alice")
+        pane.input.value = "Hello there"
+        pane.input.focus()
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert any("still loading" in t for t in pane.chat.texts("note"))
+        go.set()
+        await wait_until(pilot, lambda: app.engine is not None and not app.busy and pane.chat.texts("badge"))
+        assert not any("still loading" in t for t in pane.chat.texts("note"))
+        assert pane.chat.texts("user") and "Hello there" in pane.chat.texts("user")[-1]
+
+
+async def test_added_user_gets_the_focus(tiny_llama):
+    app = make_app(tiny_llama, users=("alice", "bob"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        app.pane("alice").input.focus()
+        await pilot.press("f8")
+        await pilot.pause(0.2)
+        app.screen.query_one("#field-name").value = "dave"
+        app.screen.query_one("#field-name").focus()
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert app.current_pane().user == "dave" and app.pane("dave").input.has_focus
+
+
+async def test_deterministic_confirmation_says_on_and_the_blocks_it_drops(tiny_llama):
+    from kvplay.tui.screens import ConfirmScreen
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        n = app.engine.stats()["blocks_cached"]
+        await pilot.press("f5")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, ConfirmScreen) and n > 0
+        q = app.screen.question
+        assert "deterministic on" in q and f"the {n} cached blocks" in q and "True" not in q
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.engine.config.deterministic)
+        assert app.engine.stats()["blocks_cached"] == 0
+
+
+async def test_footer_shows_f5_f8_f9(tiny_llama):
+    from textual.widgets._footer import FooterKey
+
+    app = make_app(tiny_llama)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await pilot.pause(0.3)
+        keys = {k.key: k.region.width for k in app.screen.query(FooterKey)}
+        assert all(keys.get(k) for k in ("f5", "f8", "f9")), keys
+
+
+def test_a_missing_model_path_is_named_not_an_install_hint():
+    from kvplay.tui.app import fix_for
+
+    err = ("model not found: 'does/not/exist' is neither a local directory nor an org/name Hugging Face id "
+           "(use --model default for the embedded model)")
+    fix = fix_for(err, EngineConfig(model="does/not/exist"))
+    assert fix.startswith("does/not/exist does not exist") and "pip install" not in fix
+
+
+def test_app_with_a_corrupt_db_is_one_line_at_start(tmp_path, capsys):
+    from kvplay.cli import main
+
+    bad = tmp_path / "bad.db"
+    bad.write_text("this is not sqlite")
+    assert main(["app", "--db", str(bad), "--model", "tiny:llama"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a SQLite database" in err and len(err.splitlines()) == 1
+    assert bad.read_text() == "this is not sqlite"

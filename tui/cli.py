@@ -54,4 +54,8 @@ def main(args: argparse.Namespace) -> int:
     if args.system:
         system = args.system
     config = config_from_args(args, base)
+    if args.record:  # a DB that cannot record is one line now, not a warning at the first message
+        from kvplay.sessions.store import open_db
+
+        open_db(args.db).close()
     return run_app(config, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)

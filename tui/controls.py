@@ -94,17 +94,17 @@ class ControlsMixin:
         if self.engine is None:
             self.notify("The model is still loading.", severity="warning")
             return
-        what = ", ".join(f"{k} {v}" for k, v in changes.items())
+        what = ", ".join(f"{k} {('on' if v else 'off') if isinstance(v, bool) else v}" for k, v in changes.items())
 
         def apply(ok: bool | None = True) -> None:
             if ok:
                 self._apply_reconfigure(changes, what)
 
-        if self.engine.needs_fresh_cache(**changes):
-            st = self.engine.stats()
-            n = st["blocks_total"] - st["blocks_free"]
-            self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} blocks in the "
-                                           "pool will be dropped. Continue?"), apply)
+        n = self.engine.stats()["blocks_cached"] if self.engine.needs_fresh_cache(**changes) else 0
+        if n:  # what clearing drops: the cached blocks (a running request's finish first)
+            self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} cached "
+                                           f"block{'s' if n != 1 else ''} in the pool will be dropped. Continue?"),
+                             apply)
         else:
             apply(True)
 
@@ -204,7 +204,8 @@ class ControlsMixin:
                 self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
                             severity="error")
                 return
-            self.add_user(UserSpec(name, group=values["group"].strip() or None))
+            pane = self.add_user(UserSpec(name, group=values["group"].strip() or None))
+            pane.call_after_refresh(lambda: pane.input.focus())  # the next message is the new user's
 
         self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
 

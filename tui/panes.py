@@ -93,10 +93,10 @@ class ChatPane(Vertical):
         self.post_message(self.Submitted(self, text))
 
     # --- content (entries of one ChatLog: a streamed token repaints this pane only) ------------
-    def notice(self, text: str, error: bool = False) -> None:
-        """A one-line note in this pane only (empty input, errors)."""
+    def notice(self, text: str, error: bool = False):
+        """A one-line note in this pane only (empty input, errors); its entry, to remove later."""
         self.chat.remove_kind("hint")
-        self.chat.add("error" if error else "note", Text(text))
+        return self.chat.add("error" if error else "note", Text(text))
 
     def add_user_message(self, text: str) -> None:
         self.chat.remove_kind("hint")
