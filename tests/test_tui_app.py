@@ -198,17 +198,17 @@ async def test_bindings_have_ids_and_palette_commands_read_category_action(tiny_
     assert all(": " in t for t in titles[:10])
 
 
-async def test_deterministic_toggle_asks_first(tiny_llama):
+async def test_deterministic_toggle_on_an_empty_cache_does_not_ask(tiny_llama):
+    """Nothing to drop, nothing to confirm (it asked about dropping "the 0 blocks"); with blocks
+    cached it asks: test_deterministic_confirmation_says_on_and_the_blocks_it_drops."""
     from kvplay.tui.screens import ConfirmScreen
 
     app = make_app(tiny_llama)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await pilot.press("f5")
-        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
-        assert "fresh cache" in app.screen.question
-        await pilot.press("y")
         await wait_until(pilot, lambda: app.engine.config.deterministic)
+        assert not isinstance(app.screen, ConfirmScreen)
 
 
 async def test_turns_are_recorded_when_recording(tiny_llama, tmp_path):
@@ -646,3 +646,45 @@ def test_app_with_a_corrupt_db_is_one_line_at_start(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "not a SQLite database" in err and len(err.splitlines()) == 1
     assert bad.read_text() == "this is not sqlite"
+
+
+async def test_a_lab_from_the_palette_records_its_own_session_not_into_the_apps(tiny_llama, tmp_path):
+    """The app's session keeps the app's turns and their events only; the lab's requests go to a
+    session of its own (lab:NAME), and the dialog says so; progress shows while it runs."""
+    import sqlite3
+
+    from kvplay.tui.screens import ConfirmScreen, LabScreen
+
+    db = str(tmp_path / "s.db")
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=128),
+                    [UserSpec(u, max_tokens=8) for u in ("alice", "bob")], SYSTEM,
+                    loaded=tiny_llama, record=True, db=db, timings=False)
+    seen = []
+    real_show = app.show_lab_progress
+
+    def spy(text):
+        seen.append(text)
+        real_show(text)
+
+    app.show_lab_progress = spy
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None)
+        await say(app, pilot, "alice", "What is a KV cache in a transformer?")
+        app.action_run_lab("response-cache")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, ConfirmScreen) and "session of their own (lab:response-cache)" in app.screen.question
+        await pilot.press("y")
+        await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
+        await pilot.press("escape")
+        await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
+    assert any(t and "lab response-cache: asking" in t and "/9" in t for t in seen), seen
+    assert seen[-1] is None  # the progress line goes when the lab is done
+    con = sqlite3.connect(db)
+    sessions = dict(con.execute("select source, id from sessions").fetchall())
+    assert set(sessions) == {"app", "lab:response-cache"}
+    app_sid, lab_sid = sessions["app"], sessions["lab:response-cache"]
+    turns = con.execute("select count(*) from turns where session_id = ?", [app_sid]).fetchone()[0]
+    finished = con.execute("select count(*) from cache_events where session_id = ? and kind = 'RequestFinished'",
+                           [app_sid]).fetchone()[0]
+    assert turns == finished == 2  # alice's and bob's, none of the lab's
+    assert con.execute("select count(*) from turns where session_id = ?", [lab_sid]).fetchone()[0] > 0

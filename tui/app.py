@@ -177,6 +177,7 @@ class KvplayApp(ControlsMixin, App):
         self._unsubscribe = None
         self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
         self.recorder = None
+        self._recording_paused = False  # a lab runs: the app's session takes no engine events
         self._recorder_opened = None  # the future of the recorder's opening (first turn)
         self.recorder_error: str | None = None
         self._recorder_error_shown = False
@@ -193,6 +194,7 @@ class KvplayApp(ControlsMixin, App):
                     yield self._panes[u.name]
             with VerticalScroll(id="side"):
                 yield Static(Text(f"loading the model ({self.config.model}) …", style="bold"), id="status")
+                yield Static(id="lab-progress")  # a lab run from the palette: its phase and steps
                 yield Static("Block pool", classes="section", id="map-title")
                 yield BlockMap(id="map")
                 yield Static(id="legend")
@@ -417,7 +419,8 @@ class KvplayApp(ControlsMixin, App):
         rec = Recorder.open(self.db, self.engine.config if self.engine else None, self.backend.model_name,
                             source="replay" if self.replay_of else "app", system_prompt=self.system_prompt,
                             title=self._title, replay_of=self.replay_of)
-        rec.attach(self.engine or self.backend)  # the engine: its step clock goes with each event
+        if not self._recording_paused:  # (a lab resumes it when done)
+            rec.attach(self.engine or self.backend)  # the engine: its step clock goes with each event
         self.recorder = rec
         for u in self.users:
             self._record_user(u)

@@ -6,11 +6,12 @@ calls that wait on the engine thread (reconfigure, clear) run in thread workers.
 from __future__ import annotations
 
 import importlib
+import time
 from pathlib import Path
 
 from textual import work
 from textual.app import SystemCommand
-from textual.widgets import Log, Tab
+from textual.widgets import Log, Static, Tab
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
 from kvplay.engine.errors import EngineError
@@ -33,6 +34,64 @@ from .widgets import CACHE_TAB
 
 # Counters a lab's own requests add to the engine's; the app subtracts them (without_labs).
 LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
+
+
+APP_LAB_TITLE = "from the app"  # a lab session recorded by the app (its sizes are APP_LABS')
+
+
+def last_lab_seconds(db_path: str | None, name: str, model: str) -> float | None:
+    """How long the last run of lab `name` from the app on `model` took (its recorded session),
+    or None: the estimate shown before a lab starts."""
+    # start-up time: imported when this first runs
+    from kvplay.sessions.store import open_db
+
+    try:
+        db = open_db(db_path, create=False)
+    except EngineError:
+        return None
+    try:
+        row = db.execute("select created, ended from sessions where source = ? and title = ? and model = ? "
+                         "and ended is not null order by id desc limit 1",
+                         [f"lab:{name}", APP_LAB_TITLE, model]).fetchone()
+    except Exception:
+        return None
+    finally:
+        db.close()
+    return None if row is None else max(0.0, row[1] - row[0])
+
+
+class LabProgress:
+    """A lab's progress (LabContext calls phase/advance on the lab's thread) shown in the app:
+    the phase, steps done / total, time so far and the phase's time left at its pace."""
+
+    def __init__(self, app, lab: str) -> None:
+        self.app, self.lab = app, lab
+        self.t0 = time.monotonic()
+        self.label, self.total, self.done, self.phase_t0, self._shown = "", 1, 0, self.t0, 0.0
+
+    def phase(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.phase_t0 = label, max(1, total), 0, time.monotonic()
+        self._show()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.done >= self.total or time.monotonic() - self._shown > 0.25:
+            self._show()
+
+    def close(self) -> None:
+        """The lab is done (the app hides the line once it has cleaned up)."""
+
+    def text(self) -> str:
+        now = time.monotonic()
+        line = f"lab {self.lab}: {self.label} {min(self.done, self.total)}/{self.total} · {now - self.t0:.0f} s"
+        if 0 < self.done < self.total:
+            left = (now - self.phase_t0) / self.done * (self.total - self.done)
+            line += f" · this step ~{left:.0f} s more"
+        return line
+
+    def _show(self) -> None:
+        self._shown = time.monotonic()
+        self.app.call_from_thread(self.app.show_lab_progress, self.text())
 
 
 def screenshot_dir() -> Path:
@@ -256,14 +315,19 @@ class ControlsMixin:
 
         def done(ok: bool | None) -> None:
             if ok:
-                self.notify(f"Running the {name} lab… watch the block map; its verdict opens here when done.",
-                            title="Lab", timeout=8)
+                self.notify(f"Running the {name} lab… watch the block map; its progress shows above it and "
+                            "its verdict opens here when done.", title="Lab", timeout=8)
                 self._run_lab(name)
 
+        where = (f"They are recorded as a session of their own (lab:{name}), not in this one." if self.record
+                 else "They are not recorded (--no-record).")
+        last = last_lab_seconds(self.db, name, self.backend.model_name) if self.record else None
+        took = (f"Its last run from the app on this model took {last:.0f} s." if last is not None
+                else "Its progress (steps done / total) shows at the top of the cache panel.")
         self.push_screen(ConfirmScreen(
             f"The {name} lab runs on this engine: it clears the cache and switches modes while it runs "
             "(restoring them after), and empties the cache when done; its requests do not count in "
-            "the app's numbers. Typing meanwhile disturbs its measurements. Run it?"), done)
+            f"the app's numbers. {where} {took} Typing meanwhile disturbs its measurements. Run it?"), done)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="lab", description="Running a lab")
     def _run_lab(self, name: str) -> None:
@@ -273,21 +337,65 @@ class ControlsMixin:
         module, params_cls, sizes = APP_LABS[name]
         mod = importlib.import_module(module)
         before = self.engine.stats(timeout=60)
+        self._pause_recording(True)  # the app's session keeps the app's requests only
+        rec = None
+        progress = LabProgress(self, name)
         try:
-            result = mod.run(self.engine, getattr(mod, params_cls)(**sizes), LabContext())
+            if self.record:
+                try:
+                    rec = self._lab_recorder(name)
+                except EngineError as exc:  # the lab still runs, unrecorded
+                    self.call_from_thread(self.notify, f"The {name} lab is not recorded: {exc}", severity="warning")
+            result = mod.run(self.engine, getattr(mod, params_cls)(**sizes), LabContext(progress, rec))
         except Exception as exc:  # a lab failure is a notice, never a crash of the app
             self.call_from_thread(self.notify, f"{name} lab failed: {exc}", severity="error")
             return
         finally:
             # The lab leaves nothing behind: its blocks go (it cleared the app's at its start),
-            # and its requests leave the app's counters.
+            # and its requests leave the app's counters. The app's session sees one clear.
+            if rec is not None:
+                try:
+                    rec.close()
+                except Exception as exc:
+                    self.call_from_thread(self.notify, f"The {name} lab's session: {exc}", severity="warning")
+            self._pause_recording(False)
             self.engine.clear_cache()
             after = self.engine.stats(timeout=60)
             for k in LAB_COUNTERS:
                 self._excluded[k] = self._excluded.get(k, 0) + after.get(k, 0) - before.get(k, 0)
             self._dirty = True
+            self.call_from_thread(self.show_lab_progress, None)
         parts = renderables(result)  # tables..., verdict, footer: show the verdict first
-        self.call_from_thread(self.push_screen, LabScreen(f"lab: {name}", [parts[-2], *parts[:-2], parts[-1]]))
+        title = f"lab: {name}" + (f"  (recorded as session {rec.session_id})" if rec is not None else "")
+        self.call_from_thread(self.push_screen, LabScreen(title, [parts[-2], *parts[:-2], parts[-1]]))
+
+    def _lab_recorder(self, name: str):
+        """The lab's own session (source lab:NAME, title APP_LAB_TITLE), attached to the engine."""
+        # start-up time: imported when this first runs
+        from kvplay.sessions.recorder import Recorder
+
+        rec = Recorder.open(self.db, self.engine.config, self.backend.model_name, source=f"lab:{name}",
+                            system_prompt="", title=APP_LAB_TITLE)
+        rec.attach(self.engine)
+        return rec
+
+    def _pause_recording(self, paused: bool) -> None:
+        """Stop (or resume) taking the engine's events into the app's session; on the recorder's
+        thread, and waited for, so no lab event lands in the app's session."""
+        def apply() -> None:
+            self._recording_paused = paused
+            if self.recorder is not None:
+                if paused:
+                    self.recorder.detach()
+                else:
+                    self.recorder.attach(self.engine or self.backend)
+
+        self._rec_pool.submit(self._guarded, apply).result()
+
+    def show_lab_progress(self, text: str | None) -> None:
+        box = self.query_one("#lab-progress", Static)
+        box.update(text or "")
+        box.set_class(bool(text), "shown")
 
     def action_screenshot(self) -> None:
         folder = screenshot_dir()
