@@ -623,9 +623,12 @@ async def test_footer_shows_f5_f8_f9(tiny_llama):
     app = make_app(tiny_llama)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
-        await pilot.pause(0.3)
-        keys = {k.key: k.region.width for k in app.screen.query(FooterKey)}
-        assert all(keys.get(k) for k in ("f5", "f8", "f9")), keys
+
+        def shown():  # the footer recomposes after a layout (KvFooter.set_keep): wait for it
+            keys = {k.key: k.region.width for k in app.screen.query(FooterKey)}
+            return all(keys.get(k) for k in ("f5", "f8", "f9")) and keys.get("ctrl+p")
+
+        await wait_until(pilot, shown, timeout=10)
 
 
 def test_a_missing_model_path_is_named_not_an_install_hint():
