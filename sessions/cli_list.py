@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import datetime as dt
+import os
 
 from kvplay.options import add_db_arg
 

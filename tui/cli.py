@@ -55,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
         system = args.system
     config = config_from_args(args, base)
     if args.record:  # a DB that cannot record is one line now, not a warning at the first message
+        # start-up time: imported when this first runs
         from kvplay.sessions.store import open_db
 
         open_db(args.db).close()
