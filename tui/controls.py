@@ -25,7 +25,7 @@ from .screens import ConfirmScreen, FormScreen, HelpScreen, LabScreen, TextScree
 # (the CLI's defaults measure more).
 APP_LABS = {
     "determinism": ("kvplay.labs.determinism", "DeterminismParams", {}),
-    "leak": ("kvplay.labs.leak", "LeakParams", {"blocks": [1, 4], "samples": 8, "mitigations": []}),
+    "leak": ("kvplay.labs.leak", "LeakParams", {"blocks": [1, 4], "samples": 8, "repeats": 1, "mitigations": []}),
     "collide": ("kvplay.labs.collide", "CollideParams", {"feed": 120, "offline": 5000}),
     "response-cache": ("kvplay.labs.response_cache", "ResponseCacheParams", {}),
 }
