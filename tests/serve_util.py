@@ -2,6 +2,8 @@
 around a real engine on a tiny model."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 
@@ -64,3 +66,13 @@ def chat(client, url, key=None, content="hello", system=SYSTEM, **extra):
             "max_tokens": 4, "temperature": 0}
     body.update(extra)
     return client.post(url + "/v1/chat/completions", json=body, headers=headers)
+
+
+def wait_until(pred, timeout=15.0):
+    """Poll `pred` until it is true (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False

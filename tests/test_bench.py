@@ -275,7 +275,7 @@ def test_scale_workload_report_and_print(monkeypatch, tiny_llama):
     assert json.loads(json.dumps(report, default=str))
     step = report["scale"]["step"]
     assert step["small_blocks"] == 64 and step["large_blocks"] == 4096 and step["step_ratio"] > 0
-    assert step["stats_us"] > 0 and step["delta_blocks"] > 0
+    assert step["stats_us"] > 0 and step["mirror_summary_1000_cells_ms"] > 0 and step["blocks_cached"] > 0
     names = [t["name"] for t in report["targets"]]
     assert names == ["step cost at 4,096 vs 64 blocks", "stats() at 4,096 blocks (ms)"]
     assert report["targets"][1]["value"] == pytest.approx(step["stats_us"] / 1000)

@@ -9,16 +9,7 @@ import time
 import httpx
 import pytest
 
-from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve  # noqa: F401 (fixture)
-
-
-def wait_until(pred, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve, wait_until  # noqa: F401 (fixture)
 
 
 def sse_events(resp):

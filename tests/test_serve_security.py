@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve  # noqa: F401 (fixture)
+from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve, wait_until  # noqa: F401 (fixture)
 
 
 def sse_events(resp):
@@ -26,15 +26,6 @@ def events_config(**kw):
 
     return KVEventsConfig(enable_kv_cache_events=True, endpoint=kw.pop("endpoint", "tcp://127.0.0.1:*"),
                           replay_endpoint=kw.pop("replay_endpoint", "tcp://127.0.0.1:*"), **kw)
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def publish_until(pub, sock, timeout=5.0):
@@ -166,7 +157,7 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
             sub.poll(50)
             return sub.fleet.pods[next(iter(sub.fleet.pods))].last_seq >= 0
 
-        assert wait_for(got)
+        assert wait_until(got)
     finally:
         sub.close()
         pub.shutdown()
@@ -317,7 +308,7 @@ def test_subscription_flood_is_not_kept_and_replay_hammer_does_not_stop_live():
         n = 20_000
         for i in range(n):
             flood.send(b"\x01" + b"spam-%d" % i)
-        assert wait_for(lambda: pub.subs_dropped >= n, 30)  # none of them kept by the XPUB
+        assert wait_until(lambda: pub.subs_dropped >= n, 30)  # none of them kept by the XPUB
 
         hammer = ctx.socket(zmq.DEALER)
         hammer.setsockopt(zmq.SNDHWM, 0)
@@ -332,7 +323,7 @@ def test_subscription_flood_is_not_kept_and_replay_hammer_does_not_stop_live():
                 good.recv_multipart()
                 live += 1
         assert live >= 20
-        assert wait_for(lambda: pub.replay_refused > 1900, 10)  # rate-limited, counted
+        assert wait_until(lambda: pub.replay_refused > 1900, 10)  # rate-limited, counted
     finally:
         pub.shutdown()
         ctx.destroy(linger=0)
@@ -416,6 +407,6 @@ def test_encrypted_tls_key_takes_a_password_and_never_prompts(make_engine, tmp_p
 def test_sessions_db_is_created_owner_only(tmp_path):
     from kvplay.sessions.store import open_db
 
-    p = tmp_path / "new" / "sessions.db"
+    p = tmp_path / "sessions.db"
     open_db(p).close()
     assert oct(os.stat(p).st_mode & 0o777) == "0o600"
