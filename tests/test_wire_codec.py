@@ -89,14 +89,67 @@ def test_unknown_event_type_is_skipped_and_sglang_metadata_session():
                                     "metadata": {"session_id": "bob", "cache_salt": "s"}}]])
     b = decode_batch(payload)
     assert len(b.events) == 1 and b.events[0].session_id == "bob"
+    assert b.unknown_events == 1 and b.bad_events == 0
+    b = decode_batch(msgpack.packb([0.0, [["SomethingNew", 1, 2], {"type": 9}]]))
+    assert b.events == [] and b.unknown_events == 1 and b.bad_events == 1
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1]),
-                                     msgpack.packb(["x", []]), msgpack.packb([0.0, [7]]),
-                                     msgpack.packb([0.0, [["BlockStored"]]])])
+@pytest.mark.parametrize("payload", [b"\xc1", b"", msgpack.packb({"a": 1}), msgpack.packb([1]),
+                                     msgpack.packb(["x", []]), msgpack.packb([0.0, 7]),
+                                     msgpack.packb([0.0, [], "rank"]), msgpack.packb([0.0, [], -1])])
 def test_bad_payloads_raise_one_wire_error(payload):
     with pytest.raises(WireError):
         decode_batch(payload)
+
+
+GOOD = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+        "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+def _with(**kw):
+    d = dict(GOOD)
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("bad", [
+    7, "BlockStored", ["BlockStored"],                            # not an event
+    _with(block_hashes=[[1, 2]]), _with(block_hashes=[{"a": 1}]), _with(block_hashes=5),
+    _with(parent_block_hash=[1]), _with(block_hashes=[1.5]),
+    _with(block_size="4"), _with(block_size=-1), _with(token_ids=7), _with(token_ids=["a"]),
+    _with(session_id=["alice"]), _with(session_id={"x": 1}), _with(session_id="x" * (10 << 20)),
+    _with(medium=3), _with(group_idx="0"), _with(block_hashes=[b"x" * 100]),
+    _with(metadata={"session_id": 5}),
+    {"type": "BlockRemoved", "block_hashes": [[1]], "medium": "GPU"},
+    {"type": "BlockRemoved", "block_hashes": "ab"},
+    ["BlockStored", [[1]], None, [1, 2], 2, None, "GPU"],        # legacy positional, bad hash
+    ["BlockStored", [1], None, [1, 2], "2", None, "GPU"],
+])
+def test_a_wrongly_typed_event_is_skipped_and_counted(bad):
+    """A bad event never reaches the mirror: it is dropped and counted on its batch; the good
+    events of the same batch are kept."""
+    b = decode_batch(msgpack.packb([1.0, [GOOD, bad, {"type": "AllBlocksCleared"}]], use_bin_type=True))
+    assert b.bad_events == 1 and b.unknown_events == 0
+    assert [type(e).__name__ for e in b.events] == ["BlockStored", "AllBlocksCleared"]
+    s = b.events[0]
+    assert s.block_hashes == [1, 2] and s.block_size == 2 and s.session_id is None
+
+
+def test_typed_fields_keep_every_publishers_forms():
+    """uint64 (vLLM), signed int64 (SGLang) and bytes hashes; EAGLE token pairs; SGLang's
+    positional array with the 8th {cache_salt} element and its metadata session."""
+    digest = hashlib.sha256(b"y").digest()
+    events = [_with(block_hashes=[2**64 - 1, -(2**63), digest], parent_block_hash=-5),
+              _with(token_ids=[[1, 2], [3, 4], [5, 6], [7, 8]]),
+              ["BlockStored", [9], None, [1, 2], 2, None, "GPU", {"cache_salt": "s", "session_id": "carol"}],
+              _with(lora_id=None, medium="CPU_PINNED", cache_salt="s", session_id="dave")]
+    b = decode_batch(msgpack.packb([1.0, events, 3], use_bin_type=True))
+    assert b.bad_events == 0 and b.data_parallel_rank == 3
+    a, eagle, legacy, sg = b.events
+    assert a.block_hashes == [2**64 - 1, -(2**63), digest] and a.parent_block_hash == -5
+    assert eagle.block_tokens(1) == [(5, 6), (7, 8)]
+    assert legacy.block_hashes == [9] and legacy.session_id == "carol" and legacy.lora_name is None
+    assert sg.session_id == "dave" and sg.medium == "CPU_PINNED"
 
 
 def test_frames_seq_and_end_marker():

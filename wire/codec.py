@@ -8,9 +8,17 @@ payload is empty.
 
 Events are msgpack maps tagged by ``"type"`` (vLLM since PR #42892, SGLang since #37482).
 Older releases sent tagged positional arrays (``["BlockStored", block_hashes, parent, ...]``,
-fields in declaration order): `decode_batch` reads both. Block hashes are a uint64 by default
-(the low 64 bits of vLLM's sha256 digest) or the full digest as bytes
-(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); both decode, and are kept as they came.
+fields in declaration order; SGLang appended ``{"cache_salt": ...}`` as an 8th element):
+`decode_batch` reads both. Block hashes are a uint64 by default (the low 64 bits of vLLM's
+sha256 digest), a signed int64 (SGLang) or the full digest as bytes
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); all decode, and are kept as they came.
+
+**Typed at the boundary.** The event classes are msgspec structs and a payload is decoded
+straight into them, so every field is checked for type and size before anything else sees it:
+a hash that is a list, ``block_size: "4"``, ``token_ids: 7``, a list or a 10 MiB string as
+``session_id`` is rejected. A bad *event* is skipped and counted on its batch
+(``EventBatch.bad_events``), an event of a type we do not know is skipped and counted
+(``unknown_events``); a payload that is not a batch at all raises `WireError` (one line).
 
 Encoding follows vLLM's msgspec structs (``omit_defaults=True``): fields without a default
 (``lora_id``, ``medium``, ``lora_name`` on BlockStored; ``medium`` on BlockRemoved) are always
@@ -19,9 +27,10 @@ left out when None. See /work/shared/research/vllm-wire.md for the observed wire
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgpack
+import msgspec
 
 from kvplay.engine.errors import EngineError
 
@@ -31,107 +40,100 @@ END_SEQ = -1
 END_SEQ_BYTES = b"\xff" * 8
 MEDIUM_GPU = "GPU"
 
+# Bounds on one decoded event or batch (a publisher's message is also capped at the socket,
+# wire/subscriber.py MAX_MESSAGE_BYTES). Generous for real servers: SGLang at page size 1 sends
+# one hash per token, so a 128k-token prefill is one event of 128k hashes.
+MAX_HASH_BYTES = 64          # vLLM's sha256 digest is 32
+MAX_BLOCKS_PER_EVENT = 1 << 18
+MAX_TOKENS_PER_EVENT = 1 << 22
+MAX_BLOCK_SIZE = 1 << 20
+MAX_EVENTS_PER_BATCH = 1 << 18
+MAX_NAME = 256               # session ids, medium, LoRA names, spec kinds, localities
+
+_Hash = Union[int, Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]]
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
+_Token = Union[int, tuple[int, int]]  # SGLang's EAGLE bigram pages send token pairs
+
 
 class WireError(EngineError):
     """A frame or payload that is not a vLLM KV-event message (one line)."""
 
 
+class SGLangMetadata(msgspec.Struct):
+    """SGLang's ``metadata`` map on BlockStored (``{cache_salt, session_id}``)."""
+    session_id: Optional[_Name] = None
+    cache_salt: Optional[_Name] = None
+
+
 # --- event types (vLLM's names and field order) -------------------------------------------
-class BlockStored:
+class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     """Full blocks entered the prefix cache (or, with kv_cache_report_mode "full", were reused)."""
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                 "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")
     # Positional order of the legacy array encoding (= vLLM's declaration order).
-    FIELDS = __slots__[:11]
-    REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                "lora_name")
+    FIELDS: ClassVar[tuple] = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                               "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                               "kv_cache_spec_sliding_window")
+    REQUIRED: ClassVar[tuple] = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                 "medium", "lora_name")
+    # What a map-tagged event carries, in the order written.
+    WIRE_FIELDS: ClassVar[tuple] = FIELDS + ("locality", "ownership", "session_id")
 
-    def __init__(self, block_hashes: list[WireHash], parent_block_hash: WireHash | None = None,
-                 token_ids: list[int] | None = None, block_size: int = 0, lora_id: int | None = None,
-                 medium: str | None = None, lora_name: str | None = None,
-                 extra_keys: list | None = None, group_idx: int | None = None,
-                 kv_cache_spec_kind: str | None = None, kv_cache_spec_sliding_window: int | None = None,
-                 session_id: str | None = None, locality: str | None = None, ownership: str | None = None):
-        self.block_hashes = block_hashes
-        self.parent_block_hash = parent_block_hash
-        self.token_ids = [] if token_ids is None else token_ids
-        self.block_size = block_size
-        self.lora_id = lora_id
-        self.medium = medium
-        self.lora_name = lora_name
-        self.extra_keys = extra_keys
-        self.group_idx = group_idx
-        self.kv_cache_spec_kind = kv_cache_spec_kind
-        self.kv_cache_spec_sliding_window = kv_cache_spec_sliding_window
-        self.locality = locality  # "LOCAL" | "REMOTE" relative to the publisher (vLLM >= 0.30)
-        self.ownership = ownership  # a secondary offloading tier's id
-        self.session_id = session_id
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    parent_block_hash: Optional[_Hash] = None
+    token_ids: Annotated[list[_Token], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)] = []
+    block_size: _Count = 0
+    lora_id: Optional[int] = None
+    medium: Optional[_Name] = None
+    lora_name: Optional[_Name] = None
+    extra_keys: Optional[Annotated[list, msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]] = None
+    group_idx: Optional[_Count] = None
+    kv_cache_spec_kind: Optional[_Name] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+    session_id: Optional[_Name] = None
+    locality: Optional[_Name] = None   # "LOCAL" | "REMOTE" relative to the publisher (vLLM >= 0.30)
+    ownership: Optional[_Name] = None  # a secondary offloading tier's id
+    metadata: Optional[SGLangMetadata] = None  # decode only (SGLang); its session_id is copied up
 
-    def block_tokens(self, i: int) -> list[int]:
+    def block_tokens(self, i: int) -> list:
         """Token ids of the i-th block of this event."""
         bs = self.block_size
         return self.token_ids[i * bs:(i + 1) * bs] if bs else []
 
 
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     """Blocks left the prefix cache (vLLM sends one event per evicted block)."""
-    __slots__ = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-    FIELDS = __slots__[:3]
-    REQUIRED = ("block_hashes", "medium")
+    FIELDS: ClassVar[tuple] = ("block_hashes", "medium", "group_idx")
+    REQUIRED: ClassVar[tuple] = ("block_hashes", "medium")
+    WIRE_FIELDS: ClassVar[tuple] = FIELDS + ("locality", "ownership")
 
-    def __init__(self, block_hashes: list[WireHash], medium: str | None = None, group_idx: int | None = None,
-                 locality: str | None = None, ownership: str | None = None):
-        self.block_hashes = block_hashes
-        self.medium = medium
-        self.group_idx = group_idx
-        self.locality = locality
-        self.ownership = ownership
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    medium: Optional[_Name] = None
+    group_idx: Optional[_Count] = None
+    locality: Optional[_Name] = None
+    ownership: Optional[_Name] = None
 
 
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     """The whole prefix cache was reset (``/reset_prefix_cache``)."""
-    __slots__ = ()
-    FIELDS = ()
-    REQUIRED = ()
+    FIELDS: ClassVar[tuple] = ()
+    REQUIRED: ClassVar[tuple] = ()
+    WIRE_FIELDS: ClassVar[tuple] = ()
 
 
 EVENT_CLASSES = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
 WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-def _eq(a, b) -> bool:
-    return type(a) is type(b) and all(getattr(a, f) == getattr(b, f) for f in type(a).__slots__)
+class EventBatch(msgspec.Struct):
+    """One engine step's events: ``[ts, events, data_parallel_rank]`` on the wire.
 
-
-def _repr(self) -> str:
-    body = ", ".join(f"{f}={getattr(self, f)!r}" for f in type(self).__slots__ if getattr(self, f) is not None)
-    return f"{type(self).__name__}({body})"
-
-
-for _cls in EVENT_CLASSES.values():
-    _cls.__eq__ = _eq
-    _cls.__repr__ = _repr
-    _cls.__hash__ = None
-
-
-class EventBatch:
-    """One engine step's events: ``[ts, events, data_parallel_rank]`` on the wire."""
-    __slots__ = ("ts", "events", "data_parallel_rank")
-
-    def __init__(self, ts: float, events: list, data_parallel_rank: int | None = None):
-        self.ts = ts
-        self.events = events
-        self.data_parallel_rank = data_parallel_rank
-
-    def __eq__(self, other) -> bool:
-        return (isinstance(other, EventBatch) and self.ts == other.ts and self.events == other.events
-                and self.data_parallel_rank == other.data_parallel_rank)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"EventBatch(ts={self.ts!r}, events={self.events!r}, data_parallel_rank={self.data_parallel_rank!r})"
+    `bad_events` and `unknown_events` count the events `decode_batch` skipped (wrongly typed or
+    oversized; of a type we do not know); they are never encoded."""
+    ts: float
+    events: list
+    data_parallel_rank: Optional[int] = None
+    bad_events: int = 0
+    unknown_events: int = 0
 
 
 # --- encode ---------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ def event_to_wire(ev: WireEvent, legacy: bool = False) -> Any:
         return [cls.__name__, *vals[:n]]
     out: dict[str, Any] = {"type": cls.__name__}
     required = cls.REQUIRED
-    for f in cls.__slots__:
+    for f in cls.WIRE_FIELDS:
         v = getattr(ev, f)
         if v is not None or f in required:
             out[f] = v
@@ -162,89 +164,100 @@ def encode_batch(batch: EventBatch, legacy: bool = False) -> bytes:
 
 
 # --- decode ---------------------------------------------------------------------------------
-def _event_from_map(d: dict) -> WireEvent | None:
-    tag = d.get("type")
-    if tag == "BlockStored":
-        ev = BlockStored.__new__(BlockStored)
-        g = d.get
-        ev.block_hashes = g("block_hashes") or []
-        ev.parent_block_hash = g("parent_block_hash")
-        ev.token_ids = g("token_ids") or []
-        ev.block_size = g("block_size") or 0
-        ev.lora_id = g("lora_id")
-        ev.medium = g("medium")
-        ev.lora_name = g("lora_name")
-        ev.extra_keys = g("extra_keys")
-        ev.group_idx = g("group_idx")
-        ev.kv_cache_spec_kind = g("kv_cache_spec_kind")
-        ev.kv_cache_spec_sliding_window = g("kv_cache_spec_sliding_window")
-        ev.locality = g("locality")
-        ev.ownership = g("ownership")
-        sid = g("session_id")
-        if sid is None:  # SGLang: metadata{cache_salt, session_id}
-            meta = g("metadata")
-            if isinstance(meta, dict):
-                sid = meta.get("session_id")
-        ev.session_id = sid
-        return ev
-    if tag == "BlockRemoved":
-        return BlockRemoved(d.get("block_hashes") or [], d.get("medium"), d.get("group_idx"), d.get("locality"),
-                            d.get("ownership"))
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    return None
+_Rank = Optional[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]]
+_Events = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
 
 
-def _event_from_array(a: list) -> WireEvent | None:
-    if not a:
-        return None
+class _BatchArray(msgspec.Struct, array_like=True):
+    ts: float
+    events: _Events
+    data_parallel_rank: _Rank = None
+
+
+class _BatchMap(msgspec.Struct):
+    ts: float
+    events: _Events
+    data_parallel_rank: _Rank = None
+
+
+_BATCH_ARRAY = msgspec.msgpack.Decoder(_BatchArray)
+_BATCH_MAP = msgspec.msgpack.Decoder(_BatchMap)
+_EVENT_MAP = msgspec.msgpack.Decoder(WireEvent)
+_ANY = msgspec.msgpack.Decoder()
+
+
+def _is_map(first: int) -> bool:
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _is_array(first: int) -> bool:
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+class _Unknown(Exception):
+    """An event of a type this decoder does not know (newer publishers add some)."""
+
+
+def _event_from_array(raw: bytes) -> WireEvent:
+    a = _ANY.decode(raw)
+    if not a or not isinstance(a[0], str):
+        raise WireError("a positional event starts with its type name")
     cls = EVENT_CLASSES.get(a[0])
     if cls is None:
-        return None
+        raise _Unknown(a[0])
     vals = a[1:]
-    if len(vals) > len(cls.FIELDS):
-        vals = vals[:len(cls.FIELDS)]
-    return cls(*vals)
+    d: dict[str, Any] = {"type": a[0]}
+    if cls is BlockStored and len(vals) == 7 and isinstance(vals[6], dict):
+        d["metadata"] = vals.pop()  # SGLang's BlockStoredWithMetadata: {"cache_salt": ...} 8th
+    d.update(zip(cls.FIELDS, vals))  # extra trailing values (newer fields) are dropped
+    return msgspec.convert(d, cls)
 
 
-def decode_event(obj: Any) -> WireEvent | None:
-    """One event from its msgpack form (map-tagged or legacy positional); None for a type we do
-    not know (newer publishers may add some: skip them, keep the rest of the batch)."""
-    if isinstance(obj, dict):
-        ev = _event_from_map(obj)
-    elif isinstance(obj, (list, tuple)):
+def _decode_event(raw) -> WireEvent:
+    mv = memoryview(raw)  # a msgspec.Raw: the event's bytes, not yet decoded
+    first = mv[0] if len(mv) else 0xC1
+    if _is_map(first):
         try:
-            ev = _event_from_array(list(obj))
-        except TypeError as exc:
-            raise WireError(f"bad positional event {str(obj)[:80]}: {exc}") from None
+            ev = _EVENT_MAP.decode(raw)
+        except msgspec.ValidationError:
+            tag = _ANY.decode(raw).get("type")
+            if isinstance(tag, str) and tag not in EVENT_CLASSES:
+                raise _Unknown(tag) from None
+            raise
+    elif _is_array(first):
+        ev = _event_from_array(raw)
     else:
-        raise WireError(f"an event must be a map or an array, got {type(obj).__name__}")
-    if ev is not None and type(ev) is not AllBlocksCleared and not isinstance(ev.block_hashes, list):
-        raise WireError(f"{type(ev).__name__}.block_hashes must be a list")
+        raise WireError("an event must be a map or an array")
+    if type(ev) is BlockStored and ev.metadata is not None and ev.session_id is None:
+        ev.session_id = ev.metadata.session_id
     return ev
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """An EventBatch from its msgpack payload. Raises WireError on anything else."""
+    """An EventBatch from its msgpack payload, every event checked (see the module doc): a bad or
+    unknown event is skipped and counted on the batch. Raises WireError (one line) when the
+    payload is not an EventBatch at all."""
+    first = payload[0] if payload else 0xC1
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
-        raise WireError(f"payload is not msgpack: {exc}") from None
-    if isinstance(obj, dict):  # tolerate a map-encoded batch
-        ts, events, rank = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
-    elif isinstance(obj, list) and 2 <= len(obj) <= 3:
-        ts, events = obj[0], obj[1]
-        rank = obj[2] if len(obj) == 3 else None
-    else:
-        raise WireError(f"payload is not an EventBatch [ts, events, rank]: {str(obj)[:80]}")
-    if not isinstance(ts, (int, float)) or not isinstance(events, list):
-        raise WireError(f"payload is not an EventBatch [ts, events, rank]: {str(obj)[:80]}")
+        if _is_array(first):
+            b = _BATCH_ARRAY.decode(payload)
+        elif _is_map(first):  # tolerate a map-encoded batch
+            b = _BATCH_MAP.decode(payload)
+        else:
+            raise WireError("payload is not an EventBatch [ts, events, rank]")
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"payload is not an EventBatch [ts, events, rank]: {str(exc)[:120]}") from None
     out = []
-    for e in events:
-        ev = decode_event(e)
-        if ev is not None:
-            out.append(ev)
-    return EventBatch(float(ts), out, rank)
+    bad = unknown = 0
+    for raw in b.events:
+        try:
+            out.append(_decode_event(raw))
+        except _Unknown:
+            unknown += 1
+        except (WireError, msgspec.DecodeError, msgspec.ValidationError, RecursionError, TypeError, ValueError,
+                AttributeError):
+            bad += 1
+    return EventBatch(b.ts, out, b.data_parallel_rank, bad, unknown)
 
 
 # --- hashes ---------------------------------------------------------------------------------
