@@ -9,15 +9,20 @@ KV events, headless.
 `--replay` and `--pod` pair with them in the order given. With `--json` each applied batch is a
 line `{"pod", "seq", "stored", "removed", "cleared"}` (plus `"replayed": true` for batches a
 replay brought) and the last line is the summary
-`{"summary": true, "pods": {POD: {"blocks", "by_session", "stored_by_session", "stored",
-"removed", "gaps", "replayed", "restarts"}}}`. Without it, one line per second per pod.
+`{"summary": true, "pods": {POD: {"state", "blocks", "by_session", "stored_by_session", "stored",
+"removed", "gaps", "replayed", "restarts", "lost", "bad_payloads", "bad_events", "unknown_events",
+"other_medium"}}}` (`lost`: batches known missed; `bad_*`: frames, payloads or events rejected at
+decode; `unknown_events`: event types we do not know; `other_medium`: blocks of another tier,
+not mirrored). Without it, one line per second per pod.
 The watched events are recorded as a session (source "watch") unless `--no-record`.
-Stops after `--duration` seconds, or on Ctrl-C (the summary is still printed).
+Stops after `--duration` seconds (under any load), on Ctrl-C or on SIGTERM (the summary is still
+printed).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -25,7 +30,7 @@ from kvplay.options import KvplayError, add_db_arg
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.mirror import Fleet
-from kvplay.wire.subscriber import PodSource, Subscriber, check_endpoint, default_pod_name
+from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber, check_endpoint, default_pod_name
 
 from .watch_recording import WatchRecording
 
@@ -113,14 +118,25 @@ def _drops(args, names) -> list[tuple[str, list[int]]]:
     return out
 
 
+def summary_of(fleet: Fleet, sub: Subscriber) -> dict:
+    """The fleet's summary with each pod's state and trouble counts."""
+    out = fleet.summary()
+    for name, s in out["pods"].items():
+        info = sub.pod_info(name)
+        s.update({"state": info["state"], **{k: info[k] for k in TROUBLE}})
+    return out
+
+
 def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
     parts = []
     for name, m in fleet.pods.items():
         prev = last.get(name, (0, 0))
         top = ", ".join(f"{k} {v}" for k, v in m.by_session.most_common(4))
+        info = sub.pod_info(name)
+        trouble = "".join(f" {k.replace('_', ' ')} {info[k]}" for k in TROUBLE if info[k])
         parts.append(f"{name} [{m.state}] seq {m.last_seq} blocks {len(m.blocks)}"
                      f"{' (' + top + ')' if top else ''} +{m.stored - prev[0]} -{m.removed - prev[1]}"
-                     f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}")
+                     f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}{trouble}")
         last[name] = (m.stored, m.removed)
     return time.strftime("%H:%M:%S ") + " | ".join(parts)
 
@@ -184,21 +200,27 @@ def main(args) -> int:
             how = "bound" if s.bind else "connected to"
             print(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
                   f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", file=sys.stderr)
+    def on_term(signum, frame):
+        sub.stop()  # like Ctrl-C: the loop ends within one poll and the summary follows
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         sub.run(args.duration, tick=tick)
     except KeyboardInterrupt:
         pass  # Ctrl-C ends a watch: the summary still follows
     finally:
+        signal.signal(signal.SIGTERM, old_term)
+        summary = summary_of(fleet, sub)
         sub.close()
         if recording is not None:
             recording.close()
-    summary = fleet.summary()
     if as_json:
         out.write(json.dumps(summary) + "\n")
         out.flush()
     else:
         for name, s in summary["pods"].items():
-            print(f"{name}: {s['blocks']} blocks cached; held by {s['by_session'] or '-'}; stored {s['stored']} "
-                  f"(by {s['stored_by_session'] or '-'}), removed {s['removed']}, gaps {s['gaps']}, "
-                  f"replayed {s['replayed']}, restarts {s['restarts']}")
+            trouble = "".join(f", {k.replace('_', ' ')} {s[k]}" for k in TROUBLE)
+            print(f"{name} [{s['state']}]: {s['blocks']} blocks cached; held by {s['by_session'] or '-'}; "
+                  f"stored {s['stored']} (by {s['stored_by_session'] or '-'}), removed {s['removed']}, "
+                  f"gaps {s['gaps']}, replayed {s['replayed']}, restarts {s['restarts']}{trouble}")
     return 0

@@ -86,6 +86,10 @@ class AttachApp(KvplayApp):
             t.append(f"\npod {name} ", style=DIM)
             t.append(state, style=POD_STYLE.get(state, "bold"))
             t.append(f" · {len(slots.slot_of):,} blocks", style=DIM)
+            trouble = stats.get("pod_trouble", {}).get(name)
+            if trouble:  # why the pod may be stale: lost batches, bad payloads or events, other tiers
+                t.append(" · " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in trouble.items()),
+                         style="yellow")
             if many:
                 t.append(f" · map {slots.offset:,}–{slots.offset + slots.num_blocks - 1:,}", style=DIM)
         return t

@@ -45,7 +45,7 @@ from kvplay.engine.observe import BlockArrays, summarize
 from .mirror import Fleet
 from .recording import journal_events
 from .slots import SlotMirror
-from .subscriber import PodSource, Subscriber
+from .subscriber import TROUBLE, PodSource, Subscriber
 from .tree import PrefixMatcher
 
 DEFAULT_SLOTS = 4096
@@ -425,7 +425,19 @@ class RemoteBackend:
                     "running": 0, "waiting": 0, "isolation": "remote", "eviction": "remote",
                     "deterministic": False, "hash": "remote", "verify_on_hit": False,
                     "pods": {name: m.state for name, m in self.fleet.pods.items()},
-                    "predicted_turns": self._predicted, "mispredicted_turns": self._mispredicted}
+                    "predicted_turns": self._predicted, "mispredicted_turns": self._mispredicted,
+                    "pod_trouble": self._pod_trouble()}
+
+    def _pod_trouble(self) -> dict:
+        """Per pod, the subscriber's non-zero counts of why its mirror may be partial."""
+        sub = self._sub
+        if sub is None:
+            return {}
+        out = {}
+        for name in self.fleet.pods:
+            info = sub.pod_info(name)
+            out[name] = {k: info[k] for k in TROUBLE if info.get(k)}
+        return out
 
     @property
     def version(self) -> int:

@@ -30,6 +30,16 @@ ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
 Pod state: ``waiting`` (nothing yet), ``live``, ``replaying``, ``stale`` (peer gone, or the mirror
 may miss batches; an ``AllBlocksCleared`` makes it exact again).
 
+**A hostile publisher** cannot wedge, crash or flood it (tests/test_hostile_publisher.py):
+message size (``ZMQ_MAXMSGSIZE``) and receive queues (``RCVHWM``) are bounded; the live socket
+takes only ``[topic, seq8, payload]`` (a 2-frame or replay-shaped message is a bad frame, never a
+seq to act on); a live seq more than `MAX_SEQ_JUMP` past the last one is dropped as a lost batch
+(never a wedge); a replay that brings nothing new is not asked again, and a hole is asked for at
+most `MAX_REPLAY_RETRIES` times; live batches buffered during a replay are capped
+(`MAX_BUFFERED`); a bad payload or a batch with bad events is counted (`pod_info`) and leaves the
+pod *stale*, never a dead thread. Each `poll` reads at most `MAX_PER_POLL` messages per socket, so
+a loop driving it sees the clock under any load.
+
 Nothing here blocks for long: `poll(timeout_ms)` handles what is ready and returns, so a CLI loop
 or an app worker thread can drive it; `fleet.lock` is held while a batch is applied, so a view on
 another thread can read a consistent mirror by taking it.
@@ -43,10 +53,32 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .codec import WireError, decode_batch, parse_frames, replay_request, topic_bytes
+from .codec import WireError, decode_batch, parse_frames, replay_request, topic_bytes, unpack_seq
 from .mirror import Fleet, Mirror
 
 SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+MAX_MESSAGE_BYTES = 16 << 20  # ZMQ_MAXMSGSIZE: a bigger frame drops the connection (ZeroMQ reconnects)
+RCV_HWM = 1000                # messages queued per socket before ZeroMQ drops (a gap, then a replay)
+MAX_PER_POLL = 256            # messages read per socket per poll: the caller's loop sees the clock
+MAX_BUFFERED = 10_000         # live batches held during a replay; more abandons the replay
+MAX_REPLAY_RETRIES = 3        # asks for one hole before its batches count as lost
+MAX_SEQ_JUMP = 1 << 20        # a live seq this far past the last one is a bad frame, not a gap
+REDIAL_AFTER = 3.0            # seconds a connecting SUB waits for ZeroMQ's own reconnect
+# Why a pod's mirror may be partial (pod_info keys; watch's summary and attach's status show them)
+TROUBLE = ("lost", "bad_payloads", "bad_events", "unknown_events", "other_medium")
+
+
+def parse_live(frames) -> tuple[bytes, int, bytes]:
+    """(topic, seq, payload) of a live message: exactly ``[topic, seq8, payload]``, seq >= 0
+    (replay-shaped or 2-frame messages, and the end marker, are not live batches)."""
+    if len(frames) != 3:
+        raise WireError(f"a live KV-event message has 3 frames, got {len(frames)}")
+    topic, seq8, payload = frames
+    seq = unpack_seq(seq8)
+    if seq < 0:
+        raise WireError("a live KV-event message with a negative seq")
+    return bytes(topic), seq, payload
 
 
 def check_endpoint(ep: str, flag: str = "--events") -> str:
@@ -99,7 +131,13 @@ class _Pod:
     last_payload: bytes = b""   # the last applied batch as sent: tells the same publisher from a new one
     verify: tuple | None = None  # (seq, payload) a reconnect replay must show first, else a restart
     drop: set = field(default_factory=set)  # test hook: live seqs to treat as lost in transit
-    bad_payloads: int = 0
+    bad_payloads: int = 0       # frames or payloads that were not a KV-event batch
+    bad_events: int = 0         # wrongly typed or oversized events skipped inside good batches
+    unknown_events: int = 0     # events of a type we do not know (skipped)
+    replay_start: int = -1      # last_applied when the replay under way was asked for
+    replay_tries: int = 0       # asks in a row for the same hole
+    replays_given_up: int = 0
+    left_at: float = 0.0        # when the peer left (a connecting SUB is re-dialled if it stays away)
 
     @property
     def state(self) -> str:
@@ -168,7 +206,8 @@ class Subscriber:
         src = pod.src
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: a slow apply only queues
+        sub.setsockopt(zmq.RCVHWM, RCV_HWM)  # bounded: a flood past it is a gap (then a replay), not RAM
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, topic_bytes(src.topic))
@@ -188,7 +227,8 @@ class Subscriber:
     def _open_dealer(self, pod: _Pod) -> None:
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.RCVHWM, 0)
+        d.setsockopt(zmq.RCVHWM, RCV_HWM)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         d.setsockopt(zmq.RECONNECT_IVL, 100)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if pod.src.curve is not None:
@@ -237,7 +277,9 @@ class Subscriber:
     def pod_info(self, name: str) -> dict:
         p = self._pods[name]
         return {"state": p.state, "last_applied": p.last_applied, "last_live": p.last_live,
-                "buffered": len(p.buffer), "bad_payloads": p.bad_payloads, "lost": p.mirror.lost}
+                "buffered": len(p.buffer), "lost": p.mirror.lost, "bad_payloads": p.bad_payloads,
+                "bad_events": p.bad_events, "unknown_events": p.unknown_events,
+                "other_medium": p.mirror.other_medium, "replays_given_up": p.replays_given_up}
 
     def endpoint(self, pod: str) -> str:
         """The pod's SUB endpoint as bound or connected (a wildcard port resolved)."""
@@ -283,7 +325,7 @@ class Subscriber:
             if kind == "monitor":
                 self._on_monitor(pod)
                 continue
-            while True:
+            for _ in range(MAX_PER_POLL):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -306,7 +348,23 @@ class Subscriber:
         for pod in self._pods.values():
             if pod.replaying and now >= pod.replay_deadline:
                 applied += self._finish_replay(pod, complete=False)
+            if not pod.connected and pod.left_at and now - pod.left_at > REDIAL_AFTER and not pod.src.bind:
+                self._redial(pod)
         return applied
+
+    def _redial(self, pod: _Pod) -> None:
+        """ZeroMQ does not reconnect after a protocol error (a message over MAX_MESSAGE_BYTES):
+        dial again, so one oversized message costs a gap, not the pod."""
+        pod.left_at = time.monotonic()
+        ep = pod.src.endpoint
+        try:
+            pod.sub.disconnect(ep)
+        except zmq.ZMQError:
+            pass  # the session is already gone
+        try:
+            pod.sub.connect(ep)
+        except zmq.ZMQError:
+            pass
 
     # --- handlers -----------------------------------------------------------------------------
     def _set_state(self, pod: _Pod, before: str) -> None:
@@ -329,6 +387,7 @@ class Subscriber:
                 self._on_connect(pod)
             elif ev == zmq.EVENT_DISCONNECTED:
                 pod.connected = False
+                pod.left_at = time.monotonic()
                 if pod.seen:
                     pod.peer_left = True
             self._set_state(pod, before)
@@ -361,10 +420,13 @@ class Subscriber:
 
     def _decode(self, pod: _Pod, payload: bytes):
         try:
-            return decode_batch(payload)
+            batch = decode_batch(payload)
         except WireError:
             pod.bad_payloads += 1
             return None
+        pod.bad_events += batch.bad_events
+        pod.unknown_events += batch.unknown_events
+        return batch
 
     def _apply(self, pod: _Pod, seq: int, batch, replayed: bool, payload: bytes = b"") -> int:
         m = pod.mirror
@@ -377,13 +439,15 @@ class Subscriber:
         pod.seen = True
         if counts[2] and pod.incomplete and not pod.replaying:
             pod.incomplete = False  # the cache was reset: the mirror is exact again
+        if batch.bad_events:
+            pod.incomplete = True  # events were skipped: the mirror may miss blocks
         if self.on_batch is not None:
             self.on_batch(pod.src.name, seq, batch, counts, replayed)
         return 1
 
     def _on_live(self, pod: _Pod, frames) -> int:
         try:
-            _topic, seq, payload = parse_frames(frames)
+            _topic, seq, payload = parse_live(frames)
         except WireError:
             pod.bad_payloads += 1
             return 0
@@ -394,6 +458,7 @@ class Subscriber:
                 and not pod.peer_left):
             # the steady state: the next batch, in order (no state can change except via a clear)
             pod.last_live = seq
+            pod.replay_tries = 0
             batch = self._decode(pod, payload)
             if batch is not None:
                 before = pod.state
@@ -405,11 +470,19 @@ class Subscriber:
             self._apply_or_skip(pod, seq, None, False, payload)
             self._set_state(pod, before)
             return 0
-        if seq < 0:
-            return 0
         before = pod.state
+        if pod.last_live >= 0 and not pod.peer_left and seq > pod.last_live + MAX_SEQ_JUMP:
+            # No publisher skips a million batches while connected: a bogus seq. Taking it would
+            # make every later batch look old (a wedge, or a restart a batch): drop it as lost.
+            pod.bad_payloads += 1
+            pod.mirror.lost += 1
+            pod.incomplete = True
+            self._set_state(pod, before)
+            return 0
         applied = 0
-        if pod.last_live >= 0 and (seq < pod.last_live or (seq == pod.last_live and pod.peer_left)):
+        if pod.last_live >= 0 and (seq < pod.last_live or (seq == pod.last_live and pod.peer_left)
+                                   or seq + MAX_SEQ_JUMP < pod.last_applied):
+            # backwards: a restart (also when a bogus replay seq pushed last_applied far ahead)
             self._restart(pod)
         elif seq == pod.last_live:
             return 0  # a duplicate
@@ -427,6 +500,8 @@ class Subscriber:
             pod.buffer.append((seq, batch, payload))
             if verify_first:
                 self._begin_verify(pod)
+            elif len(pod.buffer) >= MAX_BUFFERED:  # a flood while the replay is slow: stop waiting
+                applied += self._finish_replay(pod, complete=False)
         elif pod.last_applied < 0 and seq > 0 and pod.dealer is not None:
             pod.buffer.append((seq, batch, payload))   # joined late: catch up from the publisher's start
             self._start_replay(pod, 0)
@@ -477,6 +552,7 @@ class Subscriber:
 
     def _start_replay(self, pod: _Pod, start: int) -> None:
         pod.replaying = True
+        pod.replay_start = pod.last_applied
         pod.replay_deadline = time.monotonic() + self.replay_timeout
         try:
             pod.dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
@@ -509,10 +585,13 @@ class Subscriber:
         pod.replay_deadline = time.monotonic() + self.replay_timeout  # it is answering
         if seq <= pod.last_applied:
             return 0
+        if pod.last_live >= 0 and seq > pod.last_live + MAX_SEQ_JUMP:
+            pod.bad_payloads += 1  # a replayed seq the live stream never came near: bogus
+            return 0
         batch = self._decode(pod, payload)
         if seq > pod.last_applied + 1:
             # The publisher no longer holds what we missed (it keeps the last 10,000 batches).
-            pod.mirror.lost += seq - pod.last_applied - 1
+            pod.mirror.lost += min(seq - pod.last_applied - 1, MAX_SEQ_JUMP)
             pod.incomplete = True
         return self._apply_or_skip(pod, seq, batch, True, payload)
 
@@ -531,15 +610,21 @@ class Subscriber:
             if seq <= pod.last_applied:
                 continue  # the replay already applied it
             if seq > pod.last_applied + 1:
-                if complete and pod.dealer is not None:
+                progressed = pod.last_applied > pod.replay_start
+                if complete and pod.dealer is not None and progressed and pod.replay_tries < MAX_REPLAY_RETRIES:
                     # lost in transit after the publisher answered: ask again from the hole
+                    # (only while replays bring something new, a few times at most)
+                    pod.replay_tries += 1
                     pod.mirror.gaps += 1
                     pod.buffer = buffered[i:]
                     self._start_replay(pod, pod.last_applied + 1)
                     self._set_state(pod, before)
                     return applied
+                if complete:
+                    pod.replays_given_up += 1
+                pod.replay_tries = 0
                 if pod.last_applied >= 0:
-                    pod.mirror.lost += seq - pod.last_applied - 1
+                    pod.mirror.lost += min(seq - pod.last_applied - 1, MAX_SEQ_JUMP)
                 pod.incomplete = True
             applied += self._apply_or_skip(pod, seq, batch, False, payload)
         self._set_state(pod, before)
