@@ -1,8 +1,12 @@
 """`kvplay watch`: mirror the prefix cache of running vLLM, SGLang or kvplay servers from their
 KV events, headless.
 
+    kvplay watch http://127.0.0.1:8000          # the server says where its events are
     kvplay watch --events-bind tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --json
     kvplay watch --events tcp://pod-a:5557 --events tcp://pod-b:5557 --pod a --pod b
+
+Given a server's URL (and no `--events`), the endpoints come from the server itself: vLLM's
+`GET /kv_event_sources` or SGLang's `GET /server_info` (wire/discovery.py), one pod per DP rank.
 
 `--events EP` connects to a publisher that binds (vLLM binds when its endpoint has `*` or `::`);
 `--events-bind EP` binds for publishers that connect (vLLM with any other endpoint). One per pod;
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -29,6 +34,7 @@ import time
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
+from kvplay.wire.discovery import discover
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber, check_endpoint, default_pod_name
 
@@ -63,6 +69,11 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", default=None, metavar="URL",
+                   help="a vLLM, SGLang or kvplay server's base URL: its event endpoints are asked from it "
+                        "(GET /kv_event_sources or /server_info) unless --events is given")
+    p.add_argument("--api-key", default=os.environ.get("KVPLAY_API_KEY"), metavar="K",
+                   help="bearer token for URL (default: env KVPLAY_API_KEY)")
     add_source_args(p)
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all; vLLM's is in "
                                               "its kv-events-config)")
@@ -73,6 +84,24 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_db_arg(p)
     p.add_argument("--no-record", action="store_true", help="do not record the watched events as a session")
     p.add_argument("--drop", action="append", default=[], metavar="POD:SEQ", help=argparse.SUPPRESS)
+
+
+def discovered_sources(url: str, api_key: str | None, topic: str = "", curve=None) -> list[PodSource]:
+    """The pods a server at `url` advertises (one line, exit 2, when it advertises none), each
+    subscribed with `curve` (the --events-curve-* keys) when given."""
+    try:
+        found = discover(url, api_key)
+    except WireError as exc:
+        raise KvplayError(str(exc)) from None
+    for s in found.sources:
+        if topic:
+            s.topic = topic
+        s.curve = curve
+        how = "bind" if s.bind else "connect to"
+        print(f"kvplay: {found.via}: pod {s.name}: {how} {s.endpoint}"
+              f"{', replay ' + s.replay if s.replay else ''}{', topic ' + repr(s.topic) if s.topic else ''}",
+              file=sys.stderr)
+    return found.sources
 
 
 def sources_from_args(args) -> list[PodSource]:
@@ -142,7 +171,13 @@ def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
 
 
 def main(args) -> int:
-    sources = sources_from_args(args)
+    if args.url and not args.sources:
+        if args.replay or args.pod:
+            raise KvplayError("--replay and --pod pair with --events/--events-bind: give the pod's events too")
+        sources = discovered_sources(args.url, args.api_key, args.topic,
+                                     client_from_args(args.events_curve_server_key, args.events_curve_key))
+    else:
+        sources = sources_from_args(args)
     if args.duration is not None and not args.duration > 0:
         raise KvplayError(f"--duration {args.duration:g}: give a number of seconds above 0")
     if not args.replay_timeout > 0:

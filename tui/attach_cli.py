@@ -7,9 +7,11 @@ kvplay serve), its block map mirrored from the server's KV events.
 Each pane's turn is a streamed chat completion with the pane's user as `user` and `session_id`
 (wire/remote.py). `--events`/`--events-bind`/`--replay`/`--pod` mean what they mean for
 `kvplay watch`; several pods share one map, pod after pod (the status panel gives each pod's
-range, state and blocks). Without `--events` the panes still work and show the cached tokens
-the server's `usage` reports. The server is checked (`/v1/models`) before the app opens: a bad
-URL, a refused key or an unreachable server is one line and exit 2.
+range, state and blocks). Without `--events` the endpoints are asked from the server (vLLM's
+`GET /kv_event_sources`, SGLang's `GET /server_info`, both answered by `kvplay serve`); when it
+advertises none the panes still work and show the cached tokens the server's `usage` reports.
+The server is checked (`/v1/models`) before the app opens: a bad URL, a refused key or an
+unreachable server is one line and exit 2.
 """
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvplay.engine.errors import EngineError
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.script import load_script
 from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
+from kvplay.wire.curve import client_from_args
+from kvplay.wire.discovery import Unreachable, discover
 
 from .cli import APP_SYSTEM, parse_users
 
@@ -61,6 +66,25 @@ def check_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+def discover_or_none(url: str, api_key: str | None, topic: str = "", curve=None) -> list:
+    """The server's advertised event endpoints (subscribed with `curve` when given), or none
+    (said on stderr: the panes still work)."""
+    try:
+        found = discover(url, api_key)
+    except Unreachable as exc:
+        raise KvplayError(str(exc)) from None
+    except EngineError as exc:
+        print(f"kvplay: {exc}; the map stays empty", file=sys.stderr)
+        return []
+    for s in found.sources:
+        if topic:
+            s.topic = topic
+        s.curve = curve
+    print(f"kvplay: KV events from {found.via}: " + ", ".join(
+        f"{s.name} {'bind' if s.bind else 'connect'} {s.endpoint}" for s in found.sources), file=sys.stderr)
+    return found.sources
+
+
 def open_backend(args):
     """The RemoteBackend for `args` (EngineError, one line, when the server or a pod refuses)."""
     # start-up time: imported when this first runs
@@ -72,7 +96,8 @@ def open_backend(args):
     elif args.replay or args.pod:
         raise KvplayError("--replay and --pod pair with --events/--events-bind: give the pod's events too")
     else:
-        sources = []
+        sources = discover_or_none(url, args.api_key, args.topic,
+                                   client_from_args(args.events_curve_server_key, args.events_curve_key))
     if args.slots is not None and args.slots <= 0:
         raise KvplayError(f"--slots {args.slots}: give a positive number of blocks")
     return RemoteBackend(url, args.api_key, sources, slots=args.slots)

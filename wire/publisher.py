@@ -165,6 +165,7 @@ class ZmqEventPublisher:
         self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._topic = topic_bytes(topic)
+        self.settings = {"buffer_steps": buffer_steps, "hwm": hwm, "max_queue_size": max_queue_size, "topic": topic}
         self._rank = data_parallel_rank
         self._seq = 0
         self.dropped = 0

@@ -1,0 +1,117 @@
+"""`kvplay serve` discoverable like vLLM (GET /kv_event_sources) and SGLang (GET /server_info), with
+/tokenize and /detokenize; and `kvplay attach URL` finding its events with no other flag. A real
+server (tiny model) on 127.0.0.1."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from serve_util import ALICE, chat, keys, serve  # noqa: F401 (fixture)
+from test_attach import attach_args
+from test_watch_subscriber import free_port
+
+from kvplay.tui.attach_cli import open_backend
+from kvplay.wire.discovery import discover
+from kvplay.wire.publisher import KVEventsConfig
+
+
+def events_cfg(endpoint=None, replay=True, topic="kv-events"):
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint or f"tcp://*:{free_port()}",
+                          replay_endpoint=f"tcp://*:{free_port()}" if replay else None, topic=topic)
+
+
+def test_kv_event_sources_is_vllms_shape(serve):
+    cfg = events_cfg()
+    srv, state = serve(kv_events=cfg, num_blocks=32)
+    pub = state.events.publisher
+    body = httpx.get(srv.url + "/kv_event_sources").json()
+    port, rport = pub.endpoint.rpartition(":")[2], pub.replay_endpoint.rpartition(":")[2]
+    assert body == {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                          "replay_endpoint": f"tcp://*:{rport}", "buffer_steps": 10000, "hwm": 100000,
+                          "max_queue_size": 100000, "topic": "kv-events"}}
+    info = httpx.get(srv.url + "/server_info").json()
+    assert info["kv_events"] == {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": int(port),
+                                 "topic": "kv-events", "block_size": 16, "dp_size": 1}
+    assert info["page_size"] == 16 and info["dp_size"] == 1
+
+
+def test_without_events_or_with_a_connecting_publisher(serve):
+    srv, _ = serve(num_blocks=32)
+    assert httpx.get(srv.url + "/kv_event_sources").json() == {}
+    assert httpx.get(srv.url + "/server_info").json()["kv_events"] is None
+    ep = f"tcp://127.0.0.1:{free_port()}"  # concrete: the publisher connects, the consumer binds
+    srv2, _ = serve(kv_events=events_cfg(ep, replay=False), num_blocks=32)
+    assert httpx.get(srv2.url + "/kv_event_sources").json()["0"]["endpoint"] == ep
+    assert httpx.get(srv2.url + "/server_info").json()["kv_events"] is None  # SGLang's descriptor: bound TCP only
+    (src,) = discover(srv2.url).sources
+    assert src.endpoint == ep and src.bind
+
+
+def test_tokenize_and_detokenize(serve):
+    srv, state = serve(num_blocks=32)
+    tok = state.engine.tokenizer
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello bakery", "add_special_tokens": False})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok("Hello bakery", add_special_tokens=False)["input_ids"]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == state.engine.runner.max_positions
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()["tokens"] == state.engine.encode(msgs)[0]
+    d = httpx.post(srv.url + "/detokenize", json={"tokens": body["tokens"], "skip_special_tokens": False}).json()
+    assert d["prompt"] == d["text"] == tok.decode(body["tokens"])
+
+
+@pytest.mark.parametrize("path, body, status, text", [
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "outside the vocabulary"),
+    ("/detokenize", {"tokens": [-1]}, 400, "outside the vocabulary"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "not an integer"),
+    ("/detokenize", {"tokens": [True]}, 400, "not an integer"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "list of token ids"),
+    ("/detokenize", {"tokens": [1] * ((1 << 17) + 1)}, 413, "more than"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": "yes"}, 400, "true or false"),
+    ("/tokenize", {"prompt": 5}, 400, "must be a string"),
+    ("/tokenize", {"prompt": "x" * ((1 << 20) + 1)}, 413, "longer than"),
+    ("/tokenize", [1], 400, "JSON object"),
+    ("/tokenize", {"messages": "hi"}, 400, "messages"),
+])
+def test_bad_tokenize_input_is_an_openai_error(serve, path, body, status, text):
+    srv, _ = serve(num_blocks=32)
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == status and text in r.json()["error"]["message"]
+
+
+def test_with_keys_every_info_route_needs_one(serve, tmp_path):
+    srv, _ = serve(keys=keys(tmp_path), kv_events=events_cfg(), num_blocks=32)
+    for method, path, body in [("GET", "/kv_event_sources", None), ("GET", "/server_info", None),
+                               ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})]:
+        assert httpx.request(method, srv.url + path, json=body).status_code == 401
+        ok = httpx.request(method, srv.url + path, json=body, headers={"Authorization": f"Bearer {ALICE}"})
+        assert ok.status_code == 200
+
+
+def test_attach_url_alone_mirrors_kvplay_serve(serve, capsys):
+    """`kvplay attach http://127.0.0.1:PORT` with no other flag: the endpoints come from the
+    server's /kv_event_sources and the map mirrors its cache."""
+    srv, state = serve(kv_events=events_cfg(), num_blocks=64)
+    backend = open_backend(attach_args(srv.url))
+    try:
+        assert "GET /kv_event_sources" in capsys.readouterr().err
+        (name,) = backend.pods
+        m = backend.fleet.pod(name)
+        with httpx.Client(timeout=120) as c:
+            end = time.monotonic() + 60
+            while m.last_seq < 0:  # the subscription may reach the publisher after a first step
+                assert chat(c, srv.url, content="Do you sell rye bread?", user="alice").status_code == 200
+                assert time.monotonic() < end
+                time.sleep(0.2)
+            assert chat(c, srv.url, content="And croissants?", user="bob").status_code == 200
+        want = state.engine.stats()["blocks_cached"]
+        end = time.monotonic() + 30
+        while len(m.blocks) != want or m.state != "live":
+            assert time.monotonic() < end, (len(m.blocks), want, m.state)
+            time.sleep(0.05)
+        assert set(m.by_session) <= {"alice", "bob"} and m.by_session["alice"] > 0
+    finally:
+        backend.close()
