@@ -58,3 +58,35 @@ async def test_attach_real_vllm_two_panes(tmp_path):
         backend.close()
     finally:
         vllm.stop()
+
+
+@pytest.mark.vllm
+def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys):
+    """`kvplay attach http://HOST:PORT` with no --events on vLLM 0.32: its GET /kv_event_sources
+    (a map from DP rank to the KV-events config) gives the endpoint (concrete: vLLM connects, so
+    attach binds) and the replay endpoint; the map then mirrors what vLLM stores."""
+    import time
+
+    from test_watch_vllm import chat
+
+    vllm = VllmServer(tmp_path)
+    vllm.start()
+    backend = None
+    try:
+        backend = open_backend(attach_args(vllm.base))
+        err = capsys.readouterr().err
+        assert "GET /kv_event_sources" in err and f"bind {vllm.events}" in err, err
+        (name,) = backend.pods
+        m = backend.fleet.pod(name)
+        alice = chat(vllm.base, "alice", "When do you open on Sundays?")
+        bob = chat(vllm.base, "bob", "Do you sell rye bread?")
+        assert bob[1] >= 32
+        end = time.monotonic() + 60
+        while not ({"alice", "bob"} <= set(m.by_session) and m.state == "live"):
+            assert time.monotonic() < end, (m.summary(), m.state)
+            time.sleep(0.1)
+        assert m.by_session["alice"] >= alice[0] // 32 and m.restarts == 0
+    finally:
+        if backend is not None:
+            backend.close()
+        vllm.stop()

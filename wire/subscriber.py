@@ -432,7 +432,12 @@ class Subscriber:
         m = pod.mirror
         pod.last_payload = payload
         with self.fleet.lock:
-            counts = m.apply(batch, seq)
+            try:
+                counts = m.apply(batch, seq)
+            except Exception:  # decode typed every field, so this is a bug: never the loop's death
+                counts = (0, 0, 0)
+                pod.bad_events += len(batch.events)
+                pod.incomplete = True
             if replayed:
                 m.replayed += 1
         pod.last_applied = seq
