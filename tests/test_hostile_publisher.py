@@ -19,7 +19,8 @@ import zmq
 from kvplay.wire.codec import (AllBlocksCleared, BlockStored, EventBatch, encode_batch, end_marker_frames,
                                pack_seq)
 from kvplay.wire.mirror import Fleet
-from kvplay.wire.subscriber import MAX_MESSAGE_BYTES, MAX_REPLAY_RETRIES, RCV_HWM, PodSource, Subscriber
+from kvplay.wire.subscriber import (MAX_BUFFERED, MAX_MESSAGE_BYTES, MAX_REPLAY_RETRIES, RCV_HWM, PodSource,
+                                    Subscriber)
 
 BS = 2
 TOPIC = b"kv"
@@ -44,7 +45,7 @@ def ev(**kw) -> dict:
 class Hostile:
     """A PUB and a replay ROUTER on 127.0.0.1 that send exactly the frames a test gives."""
 
-    def __init__(self, replay: bool = True, answer=None):
+    def __init__(self, replay: bool = True, answer=None, silent: bool = False):
         ctx = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -54,6 +55,7 @@ class Hostile:
         self.requests: list[int] = []
         self.answer = answer or (lambda start: [])  # start seq -> list of (seq, payload) before the marker
         self.replay_endpoint = None
+        self.silent = silent  # take replay requests, never answer
         self._stop = threading.Event()
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
@@ -70,6 +72,8 @@ class Hostile:
             ident, _, seq8 = self.router.recv_multipart()
             start = int.from_bytes(seq8, "big", signed=True)
             self.requests.append(start)
+            if self.silent:
+                continue
             for seq, payload in self.answer(start):
                 self.router.send_multipart([ident, b"", TOPIC, pack_seq(seq), payload])
             self.router.send_multipart([ident, b""] + end_marker_frames(TOPIC))
@@ -102,9 +106,9 @@ def hostile():
         h.close()
 
 
-def subscribe(h: Hostile, topic="kv", **kw) -> Subscriber:
+def subscribe(h: Hostile, topic="kv", replay_timeout=2.0, **kw) -> Subscriber:
     return Subscriber([PodSource("p", h.endpoint, replay=h.replay_endpoint, topic=topic)], Fleet(),
-                      replay_timeout=2.0, **kw).open()
+                      replay_timeout=replay_timeout, **kw).open()
 
 
 def pump(sub, until, timeout=20.0):
@@ -233,6 +237,31 @@ def test_replay_shaped_messages_on_the_live_socket_are_rejected(hostile, frames)
         h.frames(*frames())
         live_after(h, sub, 1, 1)
         assert 50 not in m.blocks and m.restarts == 0 and sub.pod_info("p")["bad_payloads"] >= 1
+
+
+def test_live_batches_held_during_a_silent_replay_are_bounded(hostile):
+    """A replay ROUTER that takes the request and never answers, while live batches keep coming:
+    at most MAX_BUFFERED are held, then the replay is abandoned (the hole counts as lost) and the
+    stream applies on."""
+    h = hostile()
+    with subscribe(h, replay_timeout=600) as sub:  # only the cap can end this replay
+        m = joined(h, sub)
+        h.silent = True
+        h.send(2, good(2))  # seq 1 never comes: a gap, a replay nobody answers
+        pump(sub, lambda: sub.pod_info("p")["state"] == "replaying")
+        most = 0
+        seq = 3
+        end = time.monotonic() + 120
+        while m.last_seq < MAX_BUFFERED:
+            assert time.monotonic() < end, sub.pod_info("p")
+            for _ in range(200):
+                h.send(seq, good(seq))
+                seq += 1
+            sub.poll(5)
+            most = max(most, sub.pod_info("p")["buffered"])
+        assert most <= MAX_BUFFERED
+        info = sub.pod_info("p")
+        assert info["lost"] == 1 and info["state"] != "replaying" and 2 in m.blocks
 
 
 # --- 4/5. bounded sizes and queues; the clock is honoured under a flood ------------------------
