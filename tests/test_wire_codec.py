@@ -180,3 +180,19 @@ def test_from_engine_event():
     assert w.session_id == "u" and w.medium == "GPU"
     assert isinstance(from_engine_event(ER(block_hashes=[h1])), BlockRemoved)
     assert isinstance(from_engine_event(EC()), AllBlocksCleared)
+
+
+def test_decode_event_from_a_decoded_form_is_checked_too():
+    """`decode_event` (JSONL traces) types its input like `decode_batch`: None for a type we do
+    not know, one WireError line for a wrong type."""
+    from kvplay.wire.codec import decode_event
+
+    ev = decode_event({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2,
+                       "metadata": {"session_id": "bob"}})
+    assert ev.block_hashes == [1] and ev.session_id == "bob"
+    assert decode_event({"type": "SomethingNew"}) is None and decode_event(["SomethingNew", 1]) is None
+    assert isinstance(decode_event(["AllBlocksCleared"]), AllBlocksCleared)
+    for bad in ({"type": "BlockStored", "block_hashes": "ab"}, {"type": "BlockStored", "block_hashes": [1],
+                                                                "block_size": "4"}, 7, ["BlockStored"]):
+        with pytest.raises(WireError):
+            decode_event(bad)

@@ -198,19 +198,25 @@ class _Unknown(Exception):
     """An event of a type this decoder does not know (newer publishers add some)."""
 
 
-def _event_from_array(raw: bytes) -> WireEvent:
-    a = _ANY.decode(raw)
+def _event_from_array(a: list) -> WireEvent:
+    """A legacy positional event (already msgpack-decoded), checked like a map-tagged one."""
     if not a or not isinstance(a[0], str):
         raise WireError("a positional event starts with its type name")
     cls = EVENT_CLASSES.get(a[0])
     if cls is None:
         raise _Unknown(a[0])
-    vals = a[1:]
+    vals = list(a[1:])
     d: dict[str, Any] = {"type": a[0]}
     if cls is BlockStored and len(vals) == 7 and isinstance(vals[6], dict):
         d["metadata"] = vals.pop()  # SGLang's BlockStoredWithMetadata: {"cache_salt": ...} 8th
     d.update(zip(cls.FIELDS, vals))  # extra trailing values (newer fields) are dropped
     return msgspec.convert(d, cls)
+
+
+def _lift_session(ev: WireEvent) -> WireEvent:
+    if type(ev) is BlockStored and ev.metadata is not None and ev.session_id is None:
+        ev.session_id = ev.metadata.session_id  # SGLang: metadata{cache_salt, session_id}
+    return ev
 
 
 def _decode_event(raw) -> WireEvent:
@@ -225,12 +231,29 @@ def _decode_event(raw) -> WireEvent:
                 raise _Unknown(tag) from None
             raise
     elif _is_array(first):
-        ev = _event_from_array(raw)
+        ev = _event_from_array(_ANY.decode(raw))
     else:
         raise WireError("an event must be a map or an array")
-    if type(ev) is BlockStored and ev.metadata is not None and ev.session_id is None:
-        ev.session_id = ev.metadata.session_id
-    return ev
+    return _lift_session(ev)
+
+
+def decode_event(obj: Any) -> WireEvent | None:
+    """One event from its already-decoded form (a map tagged "type", or a legacy positional
+    array; e.g. a JSONL trace), checked like `decode_batch` checks one: None for a type we do not
+    know, WireError (one line) for anything wrongly typed."""
+    try:
+        if isinstance(obj, dict):
+            tag = obj.get("type")
+            if isinstance(tag, str) and tag not in EVENT_CLASSES:
+                return None
+            return _lift_session(msgspec.convert(obj, WireEvent))
+        if isinstance(obj, (list, tuple)):
+            return _lift_session(_event_from_array(list(obj)))
+    except _Unknown:
+        return None
+    except (msgspec.ValidationError, TypeError, ValueError, RecursionError) as exc:
+        raise WireError(f"bad event: {str(exc)[:120]}") from None
+    raise WireError(f"an event must be a map or an array, got {type(obj).__name__}")
 
 
 def decode_batch(payload: bytes) -> EventBatch:
