@@ -227,6 +227,16 @@ def _mooncake_trace(recs: list[tuple[int, dict]], bs: int, source: str) -> list[
     return out
 
 
+def _whole(batch):
+    """A recorded batch is imported whole or refused: decode_batch skips a wrongly typed event
+    (right for a live stream), a trace file with one is refused with one line."""
+    from kvplay.wire.codec import WireError
+
+    if batch.bad_events:
+        raise WireError(f"{batch.bad_events} event(s) with a wrongly typed or oversized field")
+    return batch
+
+
 def _vllm_batches_in(path: str, data: bytes):
     """Yields (record number, EventBatch) from msgpack payloads back to back or JSONL batches."""
     # start-up time: imported when this first runs
@@ -275,12 +285,12 @@ def _vllm_batches_in(path: str, data: bytes):
                 if not isinstance(fr, (list, tuple)) or not fr or not isinstance(fr[-1], (bytes, bytearray)):
                     raise TraceError(f"{path} record {k}: field 'frames[{k - 1}]' is not a [topic, seq, payload] message")
                 try:
-                    yield k, decode_batch(bytes(fr[-1]))
+                    yield k, _whole(decode_batch(bytes(fr[-1])))
                 except WireError as exc:
                     raise TraceError(f"{path} record {k}: {exc}") from None
             return
         try:
-            yield n, decode_batch(msgpack.packb(obj, use_bin_type=True))
+            yield n, _whole(decode_batch(msgpack.packb(obj, use_bin_type=True)))
         except WireError as exc:
             raise TraceError(f"{path} record {n}: {exc}") from None
 

@@ -216,3 +216,16 @@ def test_a_blocks_only_session_simulates(tmp_path, capsys):
     assert simulate(trace).hit_tokens == 24
     assert cli(["simulate", sid, "--db", str(tmp_path / "w.db"), "--json"]) == 0
     assert cli(["scrub", sid, "--db", str(tmp_path / "w.db"), "--screenshot", str(tmp_path / "w.svg")]) == 0
+
+
+@pytest.mark.parametrize("event", [{"type": "BlockStored", "block_hashes": "ab", "token_ids": [1], "block_size": 1},
+                                   {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": "1"}])
+def test_a_trace_with_a_wrongly_typed_event_is_refused_in_one_line(tmp_path, capsys, event):
+    """The wire decoder skips a bad event in a live stream; an imported trace is refused whole."""
+    db = str(tmp_path / "imp.db")
+    mp = tmp_path / "bad.msgpack"
+    mp.write_bytes(msgpack.packb([1.0, [event]]))
+    _one_line_exit_2(capsys, ["import", str(mp), "--db", db], "record 1", "wrongly typed")
+    js = tmp_path / "bad.jsonl"
+    js.write_text(json.dumps({"ts": 1.0, "events": [event]}) + "\n")
+    _one_line_exit_2(capsys, ["import", str(js), "--db", db], "record 1", "events[0]")
