@@ -8,8 +8,9 @@
   (``{"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": PORT, "topic",
   "block_size", "dp_size": 1}``; None unless the publisher binds a TCP port), ``page_size`` and
   ``dp_size``. RadixView and `kvplay watch/attach URL` read it.
-- ``POST /tokenize``: vLLM's and SGLang's request (``prompt``, or vLLM's chat ``messages``;
-  ``add_special_tokens``) → ``{"tokens", "count", "max_model_len"}``.
+- ``POST /tokenize``: vLLM's and SGLang's request (``prompt``, SGLang's list of prompts, or vLLM's
+  chat ``messages``; ``add_special_tokens``) → ``{"tokens", "count", "max_model_len"}`` (for a
+  list: a list of token lists and of counts, as SGLang answers).
 - ``POST /detokenize``: ``{"tokens": [...]}`` (``skip_special_tokens``) → ``{"prompt": text}``
   (vLLM) and ``"text"`` (SGLang). An id outside the vocabulary is a 400.
 
@@ -78,9 +79,17 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _check_model(state, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model not in state.model_names():
+        raise ApiError(404, f"The model `{str(model)[:100]}` does not exist (this server serves `{state.model_name}`).",
+                       "model", "model_not_found")
+
+
 def tokenize(state, body) -> dict:
     if not isinstance(body, dict):
         raise bad("send a JSON object with 'prompt' (or 'messages')")
+    _check_model(state, body)
     eng = state.engine
     special = _flag(body, "add_special_tokens", True)
     if body.get("messages") is not None:
@@ -97,18 +106,24 @@ def tokenize(state, body) -> dict:
                 raise bad(str(exc), "messages") from None
     else:
         prompt = body.get("prompt", body.get("text"))
-        if not isinstance(prompt, str):
-            raise bad("'prompt' must be a string", "prompt")
-        if len(prompt) > MAX_PROMPT_CHARS:
+        many = isinstance(prompt, list)
+        prompts = prompt if many else [prompt]
+        if not prompts or len(prompts) > 1024 or not all(isinstance(p, str) for p in prompts):
+            raise bad("'prompt' must be a string (or a list of strings)", "prompt")
+        if sum(len(p) for p in prompts) > MAX_PROMPT_CHARS:
             raise ApiError(413, f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", "prompt")
         with state.tokenize_lock:
-            ids = list(eng.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+            lists = [list(eng.tokenizer(p, add_special_tokens=special)["input_ids"]) for p in prompts]
+        if many:
+            return {"tokens": lists, "count": [len(x) for x in lists], "max_model_len": eng.runner.max_positions}
+        ids = lists[0]
     return {"tokens": ids, "count": len(ids), "max_model_len": eng.runner.max_positions, "token_strs": None}
 
 
 def detokenize(state, body) -> dict:
     if not isinstance(body, dict):
         raise bad("send a JSON object with 'tokens'")
+    _check_model(state, body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise bad("'tokens' must be a list of token ids", "tokens")

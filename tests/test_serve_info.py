@@ -61,6 +61,9 @@ def test_tokenize_and_detokenize(serve):
     assert httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()["tokens"] == state.engine.encode(msgs)[0]
     d = httpx.post(srv.url + "/detokenize", json={"tokens": body["tokens"], "skip_special_tokens": False}).json()
     assert d["prompt"] == d["text"] == tok.decode(body["tokens"])
+    many = httpx.post(srv.url + "/tokenize", json={"prompt": ["a b", "Hello bakery"], "add_special_tokens": False})
+    assert many.json()["tokens"][1] == body["tokens"]
+    assert many.json()["count"] == [len(tok("a b", add_special_tokens=False)["input_ids"]), body["count"]]
 
 
 @pytest.mark.parametrize("path, body, status, text", [
@@ -75,6 +78,9 @@ def test_tokenize_and_detokenize(serve):
     ("/tokenize", {"prompt": "x" * ((1 << 20) + 1)}, 413, "longer than"),
     ("/tokenize", [1], 400, "JSON object"),
     ("/tokenize", {"messages": "hi"}, 400, "messages"),
+    ("/tokenize", {"prompt": ["a", 1]}, 400, "list of strings"),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "does not exist"),
+    ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "does not exist"),
 ])
 def test_bad_tokenize_input_is_an_openai_error(serve, path, body, status, text):
     srv, _ = serve(num_blocks=32)
