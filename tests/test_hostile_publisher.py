@@ -16,8 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvplay.wire.codec import (AllBlocksCleared, BlockStored, EventBatch, encode_batch, end_marker_frames,
-                               pack_seq)
+from kvplay.wire.codec import BlockStored, EventBatch, encode_batch, end_marker_frames, pack_seq
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import (MAX_BUFFERED, MAX_MESSAGE_BYTES, MAX_REPLAY_RETRIES, RCV_HWM, PodSource,
                                     Subscriber)
