@@ -121,3 +121,22 @@ def test_attach_url_alone_mirrors_kvplay_serve(serve, capsys):
         assert set(m.by_session) <= {"alice", "bob"} and m.by_session["alice"] > 0
     finally:
         backend.close()
+
+
+def test_watch_url_alone_mirrors_kvplay_serve(serve, tmp_path):
+    """`kvplay watch http://127.0.0.1:PORT` with no --events mirrors kvplay serve's cache."""
+    import json
+    import subprocess
+    import sys
+
+    srv, state = serve(kv_events=events_cfg(), num_blocks=64)
+    with httpx.Client(timeout=120) as c:  # before watch starts: only the replay can bring these
+        assert chat(c, srv.url, content="Do you sell rye bread?", user="alice").status_code == 200
+        assert chat(c, srv.url, content="And croissants?", user="bob").status_code == 200
+    r = subprocess.run([sys.executable, "-m", "kvplay", "watch", srv.url, "--json", "--duration", "4", "--no-record"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "GET /kv_event_sources" in r.stderr
+    (pod,) = json.loads(r.stdout.strip().splitlines()[-1])["pods"].values()
+    assert pod["blocks"] == state.engine.stats()["blocks_cached"] > 0
+    assert pod["state"] == "live" and set(pod["by_session"]) == {"alice", "bob"}
