@@ -230,6 +230,7 @@ def _mooncake_trace(recs: list[tuple[int, dict]], bs: int, source: str) -> list[
 def _whole(batch):
     """A recorded batch is imported whole or refused: decode_batch skips a wrongly typed event
     (right for a live stream), a trace file with one is refused with one line."""
+    # start-up time: imported when this first runs
     from kvplay.wire.codec import WireError
 
     if batch.bad_events:
