@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over one Engine (FastAPI/Starlette, served by uvicorn).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streaming SSE or not), GET /v1/models,
-GET /health, POST /reset_prefix_cache, GET /metrics; and (serve/info_routes.py) GET
-/kv_event_sources, GET /server_info, POST /tokenize, POST /detokenize.
+GET /health, POST /reset_prefix_cache, GET /metrics, POST /tokenize; and (serve/info_routes.py)
+GET /kv_event_sources, GET /server_info, POST /detokenize.
 
 Who is asking comes from the bearer token (serve/keys.py) when the server has API keys, else
 from the body's `user` (a loopback playground, shared isolation only). Every response carries
@@ -576,5 +576,5 @@ def create_app(state: ServeState) -> FastAPI:
         return PlainTextResponse(state.metrics.render(stats, state.model_name, users=users),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_info_routes(app, state, identify, read_json)
+    add_info_routes(app, state, identify, read_json, check_model)
     return app

@@ -8,25 +8,20 @@
   (``{"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": PORT, "topic",
   "block_size", "dp_size": 1}``; None unless the publisher binds a TCP port), ``page_size`` and
   ``dp_size``. RadixView and `kvplay watch/attach URL` read it.
-- ``POST /tokenize``: vLLM's and SGLang's request (``prompt``, SGLang's list of prompts, or vLLM's
-  chat ``messages``; ``add_special_tokens``) → ``{"tokens", "count", "max_model_len"}`` (for a
-  list: a list of token lists and of counts, as SGLang answers).
 - ``POST /detokenize``: ``{"tokens": [...]}`` (``skip_special_tokens``) → ``{"prompt": text}``
   (vLLM) and ``"text"`` (SGLang). An id outside the vocabulary is a 400.
 
-With API keys every route needs a key, like the rest of the API. Inputs are bounded
-(`MAX_PROMPT_CHARS`, `MAX_TOKENS`) before any work.
+(``POST /tokenize``, vLLM's, is serve/app.py's: it tokenises as generation does.) With API keys
+every route needs a key, like the rest of the API. Inputs are bounded (`MAX_TOKENS`) before any
+work.
 """
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from kvplay.engine.errors import EngineError
-
 from .protocol import ApiError, bad
 
-MAX_PROMPT_CHARS = 1 << 20
 MAX_TOKENS = 1 << 17
 
 
@@ -79,51 +74,11 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _check_model(state, body: dict) -> None:
-    model = body.get("model")
-    if model is not None and model not in state.model_names():
-        raise ApiError(404, f"The model `{str(model)[:100]}` does not exist (this server serves `{state.model_name}`).",
-                       "model", "model_not_found")
-
-
-def tokenize(state, body) -> dict:
-    if not isinstance(body, dict):
-        raise bad("send a JSON object with 'prompt' (or 'messages')")
-    _check_model(state, body)
-    eng = state.engine
-    special = _flag(body, "add_special_tokens", True)
-    if body.get("messages") is not None:
-        msgs = body["messages"]
-        if (not isinstance(msgs, list) or not msgs or len(msgs) > 4096
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)):
-            raise bad("'messages' must be a list of {role, content} objects", "messages")
-        if sum(len(m["content"]) for m in msgs) > MAX_PROMPT_CHARS:
-            raise ApiError(413, f"'messages' hold more than {MAX_PROMPT_CHARS} characters", "messages")
-        with state.tokenize_lock:
-            try:
-                ids = list(eng.encode(msgs)[0])
-            except EngineError as exc:
-                raise bad(str(exc), "messages") from None
-    else:
-        prompt = body.get("prompt", body.get("text"))
-        many = isinstance(prompt, list)
-        prompts = prompt if many else [prompt]
-        if not prompts or len(prompts) > 1024 or not all(isinstance(p, str) for p in prompts):
-            raise bad("'prompt' must be a string (or a list of strings)", "prompt")
-        if sum(len(p) for p in prompts) > MAX_PROMPT_CHARS:
-            raise ApiError(413, f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", "prompt")
-        with state.tokenize_lock:
-            lists = [list(eng.tokenizer(p, add_special_tokens=special)["input_ids"]) for p in prompts]
-        if many:
-            return {"tokens": lists, "count": [len(x) for x in lists], "max_model_len": eng.runner.max_positions}
-        ids = lists[0]
-    return {"tokens": ids, "count": len(ids), "max_model_len": eng.runner.max_positions, "token_strs": None}
-
-
-def detokenize(state, body) -> dict:
+def detokenize(state, body, check_model) -> dict:
     if not isinstance(body, dict):
         raise bad("send a JSON object with 'tokens'")
-    _check_model(state, body)
+    model = body.get("model")
+    check_model(state, model if isinstance(model, str) or model is None else str(model)[:100])
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise bad("'tokens' must be a list of token ids", "tokens")
@@ -141,9 +96,10 @@ def detokenize(state, body) -> dict:
     return {"prompt": text, "text": text}
 
 
-def add_info_routes(app: FastAPI, state, identify, read_json) -> None:
-    """Register the routes; `identify(state, request)` refuses a missing or bad key when the
-    server has keys; `read_json(request)` reads a bounded JSON body (serve/app.py's)."""
+def add_info_routes(app: FastAPI, state, identify, read_json, check_model) -> None:
+    """Register the routes with serve/app.py's helpers: `identify(state, request)` refuses a
+    missing or bad key when the server has keys; `read_json(request)` reads a bounded JSON body;
+    `check_model(state, model)` refuses a model this server does not serve (404)."""
 
     @app.get("/kv_event_sources")
     async def _kv_event_sources(request: Request):
@@ -155,14 +111,8 @@ def add_info_routes(app: FastAPI, state, identify, read_json) -> None:
         identify(state, request)
         return server_info(state)
 
-    @app.post("/tokenize")
-    async def _tokenize(request: Request):
-        identify(state, request)
-        body = await read_json(request)
-        return await run_in_threadpool(tokenize, state, body)
-
     @app.post("/detokenize")
     async def _detokenize(request: Request):
         identify(state, request)
         body = await read_json(request)
-        return await run_in_threadpool(detokenize, state, body)
+        return await run_in_threadpool(detokenize, state, body, check_model)
