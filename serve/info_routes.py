@@ -91,8 +91,7 @@ def detokenize(state, body, check_model) -> dict:
         if not 0 <= t < vocab:
             raise bad(f"token id {t} is outside the vocabulary (0..{vocab - 1})", "tokens")
     skip = _flag(body, "skip_special_tokens", False)
-    with state.tokenize_lock:
-        text = state.engine.tokenizer.decode(tokens, skip_special_tokens=skip)
+    text = state.tokenizers.run(lambda tok: tok.decode(tokens, skip_special_tokens=skip))
     return {"prompt": text, "text": text}
 
 
