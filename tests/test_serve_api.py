@@ -426,7 +426,9 @@ def test_two_people_chat_through_the_openai_sdk_on_the_embedded_model(serve, smo
 
 
 def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
-    srv, state = serve()
+    # a pool that holds all 3,000 tokens: the request can only end by the client leaving (with 64
+    # blocks it could end `pool_exhausted` first, before the server noticed the client was gone)
+    srv, state = serve(num_blocks=256)
     eng = state.engine
     finished: dict = {}
     eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)

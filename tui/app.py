@@ -552,8 +552,8 @@ class KvplayApp(ControlsMixin, App):
         if not lines:
             return
         self._event_lines.extend(lines)
-        log = self.query_one("#events", Log)
-        if log.has_class("shown"):
+        log = next(iter(self.query("#events").results(Log)), None)  # gone while the app closes
+        if log is not None and log.has_class("shown"):
             log.write_lines(lines)
 
     def show_events(self, shown: bool) -> None:
