@@ -8,22 +8,13 @@ import time
 
 import httpx
 
-from serve_util import ALICE, BOB, chat, keys, serve  # noqa: F401 (fixture)
+from serve_util import ALICE, BOB, chat, keys, serve, wait_until  # noqa: F401 (fixture)
 from test_watch_subscriber import free_port
 
 from kvplay.wire.codec import hex_to_wire_hash
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.publisher import KVEventsConfig
 from kvplay.wire.subscriber import PodSource, Subscriber
-
-def wait_until(pred, timeout=20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
-
 
 FULL = {"vllm_xargs": {"kv_cache_report_mode": "full"}}
 SYSTEM = "Be brief and kind. " * 4
@@ -60,9 +51,10 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
                 assert r.status_code == 200, r.text
                 cached.setdefault(who, []).append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         pub = state.events.publisher
-        assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.state == "live")
+        assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.state == "live",
+                          timeout=20.0)
         time.sleep(0.2)
-        assert wait_until(lambda: m.last_seq == pub.next_seq - 1)
+        assert wait_until(lambda: m.last_seq == pub.next_seq - 1, timeout=20.0)
     finally:
         sub.stop()
         th.join(5)
