@@ -352,11 +352,11 @@ def attack_s2(s: Server, pub_port: int, rep_port: int, n_subs: int, n_replay: in
             time.sleep(10.0)
             rss.append(rss_mb(pid))
             flood.close()
-        # libzmq queues an XPUB_MANUAL peer's subscriptions until they are read: a transient the
-        # heap keeps; none is kept per subscription, so a second flood adds ~nothing (before
-        # issue 20: 2.0 -> 4.7 GB for 800k, kept, growing with every flood)
+        # libzmq keeps every subscription a peer sends until it leaves; the server cuts a
+        # connection past its byte budget and trims the heap (before issue 20: 2.0 -> 4.7 GB for
+        # 800k, kept; with the XPUB_MANUAL socket of the first fix: 416 -> 582 -> 654 MB)
         row(f"2 x {n_subs // 1000}k subscriptions from XSUBs (server RSS: before, after 1st, after 2nd)",
-            f"{rss0:.0f} -> {rss[0]:.0f} -> {rss[1]:.0f} MB", rss[1] - rss[0] < 50 and rss[0] - rss0 < 400)
+            f"{rss0:.0f} -> {rss[0]:.0f} -> {rss[1]:.0f} MB", max(rss) - rss0 < 50)
         while good.poll(0):
             good.recv_multipart()
         hammer = ctx.socket(zmq.DEALER)

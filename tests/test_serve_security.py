@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -291,8 +293,38 @@ def test_threads_do_not_grow_with_n(serve):
 
 
 # --- 4. ZMQ under abuse ------------------------------------------------------------------------------
-def test_subscription_flood_is_not_kept_and_replay_hammer_does_not_stop_live():
-    from kvplay.wire.codec import AllBlocksCleared, EventBatch
+FLOODER = """
+import sys, time, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.XSUB)
+s.setsockopt(zmq.SNDHWM, 0)
+s.setsockopt(zmq.RECONNECT_IVL, 600_000)  # once cut, stay away
+gone = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+s.connect(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    s.send(b"\\x01" + b"spam-%08d" % i)
+print("cut" if gone.poll(30_000) else "not cut", flush=True)
+time.sleep(600)  # connected (if it was not cut) until the test kills it
+"""
+
+
+def rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def stored_batch(n_tokens: int):
+    from kvplay.wire.codec import BlockStored, EventBatch
+
+    return EventBatch(time.time(), [BlockStored([1], None, list(range(n_tokens)), 16, None, "GPU", None)])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_subscription_flood_peer_is_cut_and_its_memory_returned():
+    """libzmq keeps every subscription a peer sends until it leaves (300k: ~60 MB held with the
+    old XPUB_MANUAL socket): the flooding connection is cut, the live subscriber keeps its feed."""
     from kvplay.wire.publisher import ZmqEventPublisher
 
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
@@ -302,28 +334,87 @@ def test_subscription_flood_is_not_kept_and_replay_hammer_does_not_stop_live():
         good.setsockopt(zmq.SUBSCRIBE, b"kv")
         good.connect(pub.endpoint)
         assert publish_until(pub, good) is not None
-        flood = ctx.socket(zmq.XSUB)
-        flood.setsockopt(zmq.SNDHWM, 0)
-        flood.connect(pub.endpoint)
-        n = 20_000
-        for i in range(n):
-            flood.send(b"\x01" + b"spam-%d" % i)
-        assert wait_until(lambda: pub.subs_dropped >= n, 30)  # none of them kept by the XPUB
+        before = rss_mb()
+        flood = subprocess.Popen([sys.executable, "-c", FLOODER, pub.endpoint, "300000"],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout.readline().strip() == "cut"  # the server hung up on it
+            assert pub.peers_cut >= 1
+            for _ in range(20):  # the live feed meanwhile and after
+                pub.publish(stored_batch(4))
+            assert publish_until(pub, good) is not None
+            time.sleep(1.0)  # the publisher trims the heap after a cut
+            assert rss_mb() - before < 25  # held while the flooder stayed connected: ~60 MB
+        finally:
+            flood.kill()
+            flood.wait()
+    finally:
+        pub.shutdown()
+        ctx.destroy(linger=0)
 
-        hammer = ctx.socket(zmq.DEALER)
-        hammer.setsockopt(zmq.SNDHWM, 0)
-        hammer.connect(pub.replay_endpoint)
-        for _ in range(2000):
-            hammer.send_multipart([b"", (0).to_bytes(8, "big")])
-        live = 0
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and live < 20:  # live batches keep arriving meanwhile
-            pub.publish(EventBatch(time.time(), [AllBlocksCleared()]))
+
+def test_replay_hammer_is_cut_and_live_batches_keep_flowing():
+    from kvplay.wire.publisher import ZmqEventPublisher
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
+    ctx = zmq.Context()
+    try:
+        good = ctx.socket(zmq.SUB)
+        good.setsockopt(zmq.SUBSCRIBE, b"kv")
+        good.connect(pub.endpoint)
+        assert publish_until(pub, good) is not None
+        hammers = []
+        for _ in range(4):
+            h = ctx.socket(zmq.DEALER)
+            h.setsockopt(zmq.SNDHWM, 0)
+            h.setsockopt(zmq.LINGER, 0)
+            h.connect(pub.replay_endpoint)
+            for _ in range(10_000):
+                h.send_multipart([b"", (0).to_bytes(8, "big")])
+            hammers.append(h)
+        live, sent = 0, 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and live < 50:
+            if sent < 50:
+                pub.publish(stored_batch(4))
+                sent += 1
             while good.poll(20):
                 good.recv_multipart()
                 live += 1
-        assert live >= 20
-        assert wait_until(lambda: pub.replay_refused > 1900, 10)  # rate-limited, counted
+        assert live == 50  # every live batch arrived, in the middle of the hammer
+        assert wait_until(lambda: pub.peers_cut >= 4, 10)  # 10k requests is over any peer's budget
+        assert pub.replay_refused > 0
+    finally:
+        pub.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_replay_waits_for_a_slow_reader_instead_of_dropping_frames():
+    """An answer larger than the peer's pipes goes out as the peer reads (ROUTER_MANDATORY):
+    none of it is silently dropped."""
+    from kvplay.wire.codec import END_SEQ
+    from kvplay.wire.publisher import ZmqEventPublisher
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", buffer_steps=3000)
+    ctx = zmq.Context()
+    try:
+        for _ in range(3000):
+            pub.publish(stored_batch(2000))  # ~6 kB a batch: 18 MB, more than the pipes hold
+        assert wait_until(lambda: pub.next_seq == 3000, 30)
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVHWM, 100)
+        d.connect(pub.replay_endpoint)
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(1.5)  # not reading: the server's pipe to it fills
+        seqs = []
+        while d.poll(5000):
+            frames = d.recv_multipart()
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == END_SEQ:
+                break
+            seqs.append(seq)
+        assert seqs == list(range(3000))
     finally:
         pub.shutdown()
         ctx.destroy(linger=0)
@@ -331,9 +422,6 @@ def test_subscription_flood_is_not_kept_and_replay_hammer_does_not_stop_live():
 
 # --- 5. safe defaults with keys ---------------------------------------------------------------------
 def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
-    import subprocess
-    import sys
-
     kf = tmp_path / "keys.toml"
     kf.write_text('[[keys]]\nkey = "sk-alice-0123456789"\nuser = "alice"\n')
 
@@ -381,7 +469,6 @@ def test_hostile_bodies_are_400_without_exception_text(serve):
 
 def test_encrypted_tls_key_takes_a_password_and_never_prompts(make_engine, tmp_path, capsys):
     import shutil
-    import subprocess
 
     from kvplay.cli import main
     from kvplay.serve.server import ServerThread, build_state, close_state

@@ -13,18 +13,23 @@ Same semantics as vLLM's ``ZmqEventPublisher`` (vllm/distributed/kv_events.py):
   every kept batch with seq >= start as ``[b"", topic, seq8, payload]``, then the end marker
   ``[b"", b"", -1 as 8 bytes, b""]``.
 
-One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only enqueues.
+One thread owns each socket (ZMQ sockets are not thread-safe): the live thread the PUB, the
+replay thread the ROUTER; `publish` only enqueues.
 
 Under abuse (anyone who reaches the ports, unless CURVE is on; wire/curve.py):
 
-- The live socket is an XPUB that applies subscriptions itself (``XPUB_MANUAL``): only a
-  filter that can match this publisher's topic (a prefix of it) is kept, so a peer sending
-  800k distinct subscriptions costs nothing kept; incoming frames are capped (``MAXMSGSIZE``,
-  a peer over it is disconnected). A SUB sees exactly what a PUB would send.
-- Replay requests are rate-limited per peer and in total (token buckets; over the limit a
-  request is dropped and counted, the consumer retries), at most REPLAY_MAX_PENDING are being
-  answered at once, and an answer goes out REPLAY_FRAMES_PER_TURN frames at a time between
-  live batches: live events keep flowing while replay is hammered.
+- Both sockets are watched by a PeerGuard (wire/zmq_guard.py): a connection that has sent more
+  than 64 KiB, the largest ones while all together have sent more than 1 MiB, and any past 256
+  connections are cut. That is what bounds a subscription flood: libzmq keeps every
+  subscription a peer sends (XPUB_MANUAL too) until the peer leaves. Incoming frames are capped
+  (``MAXMSGSIZE``, a peer over it is disconnected).
+- Replay runs on its own thread, so live batches go out as soon as they are queued whatever
+  replay is asked. Requests are read at most REPLAY_READ_RATE a second (the rest wait in their
+  peer's pipe; the ROUTER reads peers in turn), rate-limited per peer and in total (token
+  buckets; over the limit a request is dropped and counted, the consumer retries); at most
+  REPLAY_MAX_PENDING are answered at once, REPLAY_FRAMES_PER_TURN frames at a time; a peer that
+  does not read is not written past REPLAY_FRAMES_PER_TURN frames and loses its answer after
+  REPLAY_STALL_S.
 """
 from __future__ import annotations
 
@@ -40,18 +45,18 @@ import zmq
 from kvplay.engine.errors import EngineError
 
 from .codec import END_SEQ_BYTES, EventBatch, encode_batch, pack_seq, topic_bytes
+from .zmq_guard import CHECK_INTERVAL, PeerGuard
 
 LOOPBACK = "127.0.0.1"
 MAX_INCOMING_BYTES = 1024  # any frame a peer sends us (subscriptions, replay requests)
-# subscription messages handled between live batches: libzmq queues a peer's subscriptions for an
-# XPUB_MANUAL socket without a bound, so they are drained fast (a flood is memory until read)
-SUBSCRIPTIONS_PER_TURN = 10_000
-REPLAY_REQUESTS_PER_TURN = 256
+REPLAY_READ_RATE, REPLAY_READ_BURST = 200.0, 256  # requests read a second, all peers together
 REPLAY_FRAMES_PER_TURN = 256
 REPLAY_MAX_PENDING = 16
 REPLAY_PEER_RATE, REPLAY_PEER_BURST = 2.0, 4  # requests per second per peer (ZMQ routing id)
 REPLAY_TOTAL_RATE, REPLAY_TOTAL_BURST = 20.0, 40
 REPLAY_PEERS_KEPT = 4096
+REPLAY_PAUSE = 0.002  # between two slices of answers
+REPLAY_STALL_S = 10.0  # an answer its peer does not read for this long is dropped
 
 
 class TokenBucket:
@@ -145,9 +150,9 @@ def loopback_only(endpoint: str | None) -> str | None:
 
 
 class ZmqEventPublisher:
-    """XPUB (a PUB to its subscribers) + replay ROUTER with an in-memory buffer of the last
-    `buffer_steps` batches. `curve` (wire.curve.ServerCurve): both sockets are CURVE servers
-    that admit only the allowed subscriber keys."""
+    """PUB + replay ROUTER with an in-memory buffer of the last `buffer_steps` batches.
+    `curve` (wire.curve.ServerCurve): both sockets are CURVE servers that admit only the
+    allowed subscriber keys."""
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
@@ -157,28 +162,30 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
         self._auth = curve.start_authenticator(self._ctx) if curve is not None else None
         self.curve = curve
-        self.subs_dropped = 0  # subscriptions that could never match (not kept)
         self.replay_refused = 0  # replay requests over the rate limits
-        self._replay_pending: deque = deque()  # [client, next seq, last seq]
+        self._replay_pending: deque = deque()  # [client, next seq, last seq, last progress]
         self._peers: OrderedDict = OrderedDict()  # routing id -> TokenBucket
-        self._replay_total = TokenBucket(REPLAY_TOTAL_RATE, REPLAY_TOTAL_BURST, time.monotonic())
+        now = time.monotonic()
+        self._replay_total = TokenBucket(REPLAY_TOTAL_RATE, REPLAY_TOTAL_BURST, now)
+        self._replay_reads = TokenBucket(REPLAY_READ_RATE, REPLAY_READ_BURST, now)
         self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer_lock = threading.Lock()  # the live thread appends, the replay thread reads
         self._topic = topic_bytes(topic)
         self.settings = {"buffer_steps": buffer_steps, "hwm": hwm, "max_queue_size": max_queue_size, "topic": topic}
         self._rank = data_parallel_rank
         self._seq = 0
         self.dropped = 0
         self.binds = is_bind_endpoint(endpoint) if bind is None else bind
-        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
         self._pub.setsockopt(zmq.RCVHWM, 1000)
         self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
         if curve is not None:
             curve.apply(self._pub)
-        self._replay = None
+        self._guard = PeerGuard(self._pub)
+        self._replay = self._replay_guard = None
         try:
             if self.binds:
                 self._pub.bind(endpoint)
@@ -192,8 +199,11 @@ class ZmqEventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
                 self._replay.setsockopt(zmq.RCVHWM, 1000)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_FRAMES_PER_TURN)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer is EAGAIN, not a silent drop
                 if curve is not None:
                     curve.apply(self._replay)
+                self._replay_guard = PeerGuard(self._replay)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -201,8 +211,11 @@ class ZmqEventPublisher:
             raise EngineError(f"KV events: cannot open {endpoint if self._replay is None else replay_endpoint}: "
                               f"{exc.strerror}") from None
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvplay-kv-events", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run_live, name="kvplay-kv-events", daemon=True)]
+        if self._replay is not None:
+            self._threads.append(threading.Thread(target=self._run_replay, name="kvplay-kv-replay", daemon=True))
+        for t in self._threads:
+            t.start()
 
     @classmethod
     def from_config(cls, cfg: KVEventsConfig, data_parallel_rank: int = 0,
@@ -232,6 +245,11 @@ class ZmqEventPublisher:
     def next_seq(self) -> int:
         return self._seq
 
+    @property
+    def peers_cut(self) -> int:
+        """Connections cut for sending too much (both sockets; wire/zmq_guard.py)."""
+        return self._guard.cut + (self._replay_guard.cut if self._replay_guard is not None else 0)
+
     def shutdown(self, timeout: float = 2.0) -> None:
         if not self._running:
             return
@@ -240,10 +258,14 @@ class ZmqEventPublisher:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             pass
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for g in (self._guard, self._replay_guard):
+            if g is not None:
+                g.close()
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=0)
@@ -254,16 +276,13 @@ class ZmqEventPublisher:
             self._ctx.term()
             self._own_ctx = False
 
-    # --- the thread that owns the sockets -----------------------------------------------------
-    def _run(self) -> None:
-        """Each turn: subscriptions, replay (bounded), then live batches (all that are queued)."""
+    # --- the live thread: owns the PUB ----------------------------------------------------------
+    def _run_live(self) -> None:
+        """Sends every queued batch as soon as it is queued; between batches, the guard."""
         while True:
-            self._take_subscriptions()
-            if self._replay is not None:
-                self._take_replay_requests()
-                self._send_replay()
+            self._guard.check()
             try:
-                batch = self._queue.get(timeout=0.002 if self._replay_pending else 0.02)
+                batch = self._queue.get(timeout=CHECK_INTERVAL)
             except queue.Empty:
                 continue
             while batch is not None:
@@ -280,37 +299,39 @@ class ZmqEventPublisher:
             payload = encode_batch(batch)
             seq = self._seq
             self._pub.send_multipart((self._topic, pack_seq(seq), payload))
-            self._seq += 1
-            self._buffer.append((seq, payload))
         except (zmq.ZMQError, TypeError, ValueError):
             self.dropped += 1
+            return
+        with self._buffer_lock:
+            self._buffer.append((seq, payload))
+            self._seq += 1
 
-    def _take_subscriptions(self) -> None:
-        """XPUB_MANUAL: keep a filter only if it can match our topic (a prefix of it)."""
-        for _ in range(SUBSCRIPTIONS_PER_TURN):
-            try:
-                msg = self._pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            if not msg or msg[0] not in (0, 1):
-                continue
-            prefix = msg[1:]
-            if not self._topic.startswith(prefix):
-                self.subs_dropped += 1
-                continue
-            try:
-                self._pub.setsockopt(zmq.SUBSCRIBE if msg[0] == 1 else zmq.UNSUBSCRIBE, prefix)
-            except zmq.ZMQError:
-                pass
+    # --- the replay thread: owns the ROUTER ------------------------------------------------------
+    def _run_replay(self) -> None:
+        """Requests are read at a bounded rate (the rest wait in their peers' pipes, read
+        fairly peer by peer), answers go out in slices: its work per second is bounded, so it
+        cannot starve the live thread or the engine, whatever is asked."""
+        while self._running:
+            self._replay_guard.check()
+            now = time.monotonic()
+            self._take_replay_requests(now)
+            self._send_replay(now)
+            if self._replay_pending:
+                time.sleep(REPLAY_PAUSE)
+            elif self._replay_reads.tokens < 1:
+                time.sleep(1 / REPLAY_READ_RATE)
+            else:
+                try:
+                    self._replay.poll(CHECK_INTERVAL * 1000)
+                except zmq.ZMQError:
+                    return
 
-    def _take_replay_requests(self) -> None:
-        now = time.monotonic()
-        for _ in range(REPLAY_REQUESTS_PER_TURN):
+    def _take_replay_requests(self, now: float) -> None:
+        while self._replay_reads.take(now):
             try:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self._replay_reads.tokens += 1  # nothing was read
                 return
             except zmq.ZMQError:
                 return
@@ -328,25 +349,40 @@ class ZmqEventPublisher:
                     or not self._replay_total.take(now)):
                 self.replay_refused += 1
                 continue
-            self._replay_pending.append([client, int.from_bytes(frames[2], "big"), self._seq - 1])
+            with self._buffer_lock:
+                last = self._seq - 1
+            self._replay_pending.append([client, int.from_bytes(frames[2], "big"), last, now])
 
-    def _send_replay(self) -> None:
-        """Up to REPLAY_FRAMES_PER_TURN frames of the pending answers, oldest request first."""
-        budget = REPLAY_FRAMES_PER_TURN
-        while self._replay_pending and budget > 0:
-            entry = self._replay_pending[0]
-            client, nxt, last = entry
-            first = self._buffer[0][0] if self._buffer else self._seq
+    def _slice(self, nxt: int, last: int, n: int) -> list[tuple[int, bytes]]:
+        """Up to `n` kept batches from seq `nxt` (or the oldest kept) to `last`."""
+        with self._buffer_lock:
+            if not self._buffer:
+                return []
+            first = self._buffer[0][0]
             i = max(nxt, first) - first
+            return [self._buffer[j] for j in range(i, min(len(self._buffer), i + n)) if self._buffer[j][0] <= last]
+
+    def _send_replay(self, now: float) -> None:
+        """Up to REPLAY_FRAMES_PER_TURN frames of the pending answers, oldest request first; a
+        peer whose pipe is full waits (its answer goes to the back), one that made no progress
+        for REPLAY_STALL_S or is gone loses its answer."""
+        budget = REPLAY_FRAMES_PER_TURN
+        for _ in range(len(self._replay_pending)):
+            if budget <= 0:
+                return
+            entry = self._replay_pending.popleft()
+            client, nxt, last, _ = entry
             try:
-                while budget > 0 and i < len(self._buffer) and self._buffer[i][0] <= last:
-                    seq, payload = self._buffer[i]
+                for seq, payload in self._slice(nxt, last, budget):
                     self._replay.send_multipart((client, b"", self._topic, pack_seq(seq), payload), zmq.NOBLOCK)
-                    i += 1
                     budget -= 1
-                    entry[1] = seq + 1
-                if budget > 0:
+                    entry[1], entry[3] = seq + 1, now
+                if entry[1] > last or not self._slice(entry[1], last, 1):
                     self._replay.send_multipart((client, b"", b"", END_SEQ_BYTES, b""), zmq.NOBLOCK)
-                    self._replay_pending.popleft()
-            except zmq.ZMQError:  # the peer is gone or not reading: drop its answer
-                self._replay_pending.popleft()
+                    continue  # answered
+            except zmq.Again:  # its pipe is full: later, unless it stopped reading
+                if now - entry[3] > REPLAY_STALL_S:
+                    continue
+            except zmq.ZMQError:  # the peer is gone
+                continue
+            self._replay_pending.append(entry)
