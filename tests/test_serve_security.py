@@ -234,6 +234,40 @@ def test_prompts_refused_by_size_before_tokenizing(serve):
     assert len(calls) == 1  # only the small prompt was tokenized
 
 
+def test_a_long_tokenization_does_not_hold_other_requests(serve):
+    """No global tokenizer lock: while one tokenization runs (held here until the other request
+    is answered), another user's chat is tokenized on a copy."""
+    srv, state = serve()
+    started, release = threading.Event(), threading.Event()
+
+    def slow(tok):
+        started.set()
+        release.wait(60)
+
+    holder = threading.Thread(target=state.tokenizers.run, args=(slow,))
+    holder.start()
+    try:
+        assert started.wait(10)
+        with httpx.Client(timeout=60) as c:
+            r = chat(c, srv.url, content="not waiting", user="ann")
+        assert r.status_code == 200 and holder.is_alive()  # answered while the other still tokenizes
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def test_a_body_that_does_not_arrive_gets_408(serve, monkeypatch):
+    import kvplay.serve.app as app
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.5)
+    srv, _ = serve()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408")
+
+
 def test_concurrency_cap_answers_503_with_retry_after(make_engine):
     from kvplay.serve.server import ServerThread, build_state, close_state
 
@@ -290,6 +324,18 @@ def test_threads_do_not_grow_with_n(serve):
             for line in s.iter_lines():
                 seen.append(threading.active_count())
     assert seen and max(seen) - before < 8  # was one thread per choice (16)
+
+
+def test_health_is_503_only_once_the_engine_thread_has_stopped(serve):
+    srv, state = serve()
+    with httpx.Client(timeout=30) as c:
+        bad = c.post(srv.url + "/v1/chat/completions", content=b'{"messages":[{"role":"user","content":"x"}],'
+                                                              b'"temperature":NaN}')
+        up = c.get(srv.url + "/health")
+        state.engine.shutdown()
+        down = c.get(srv.url + "/health")
+    assert bad.status_code == 400 and up.status_code == 200
+    assert down.status_code == 503 and "engine is down" in down.json()["error"]["message"]
 
 
 # --- 4. ZMQ under abuse ------------------------------------------------------------------------------
@@ -451,6 +497,22 @@ def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
 
 
 # --- 6. the small ones ------------------------------------------------------------------------------
+def test_metrics_users_flag_gives_the_user_series_to_every_key(make_engine, tmp_path):
+    from kvplay.serve.server import ServerThread, build_state, close_state
+
+    state = build_state(make_engine(), keys(tmp_path), metrics_users=True)
+    srv = ServerThread(state).start()
+    try:
+        with httpx.Client(timeout=30) as c:
+            chat(c, srv.url, ALICE, "one")
+            chat(c, srv.url, BOB, "one")
+            alice = c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {ALICE}"}).text
+    finally:
+        srv.stop()
+        close_state(state)
+    assert "# TYPE kvplay:cached_tokens_total" in alice  # without the flag: admin keys only
+
+
 def test_hostile_bodies_are_400_without_exception_text(serve):
     srv, _ = serve()
     deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

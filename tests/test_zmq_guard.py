@@ -1,6 +1,7 @@
 """wire/zmq_guard.py: per-connection budgets on a real ZMQ PUB over loopback TCP."""
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
@@ -52,24 +53,18 @@ def settle(guard, until, timeout=10.0):
 
 
 def test_counts_what_the_kernel_received():
-    import socket
-
     srv = socket.create_server(("127.0.0.1", 0))
     cli = socket.create_connection(srv.getsockname())
     conn, _ = srv.accept()
-    cli.sendall(b"x" * 5000)
-    assert settle_bytes(conn, 5000)
-    for s in (cli, conn, srv):
-        s.close()
-
-
-def settle_bytes(conn, want):
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if bytes_received(conn) == want:
-            return True
-        time.sleep(0.01)
-    return False
+    try:
+        cli.sendall(b"x" * 5000)
+        deadline = time.monotonic() + 5
+        while bytes_received(conn) != 5000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bytes_received(conn) == 5000
+    finally:
+        for s in (cli, conn, srv):
+            s.close()
 
 
 def test_a_peer_over_its_byte_budget_is_cut_and_the_others_stay(ctx):
