@@ -165,6 +165,35 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
         pub.shutdown()
 
 
+def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
+    """`kvplay attach URL` finds a CURVE server's endpoints and subscribes with its flags' keys;
+    without them its map stays empty (tui/attach_cli.py)."""
+    from kvplay.cli import build_parser
+    from kvplay.serve.server import ServerThread, build_state, close_state
+    from kvplay.tui.attach_cli import open_backend
+    from kvplay.wire import curve
+
+    d = curve.generate(tmp_path / "keys")
+    state = build_state(make_engine(), kv_events=events_config(), curve=curve.ServerCurve.load(d))
+    srv = ServerThread(state).start()
+    backends = []
+    try:
+        for flags in ([], ["--events-curve-server-key", str(d / "server.key"),
+                           "--events-curve-key", str(d / "client.key_secret")]):
+            args = build_parser("attach").parse_args(["attach", srv.url, *flags])
+            backends.append(open_backend(args))
+        time.sleep(0.5)  # both subscribed (or refused by the server)
+        with httpx.Client(timeout=60) as c:
+            assert chat(c, srv.url, content="a secret", user="alice").status_code == 200
+        assert wait_until(lambda: any(p.blocks for p in backends[1].fleet.pods.values()), 15)
+        assert not any(p.blocks for p in backends[0].fleet.pods.values())
+    finally:
+        for be in backends:
+            be.close()
+        srv.stop()
+        close_state(state)
+
+
 # --- 2. a request can only fail itself -----------------------------------------------------------
 def test_sampling_failure_ends_only_that_request(make_engine):
     from kvplay.engine.sampling import SamplingParams
