@@ -21,7 +21,8 @@ with CURVE ~600); a replay consumer ~12 bytes a request. Bytes count from the co
 start (a consumer using ZMTP heartbeats is cut, and reconnects, after `peer_bytes` of them).
 A descriptor is checked against the addresses seen at accept before it is touched (libzmq may
 have closed it and the number been reused). ipc:// connections have no byte counter: only the
-connection cap applies to them.
+connection cap applies to them. The monitor's queue holds MONITOR_EVENTS_KEPT events between
+two checks; a connection whose event a connect storm pushed past it is not watched.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ PEER_BYTES = 64 * 1024  # what one connection may send in its life
 TOTAL_BYTES = 1024 * 1024  # what all live connections of one socket may have sent together
 MAX_PEERS = 256  # connections to one socket
 CHECK_INTERVAL = 0.05  # seconds between two looks at the kernel's counters
+MONITOR_EVENTS_KEPT = 100_000  # connection events between two checks (a connect storm)
 TRIM_DELAY = 0.5  # after a cut: libzmq frees the peer's pipe on its next turn, then trim
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
@@ -106,7 +108,11 @@ class PeerGuard:
         self.sock = sock
         self.peer_bytes, self.total_bytes, self.max_peers = peer_bytes, total_bytes, max_peers
         self.interval = interval
-        self._mon = sock.get_monitor_socket(_OPEN | _GONE)
+        addr = f"inproc://kvplay-guard-{id(self):x}"
+        sock.monitor(addr, _OPEN | _GONE)
+        self._mon = sock.context.socket(zmq.PAIR)
+        self._mon.setsockopt(zmq.RCVHWM, MONITOR_EVENTS_KEPT)  # libzmq drops events past it
+        self._mon.connect(addr)
         self._peers: dict[int, Peer] = {}
         self._next = 0.0
         self._trim_at = None
