@@ -1,9 +1,10 @@
 """Per-connection budgets for a ZMQ socket that anyone who reaches its port may talk to.
 
 libzmq has no limit on what a peer may send a PUB: every subscription a peer sends is kept in a
-trie for as long as the connection lives (800k distinct subscriptions from one XSUB: ~150 MB,
-measured; an ``XPUB_MANUAL`` socket keeps them too, in a second trie, "for termination"), and
-the memory goes back to the heap only when the peer disconnects. Nothing in libzmq can refuse
+trie for as long as the connection lives (800k distinct subscriptions from one XSUB: +136 MB
+on a PUB, +152 MB on an ``XPUB_MANUAL`` socket, which keeps them in a second trie "for
+termination"; measured, docs/serve.md), and the memory goes back to the heap only when the peer
+disconnects. Nothing in libzmq can refuse
 or drop one peer. So the guard watches the socket's connections itself:
 
 - a socket monitor (``EVENT_ACCEPTED`` / ``EVENT_CONNECTED`` .. ``EVENT_DISCONNECTED``) gives
