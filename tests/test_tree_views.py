@@ -8,7 +8,9 @@ from serve_util import chat, serve  # noqa: F401 (fixture)
 from test_attach import attach_args
 from test_tui_app import badges, wait_until
 from test_watch_subscriber import free_port
-from textual.widgets import Tree
+from rich.color import Color
+from rich.style import Style
+from textual.widgets import Static, Tree
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import TurnSpec, UserSpec
@@ -222,3 +224,121 @@ async def test_kvplay_tree_of_a_server(serve, capsys):
     assert pod["blocks"] == state.engine.stats()["blocks_cached"] > 0
     assert len(pod["roots"]) == 1 and len(pod["roots"][0]["children"]) == 2
     assert cli(["tree", srv.url, "--at", "3", "--events-bind", ev]) == 2
+
+
+# --- animation: stores fade in, reuses pulse, evictions show struck then go -----------------------
+def _ev(kind, hashes, user, ids=(), parent=None, ts=1.0):
+    ev = {"kind": kind, "block_hashes": list(hashes), "block_ids": list(ids), "user": user, "ts": ts}
+    if kind == "BlockStored":
+        ev.update(token_ids=[7 + len(h) for h in hashes for _ in range(2)], block_size=2, parent_block_hash=parent)
+    return ev
+
+
+def _tree_host(source, looks, **kw):
+    from textual.app import App
+
+    class Host(App):
+        def on_mount(self):
+            self.push_screen(TreeScreen(source, looks, **kw))
+    return Host()
+
+
+async def _rebuilt(pilot, screen):
+    """The screen's trees show the source's current version (a rebuild asked for if needed)."""
+    def done():
+        if screen._built_version != screen.source.version:
+            screen.rebuild()
+            return False
+        return not screen._building
+    await wait_until(pilot, done)
+    await pilot.pause()
+
+
+def _line(screen, key):
+    tn = screen._tn.get(key)
+    return None if tn is None else tn.label
+
+
+async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goes():
+    from kvplay.engine.observe import BlockView
+    from kvplay.tui.blockmap import ViewsSource
+    from kvplay.tui.theme import assign_looks
+
+    feed = EngineFeed()
+    feed.apply(_ev("BlockStored", ["s0", "s1"], "alice", [0, 1]))
+    feed.apply(_ev("BlockStored", ["a0"], "alice", [2], parent="s1"))
+    feed.apply(_ev("BlockStored", ["b0"], "bob", [3], parent="s1"))
+    views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(16)]
+    looks = assign_looks(["alice", "bob", "carol"])
+    app = _tree_host(FeedTrees(feed, None, ViewsSource(views)), looks)
+    t = [100.0]
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+        screen = app.screen
+        screen.clock = lambda: t[0]
+        assert not screen.anims  # the first tree: nothing "happened"
+        await pilot.press("right")  # open the shared prompt
+        # carol stores a branch: it appears with "new" on her colour, and its block flashes on the map
+        feed.apply(_ev("BlockStored", ["c0"], "carol", [4], parent="s1"))
+        await _rebuilt(pilot, screen)
+        key = ("n", None, "c0")
+        first = _line(screen, key)
+        assert first is not None and first.plain.startswith(" new ")
+        assert first.spans[0].style.bgcolor.get_truecolor() == Color.parse(looks["carol"].colour).get_truecolor()
+        assert screen.query_one("#tree-map", BlockMap).flash == frozenset({4})
+        t[0] += 1.0  # two thirds of the way: faded, no longer flashing
+        screen.animate()
+        mid = _line(screen, key)
+        assert mid.plain.startswith(" new ") and mid.spans[0].style.bgcolor != first.spans[0].style.bgcolor
+        assert screen.query_one("#tree-map", BlockMap).flash == frozenset()
+        t[0] += 1.0  # done: the plain line, nothing left to animate, the frames stop
+        screen.animate()
+        assert not _line(screen, key) and not screen.anims
+        settled = [str(tn.label) for tn in screen.query_one(Tree).root.children[0].children]
+        assert any("C 1 blk" in line and "new" not in line for line in settled)
+        assert screen._frames._active.is_set() is False
+        # bob reuses the shared prompt: it pulses with "reused by B"
+        feed.apply(_ev("BlockHit", ["s0", "s1"], "bob", [0, 1]))
+        await _rebuilt(pilot, screen)
+        pulse = [str(tn.label) for tn in screen.query_one(Tree).root.children][0]
+        assert pulse.startswith(" reused by B ")
+        t[0] += 5
+        screen.animate()
+        assert not str(screen.query_one(Tree).root.children[0].label).startswith(" reused")
+        # bob's branch is evicted: a struck ghost under the shared prompt, then gone
+        feed.apply({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0})
+        await _rebuilt(pilot, screen)
+        ghost = _line(screen, ("g", None, "b0"))
+        assert ghost is not None and ghost.plain.startswith(" evicted ")
+        assert any(s.style.strike for s in ghost.spans if isinstance(s.style, Style))
+        assert len(screen.trees[None].roots[0].children) == 2  # the tree itself no longer has it
+        t[0] += 5
+        screen.animate()
+        lines = [str(tn.label) for tn in screen.query_one(Tree).root.children[0].children]
+        assert len(lines) == 2 and not any("evicted" in line for line in lines)
+
+
+async def test_a_recording_at_a_fixed_point_marks_what_that_step_changed_and_does_not_animate():
+    from kvplay.tui.theme import assign_looks
+
+    feed = EngineFeed()
+    feed.apply(_ev("BlockStored", ["s0", "s1"], "alice", [0, 1]))
+    feed.apply(_ev("BlockStored", ["a0"], "alice", [2], parent="s1"))
+    feed.apply(_ev("BlockStored", ["b0"], "bob", [3], parent="s1"))
+    before = FeedTrees(feed).snapshot()
+    feed.apply({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0})
+    feed.apply(_ev("BlockStored", ["c0"], "carol", [4], parent="s1"))
+    app = _tree_host(FeedTrees(feed, before=before), assign_looks(["alice", "bob", "carol"]), at=5.0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+        screen = app.screen
+        head = str(screen.query_one("#tree-head", Static).render())
+        assert "this step: 1 new, 1 evicted" in head
+        await pilot.press("right")  # open the shared prompt: alice's branch, carol's (new here), bob's ghost
+        lines = [str(tn.label) for tn in screen.query_one(Tree).root.children]
+        lines += [str(c.label) for tn in screen.query_one(Tree).root.children for c in tn.children]
+        assert any(line.startswith(" new here ") for line in lines)
+        assert any(line.startswith(" evicted here ") for line in lines)
+        screen.clock = lambda: 1e9
+        screen.animate()  # still: nothing moves or goes
+        assert len(screen.anims) == 2

@@ -8,7 +8,8 @@ user's colour), and each user's TTFT; the cursor is the ▲; click it to seek th
 
 Keys: ←/→ one event, [/] (shift+←/→) one turn, space play/pause, s (or 1/2/4/8) speed 1x/2x/4x/8x,
 g go to a turn, t the prefix tree at the cursor (tui/tree_view.py; its text from the session's
-tokenizer when it is on this machine, loaded the first time), home/end, escape closes.
+tokenizer when it is on this machine, loaded the first time; the nodes the event under the cursor
+stored, reused or evicted are marked), home/end, escape closes.
 """
 from __future__ import annotations
 
@@ -310,7 +311,11 @@ class ScrubScreen(Screen):
         """The prefix tree as it stood after the event under the cursor (the recorded events up to
         it fed into a Mirror)."""
         st = self.state or self.history.state(self.cursor)
-        source = FeedTrees(feed_events(self.rec.events, self.cursor), self._detok, st.mirror.copy())
+        feed = feed_events(self.rec.events, self.cursor - 1)
+        before = FeedTrees(feed).snapshot() if self.cursor else None  # the tree marks what this step changed
+        if self.cursor:
+            feed.apply(self.rec.events[self.cursor - 1])
+        source = FeedTrees(feed, self._detok, st.mirror.copy(), before=before)
         screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}",
                             at=st.ts or None)
         self.app.push_screen(screen)

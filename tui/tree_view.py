@@ -7,15 +7,24 @@ Keys: ↑/↓ move, → or enter opens a node (its first `SHOWN_CHILDREN` branch
 "+ N more branches" line opens the next ones), ← closes; `m` moves to the map, where a click or
 the arrows pick a block and `f` finds its node; escape closes. The tree is rebuilt when the cache
 changes, at most every `REFRESH_S` (longer when building takes long: a big pool); the nodes that
-were open stay open, a node stored in the last `FRESH_S` says "new", evicted ones drop out.
+were open stay open.
+
+What changed since the last build animates (tui/tree_anim.py): a node that got stored fades in
+from its creator's colour ("new"), a reused one pulses in its reuser's, an evicted one stays a
+moment struck through and fading, then goes; their blocks flash on the map. At most
+`MAX_CHANGES` nodes animate at once, one frame every `FRAME_S` while any does (no timer runs
+otherwise): bounded work per frame at any pool size. The clock is `screen.clock` and a frame is
+`screen.animate()` (tests drive both). A tree at a fixed point of a recording (`at`, the
+scrubber) does not animate: it marks what changed at that step (the source's `before`), still.
 
 The trees are built on a worker thread from copies of the mirrors' block dicts (a 1M-block pool
 takes seconds to build: the screen stays live meanwhile and shows the last tree).
 
 A *tree source* gives the mirrors and maps their blocks to map cells:
 `version`, `snapshot() -> [(pod, blocks, hits or None, version)]` (copies), `block_ids(pod, keys) -> [block id]`,
-`key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None) and `map_source` (what
-the block map reads; None: the caller sets the map's blocks). `FeedTrees` is the local engine's
+`key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None), `map_source` (what
+the block map reads; None: the caller sets the map's blocks) and `before` (a snapshot of the step
+before, or None). `FeedTrees` is the local engine's
 and a recording's (wire/engine_feed.py), `FleetTrees` an attached server's mirror.
 """
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+from rich.style import Style
 from rich.text import Text
 from textual import on, work
 from textual.binding import Binding
@@ -37,20 +47,23 @@ from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text
 
 from .blockmap import BlockMap
 from .theme import UNKNOWN_COLOUR
+from .tree_anim import DURATION, MARK, MAX_CHANGES, anim_style, diff_trees, still_style
 
 REFRESH_S = 0.5
 LABEL_W = 40  # characters of a node's text in its line
-FRESH_S = 3.0  # a node stored this recently says "new" in bold
+FRAME_S = 0.1  # an animation frame
+FLASH_IDS = 512  # blocks of one animated node flashed on the map
 
 
 # --- sources ------------------------------------------------------------------------------------
 class FeedTrees:
     """Trees of an EngineFeed's mirrors (the local engine's events, or a recording's)."""
 
-    def __init__(self, feed, detokenize=None, map_source=None):
+    def __init__(self, feed, detokenize=None, map_source=None, before=None):
         self.feed = feed
         self.detokenize = detokenize
         self.map_source = map_source
+        self.before = before  # snapshot() of the step before (the scrubber's): what changed at this one
 
     @property
     def version(self) -> int:
@@ -71,6 +84,8 @@ class FleetTrees:
     """Trees of an attached server's mirrors (RemoteBackend.fleet); block ids are its map's slots;
     text from the server's /detokenize, fetched off the UI thread (`RemoteLabels`)."""
 
+    before = None
+
     def __init__(self, backend):
         self.backend = backend
         self.detokenize = RemoteText(backend.decode)
@@ -81,6 +96,7 @@ class FleetTrees:
         return self.backend.version
 
     def snapshot(self) -> list:
+        """Hits None: counted from the blocks' holders when the tree is built (off this thread)."""
         with self.backend.fleet.lock:  # the subscriber thread applies batches under it
             return [(name, dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()]
 
@@ -147,11 +163,28 @@ class RemoteText:
 
 
 # --- the screen ---------------------------------------------------------------------------------
-def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float) -> Text:
+def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float, mark=None) -> Text:
     """`A 32 blk 512 tok → B C · 32 hits · 12s "You are Harbor…"`: the creator's glyph, then who
-    reused it, in the users' colours; the text last, so a narrow terminal cuts only the text."""
+    reused it, in the users' colours; the text last, so a narrow terminal cuts only the text.
+    `mark` = (kind, phase — None when still —, who, blocks, ghost) puts what just happened first:
+    `new`, `reused by B`, `−3 blk evicted` in its style (tree_anim.anim_style); a ghost (a node
+    evicted whole) is struck through."""
     t = Text()
     look = looks.get(node.creator)
+    ghost = False
+    if mark is not None:
+        kind, phase, who, blocks, ghost = mark
+        lk = looks.get(who)
+        colour = lk.colour if lk else UNKNOWN_COLOUR
+        style = still_style(kind, colour) if phase is None else anim_style(kind, phase, colour)
+        word = MARK[kind] if phase is not None else f"{MARK[kind]} here"
+        if kind == "reused" and lk is not None:
+            word += f" by {lk.glyph}"
+        elif kind == "evicted" and not ghost:
+            word = f"−{blocks} blk {word}"
+        t.append(f" {word} ", style=style)
+        t.append(" ")
+    start = len(t)
     t.append(f"{look.glyph if look else '?'} ", style=look.style if look else UNKNOWN_COLOUR)
     t.append(f"{len(node.keys)} blk {node.tokens} tok", style="dim")
     if node.reusers:
@@ -162,14 +195,15 @@ def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float) 
     if node.hits:
         t.append(f" · {node.hits} hits", style="dim")
     if node.last_ts:
-        fresh = now - node.last_ts < FRESH_S
-        t.append(f" · {'new' if fresh else age_text(now - node.last_ts)}", style="bold" if fresh else "dim")
+        t.append(f" · {age_text(now - node.last_ts)}", style="dim")
     if node.orphan:
         t.append(" · parent not cached", style="dim italic")
     text = labels(tree, node)
     if len(text) > LABEL_W:
         text = text[:LABEL_W - 1] + "…"
     t.append(f" \"{text}\"", style=look.colour if look else UNKNOWN_COLOUR)
+    if ghost:
+        t.stylize(Style(strike=True, dim=True), start)
     return t
 
 
@@ -210,6 +244,15 @@ class TreeScreen(Screen):
         self.ready = False  # the first trees are built and shown
         self._open: set = set()  # (pod, first key) of the nodes open
         self._reveal: set = set()  # ... of nodes found from the map: listed even past SHOWN_CHILDREN
+        self.still = at is not None  # a fixed point of a recording: marks what changed there, no frames
+        self.clock = time.monotonic  # the animations' clock (tests set their own)
+        self.anims: dict = {}  # ("n"|"g", pod, first key) -> [Change, start time, pod, tree, block ids]
+        self.changes_left_out = 0  # changes past MAX_CHANGES at the last build
+        self.builds = 0  # trees built and shown
+        self._hits: dict = {}  # pod -> {key: hits} of the trees shown (what a reuse is told from)
+        self._tn: dict = {}  # anims' keys -> the Textual tree node showing them now
+        self._flash_keys: frozenset = frozenset()  # the anims whose blocks flash on the map now
+        self._frames = None  # the frame timer, paused while nothing animates
 
     def compose(self):
         yield Static(id="tree-head")
@@ -230,6 +273,7 @@ class TreeScreen(Screen):
             self.query_one(BlockMap).set_source(self.source.map_source, self.looks)
         self.rebuild()
         self.set_interval(REFRESH_S, self._tick)
+        self._frames = self.set_interval(FRAME_S, self.animate, pause=True)
         t.focus()
 
     def now(self) -> float:
@@ -250,35 +294,144 @@ class TreeScreen(Screen):
             return
         self._building = True
         self._built_version = self.source.version
-        self._build(self.source.snapshot())
+        before = getattr(self.source, "before", None) if self.still and not self.builds else None
+        self._build(self.source.snapshot(), before, dict(self.trees), dict(self._hits))
 
     @work(thread=True, exit_on_error=False, group="tree-build", description="Building the prefix tree")
-    def _build(self, snapshot: list) -> None:
+    def _build(self, snapshot: list, before: list | None, old: dict, old_hits: dict) -> None:
+        """The trees, and what changed since `old` (or since `before`, the scrubber's step)."""
         t0 = time.monotonic()
         try:
-            trees = {pod: PrefixTree(blocks, hits, version) for pod, blocks, hits, version in snapshot}
+            trees, hits = self._trees(snapshot)
+            if before is not None:
+                old, old_hits = self._trees(before)
+            changes, more = [], 0
+            for pod, tree in trees.items():
+                got, left = diff_trees(old.get(pod), tree, old_hits.get(pod), hits[pod], MAX_CHANGES - len(changes))
+                changes += [(pod, c) for c in got]
+                more += left
         finally:
             self._building = False
-        self.app.call_from_thread(self._built, trees, time.monotonic() - t0)
+        self.app.call_from_thread(self._built, trees, hits, changes, more, old, time.monotonic() - t0)
 
-    def _built(self, trees: dict, build_s: float) -> None:
+    @staticmethod
+    def _trees(snapshot: list) -> tuple[dict, dict]:
+        trees, hits = {}, {}
+        for pod, blocks, h, version in snapshot:
+            if h is None:  # an attached server's mirror: a block's hits are its holders beyond the creator
+                h = {k: len(b.holders) - 1 for k, b in blocks.items() if len(b.holders) > 1}
+            trees[pod], hits[pod] = PrefixTree(blocks, h, version), h
+        return trees, hits
+
+    def _built(self, trees: dict, hits: dict, changes: list, more: int, old: dict, build_s: float) -> None:
         self.trees = trees
+        self._hits = hits
         self.ready = True
+        self.builds += 1
         self._built_at = time.monotonic()
         self._interval = max(REFRESH_S, 4 * build_s)  # a big pool: rebuild less often
+        self._start_anims(changes, old)
+        self.changes_left_out = more
         if self.is_attached:
             self.populate()
+
+    # --- animation --------------------------------------------------------------------------------
+    def _start_anims(self, changes: list, old: dict) -> None:
+        """Marks for what changed; the oldest give way past MAX_CHANGES. Still: only this step's."""
+        if self.still:
+            self.anims.clear()
+        now = self.clock()
+        marked = set()
+        for pod, c in changes:
+            tree = old.get(pod) if c.ghost is not None else self.trees.get(pod)
+            node = c.ghost if c.ghost is not None else (tree._start.get(c.key) if tree is not None else None)
+            key = ("g" if c.ghost is not None else "n", pod, c.key)
+            if node is None or key in marked:  # one mark a node: a store beats a partial eviction
+                continue
+            marked.add(key)
+            ids = self.source.block_ids(pod, node.keys[:FLASH_IDS]) if c.kind != "evicted" else []
+            self.anims.pop(key, None)
+            self.anims[key] = [c, now, pod, tree, ids]
+        while len(self.anims) > MAX_CHANGES:
+            del self.anims[next(iter(self.anims))]
+        if self._frames is not None and not self.still:
+            if self.anims:
+                self._frames.resume()
+            else:
+                self._frames.pause()
+
+    def mark(self, key):
+        """The `node_label` mark of animation `key` now, or None when it is over."""
+        a = self.anims.get(key)
+        if a is None:
+            return None
+        c, t0 = a[0], a[1]
+        if self.still:
+            return (c.kind, None, c.who, c.blocks, c.ghost is not None)
+        phase = (self.clock() - t0) / DURATION[c.kind]
+        if phase >= 1:
+            return None
+        return (c.kind, phase, c.who, c.blocks, c.ghost is not None)
+
+    def animate(self) -> None:
+        """One frame: every mark restyled at its phase; those done are dropped (a ghost's line
+        goes), the map's flash follows. Work: the animations, at most MAX_CHANGES."""
+        if self.still:
+            return
+        now = self.now()
+        for key in list(self.anims):
+            c, _t0, pod, tree, _ids = self.anims[key]
+            m = self.mark(key)
+            tn = self._tn.get(key)
+            if m is None:
+                del self.anims[key]
+                self._tn.pop(key, None)
+            if tn is None:
+                continue
+            if key[0] == "g":
+                if m is None:
+                    tn.remove()
+                else:
+                    tn.set_label(node_label(tree, c.ghost, self.labels, self.looks, now, m))
+            else:
+                node = tn.data[2]
+                tn.set_label(node_label(self.trees[pod], node, self.labels, self.looks, now, m))
+        self._update_flash()
+        if not self.anims and self._frames is not None:
+            self._frames.pause()
+
+    def _update_flash(self) -> None:
+        """The blocks of the nodes stored or reused in the first half of their animation flash
+        on the map (recomputed only when that set of nodes changes)."""
+        keys = frozenset(k for k, a in self.anims.items() if a[4] and (self.still or self.clock() - a[1] < DURATION[a[0].kind] / 2))
+        if keys == self._flash_keys:
+            return
+        self._flash_keys = keys
+        bm = self.query_one(BlockMap)
+        bm.flash = bm.local([b for k in keys for b in self.anims[k][4]])
+        bm._rebuild()
+
+    def flashing(self) -> frozenset:
+        bm = self.query_one(BlockMap)
+        return bm.local([b for k in self._flash_keys if k in self.anims for b in self.anims[k][4]])
 
     def populate(self) -> None:
         """The Textual tree re-made from `trees`, with the same nodes open and the cursor kept."""
         widget = self.query_one(Tree)
         cursor = widget.cursor_node.data if widget.cursor_node is not None else None
         widget.clear()
+        self._tn = {}
         now = self.now()
         blocks = sum(t.num_blocks for t in self.trees.values())
         nodes = sum(len(t) for t in self.trees.values())
+        changed = ""
+        if self.still and self.anims:
+            kinds = [a[0].kind for a in self.anims.values()]
+            changed = "this step: " + ", ".join(f"{kinds.count(k)} {MARK[k]}" for k in MARK if k in kinds) + " · "
+        if self.changes_left_out:
+            changed += f"+{self.changes_left_out:,} changes not marked · "
         self.query_one("#tree-head", Static).update(Text.assemble(
-            (self.heading, "bold"), f" · {blocks:,} cached blocks in {nodes:,} nodes · ",
+            (self.heading, "bold"), f" · {blocks:,} cached blocks in {nodes:,} nodes · ", changed,
             ("↑↓ move, → open, ← close, f find a map block, m map, esc close", "dim")))
         many = len(self.trees) > 1
         for pod, tree in self.trees.items():
@@ -286,7 +439,7 @@ class TreeScreen(Screen):
             if many:
                 parent = widget.root.add(Text(f"pod {pod}", style="bold"), data=("pod", pod), expand=True)
             self._add(parent, pod, tree, tree.roots, 0, now)
-        if not nodes:
+        if not nodes and not self._tn:
             widget.root.add_leaf(Text("no cached blocks yet", style="dim"))
         tn = self._restore_cursor(cursor) if cursor is not None else None
         if tn is None and widget.root.children:
@@ -294,8 +447,11 @@ class TreeScreen(Screen):
             widget.move_cursor(tn)
         if tn is not None and tn.data and tn.data[0] == "node":
             self.show_node(tn.data[1], tn.data[2])
+        self._update_flash()
 
     def _add(self, parent, pod, tree: PrefixTree, kids: list, start: int, now: float) -> None:
+        """`kids`' lines from `start` under `parent` (and, on the first page, the ghosts of
+        children evicted whole that are still fading)."""
         shown = kids[start:start + SHOWN_CHILDREN]
         rest = kids[start + SHOWN_CHILDREN:]
         if self._reveal and rest:  # a node found from the map is listed even beyond the first ones
@@ -305,15 +461,35 @@ class TreeScreen(Screen):
                 rest = [n for n in rest if (pod, n.keys[0]) not in self._reveal]
         for n in shown:
             key = (pod, n.keys[0])
-            tn = parent.add(node_label(tree, n, self.labels, self.looks, now), data=("node", pod, n),
+            akey = ("n", pod, n.keys[0])
+            tn = parent.add(node_label(tree, n, self.labels, self.looks, now, self.mark(akey)), data=("node", pod, n),
                             allow_expand=bool(n.children))
+            if akey in self.anims:
+                self._tn[akey] = tn
             if key in self._open and n.children:
                 self._add(tn, pod, tree, n.children, 0, now)
                 tn.expand()
+            elif not n.children and self._ghosts(tn, pod, n.keys[0], now):
+                tn.expand()  # a leaf now (its evicted branch gone): the ghost shows under it
+        if start == 0:
+            self._ghosts(parent, pod, parent.data[2].keys[0] if parent.data and parent.data[0] == "node" else None, now)
         if rest:
             more = Text(f"+ {len(rest):,} more branches ({sum(n.blocks_below for n in rest):,} blocks): enter",
                         style="dim")
             parent.add_leaf(more, data=("more", pod, rest, 0))
+
+    def _ghosts(self, parent, pod, above, now: float) -> int:
+        """Lines under `parent` for the nodes evicted whole whose parent was `above` (a first key;
+        None: the top), struck and fading."""
+        n = 0
+        for akey, (c, _t0, apod, atree, _ids) in list(self.anims.items()):
+            if akey[0] == "g" and apod == pod and c.anchor == above:
+                m = self.mark(akey)
+                if m is not None:
+                    self._tn[akey] = parent.add_leaf(node_label(atree, c.ghost, self.labels, self.looks, now, m),
+                                                     data=("ghost", pod, c.ghost))
+                    n += 1
+        return n
 
     @on(Tree.NodeExpanded, "#prefix-tree")
     def _on_expand(self, msg: Tree.NodeExpanded) -> None:
@@ -321,7 +497,8 @@ class TreeScreen(Screen):
         if not d or d[0] != "node":
             return
         _, pod, n = d
-        self._open.add((pod, n.keys[0]))
+        if n.children:
+            self._open.add((pod, n.keys[0]))
         if not msg.node.children:
             self._add(msg.node, pod, self.trees[pod], n.children, 0, self.now())
 
@@ -356,7 +533,7 @@ class TreeScreen(Screen):
         ids = self.source.block_ids(pod, n.keys)
         bm = self.query_one(BlockMap)
         bm.hit = bm.local(ids)
-        bm.flash = frozenset()
+        bm.flash = self.flashing()
         bm._rebuild()
         if bm.hit:
             bm.show_blocks(bm.hit)
