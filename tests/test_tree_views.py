@@ -342,3 +342,36 @@ async def test_a_recording_at_a_fixed_point_marks_what_that_step_changed_and_doe
         screen.clock = lambda: 1e9
         screen.animate()  # still: nothing moves or goes
         assert len(screen.anims) == 2
+
+
+async def test_the_tree_is_in_the_footer_and_the_help_and_t_in_the_scrubbers_help(tiny_llama, tmp_path):
+    from textual.widgets import Markdown
+    from textual.widgets._footer import FooterKey
+
+    from kvplay.tui.screens import HelpScreen
+
+    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=32), list(USERS), SYSTEM, loaded=tiny_llama,
+                    record=False, timings=False)
+    for size in ((160, 48), (80, 24)):
+        async with app.run_test(size=size) as pilot:
+            await wait_until(pilot, lambda: app.engine is not None)
+            await wait_until(pilot, lambda: any(k.key == "ctrl+r" and k.region.width
+                                                for k in app.screen.query(FooterKey)), timeout=10)
+            if size == (80, 24):
+                break
+            await pilot.press("f1")
+            await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            text = app.screen.query_one(Markdown).source
+            assert "| ctrl+r |" in text and "The prefix tree (ctrl+r)" in text and "struck" in text
+        app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=32), list(USERS), SYSTEM, loaded=tiny_llama,
+                        record=False, timings=False)
+    from kvplay.sessions.history import Recording
+    from kvplay.tui.scrub import ScrubApp
+
+    scrub = ScrubApp(Recording({"id": "s", "model": "tiny:llama"}, [], [], [], 32))
+    async with scrub.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.2)
+        assert any(k.key == "t" for k in scrub.screen.query(FooterKey))
+        await pilot.press("f1")
+        await wait_until(pilot, lambda: isinstance(scrub.screen, HelpScreen))
+        assert "| t | the prefix tree at the cursor" in scrub.screen.query_one(Markdown).source

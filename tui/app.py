@@ -43,9 +43,9 @@ from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars, update_stat
 MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
 # the keys a compact footer shows (by action); the rest stay on their keys and in ctrl+p
-COMPACT_KEYS = {"help", "toggle_cache", "focus_pane(1)", "focus_map", "quit"}
+COMPACT_KEYS = {"help", "toggle_cache", "focus_pane(1)", "focus_map", "prefix_tree", "quit"}
 # wider: as many keys as fit, in this order (others after them); the rest stay in ctrl+p
-FOOTER_ORDER = ["help", "quit", "cycle_isolation", "cycle_eviction", "clear_cache", "toggle_deterministic",
+FOOTER_ORDER = ["help", "quit", "prefix_tree", "cycle_isolation", "cycle_eviction", "clear_cache", "toggle_deterministic",
                 "add_user", "remove_user", "toggle_events", "user_settings", "edit_system", "toggle_cache",
                 "focus_map", "screenshot"]
 PALETTE_KEY_W = 14  # the footer's ctrl+p entry
@@ -117,7 +117,7 @@ class KvplayApp(ControlsMixin, App):
         Binding("f9", "remove_user", "Del user", id="user.remove", tooltip="Remove this pane's user"),
         Binding("f10", "toggle_events", "Events", id="view.events", tooltip="Show/hide the engine event log"),
         Binding("ctrl+b", "focus_map", "Map", id="view.map", tooltip="Move through the block map with the arrows"),
-        Binding("ctrl+r", "prefix_tree", "Tree", show=False, id="view.tree",
+        Binding("ctrl+r", "prefix_tree", "Tree", id="view.tree",
                 tooltip="The cached prefixes as a tree of text: who made and who reused them"),
         Binding("f11", "replay_pause", "Pause", show=False, id="replay.pause"),
         Binding("f12", "replay_step", "Step", show=False, id="replay.step"),

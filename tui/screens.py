@@ -52,6 +52,18 @@ for a single block its hash, its tokens as text, creator, ref count, hits, age a
 * timeline – every request at the time it was sent (the scrubber shows the same): `█` reused
   tokens in their creators' colours under `░` computed ones, each user's TTFT, `▲ now` on the right
 
+## The prefix tree (ctrl+r)
+What is cached, as text: the cached prompts as a tree, the shared system prompt one node with a
+branch per conversation. Each line: the creator's letter, blocks and tokens, `→` the users who
+reused it, hits, age, then the text. Beside it the block map marks the selected node's blocks `+`.
+What changes animates: a stored node flashes `new` in its creator's colour, a reused one pulses
+`reused by B`, an evicted one stays a moment struck through, then goes.
+Keys: ↑/↓ move, → or Enter opens a node (the `+ N more branches` line lists the next ones),
+← closes, `m` moves to the map where `f` finds the node of the block under the cursor, Esc closes.
+Attached to a server (`kvplay attach`), the badges also say whether each turn's cached tokens
+were the ones the mirror predicted. In the scrubber (`kvplay scrub`), `t` opens the tree at the
+cursor and marks what that step stored, reused or evicted.
+
 ## Modes (F-keys or the command palette, ctrl+p)
 * **isolation** – `shared` (everyone shares), `user` (each user private), `group`, `system`
   (only the system prompt is shared)
@@ -72,6 +84,7 @@ clears the cache and switches modes while it runs, then shows its verdict.
 | Tab, alt+→ / alt+← | next / previous pane (ctrl+↓ / ctrl+↑ too) |
 | ctrl+t | under 120 columns one pane shows at a time: switch to the cache panel and back (or click the tabs) |
 | ctrl+b | move into the block map (arrows move, details below it) |
+| ctrl+r | the prefix tree: what is cached as text, who made and who reused it (see above) |
 | F2 / F3 | next isolation mode / eviction policy |
 | F4 | clear the cache |
 | F5 | deterministic mode on/off (asks first: it empties the cache) |
@@ -86,8 +99,31 @@ clears the cache and switches modes while it runs, then shows its verdict.
 
 Remap any key with binding ids, e.g. `KVPLAY_KEYMAP="mode.isolation=ctrl+o;cache.clear=ctrl+x" kvplay`
 (ids: help, pane.next, pane.previous, view.cache, map.zoom_in, map.zoom_out, map.whole, map.jump, map.filter, mode.isolation, mode.eviction, cache.clear, mode.deterministic,
-prompt.system, user.settings, user.add, user.remove, view.events, view.map, replay.pause, replay.step,
+prompt.system, user.settings, user.add, user.remove, view.events, view.map, view.tree, replay.pause, replay.step,
 app.screenshot, app.quit).
+
+Press **Esc** to close.
+"""
+
+
+SCRUB_HELP = """\
+# The scrubber — a recorded session's cache, at any point in time
+
+The block map, stats, panes and event line show the pool as it stood after the event under the
+cursor; the timeline below puts every request on the session's clock (the cursor is the ▲;
+click to seek).
+
+## Keys
+| key | what it does |
+|---|---|
+| ← / → (h / l) | one event back / forward |
+| [ / ] (shift+← / →) | one turn back / forward |
+| space | play / pause; `s` (or 1 2 4 8) sets the speed |
+| g | go to a turn |
+| t | the prefix tree at the cursor: the cached prompts as text, who made and reused them, and what this step stored, reused or evicted (marked, still) |
+| home / end | the first / last event |
+| F1 | this help |
+| Esc | close |
 
 Press **Esc** to close.
 """
@@ -96,9 +132,13 @@ Press **Esc** to close.
 class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
 
+    def __init__(self, text: str = HELP) -> None:
+        super().__init__()
+        self.text = text
+
     def compose(self):
         with VerticalScroll(id="help-box"):
-            yield Markdown(HELP)
+            yield Markdown(self.text)
 
 
 class LabScreen(ModalScreen):

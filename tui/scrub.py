@@ -29,6 +29,7 @@ from kvplay.wire.engine_feed import feed_events
 
 from .blockmap import BlockMap
 from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
+from .screens import SCRUB_HELP, HelpScreen
 from .theme import assign_looks
 from .timeline import Timeline, request_spans
 from .tree_view import FeedTrees, TreeScreen
@@ -72,7 +73,8 @@ class ScrubScreen(Screen):
         Binding("s", "speed", "Speed", id="scrub.speed"),
         *[Binding(str(n), f"set_speed({n})", f"{n}x", show=False, id=f"scrub.speed{n}") for n in SPEEDS],
         Binding("g", "goto", "Go to turn", id="scrub.goto"),
-        Binding("t", "tree", "Tree", show=False, id="scrub.tree"),
+        Binding("t", "tree", "Tree", id="scrub.tree"),
+        Binding("f1", "help", "Help", id="scrub.help"),
         Binding("home", "seek(0)", "Start", show=False, id="scrub.start"),
         Binding("end", "seek(-1)", "End", show=False, id="scrub.end"),
         Binding("escape", "close", "Close", id="scrub.close"),
@@ -306,6 +308,9 @@ class ScrubScreen(Screen):
             self.playing = False
         if n != self.cursor or not self.playing:
             self.seek(n)
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen(SCRUB_HELP))
 
     def action_tree(self) -> None:
         """The prefix tree as it stood after the event under the cursor (the recorded events up to

@@ -222,7 +222,7 @@ class TreeScreen(Screen):
 
     BINDINGS = [
         Binding("escape", "close", "Close", id="tree.close"),
-        Binding("right", "open_node", "Open", show=False, id="tree.open"),
+        Binding("right", "open_node", "Open", key_display="→", id="tree.open"),
         Binding("left", "close_node", "Close node", show=False, id="tree.close_node"),
         Binding("f", "find_block", "Find map block", id="tree.find"),
         Binding("m", "focus_map", "Map", id="tree.map"),
