@@ -157,6 +157,59 @@ async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path)
         assert backend.stats()["mispredicted_turns"] == 1
 
 
+async def test_attach_predicts_with_the_servers_salt_under_user_isolation(serve, tmp_path):
+    """kvplay serve --isolation user salts each key's blocks: another key's cached chain of the same
+    prompt is no hit for ours. The first turn cannot know our salt (said, not a mismatch); then
+    it is learned from our session's events (the server names the user it bound to our key) and
+    every prediction is what the server delivers."""
+    from serve_util import ALICE, BOB, keys
+
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(keys=keys(tmp_path), kv_events=cfg, isolation="user", num_blocks=64)
+    with httpx.Client() as c:  # another key's user caches the same prompts first, under its own salt
+        for q in ("Do you sell rye bread?", "Is anything nut free?"):
+            assert chat(c, srv.url, key=BOB, system=SYSTEM, content=q, model=state.model_name).status_code == 200
+    backend = open_backend(attach_args(srv.url, "--api-key", ALICE, "--events-bind", ev, "--replay", rep,
+                                       "--pod", "kv"))
+    panes = [UserSpec(n, max_tokens=4) for n in ("ann", "ben", "cat")]  # all three send with alice's key
+    turns = [TurnSpec("ann", "Do you sell rye bread?"), TurnSpec("ben", "Are croissants baked daily?"),
+             TurnSpec("cat", "Is anything nut free?"), TurnSpec("ann", "And rye rolls?")]
+    app = AttachApp(backend, panes, SYSTEM, turns=turns, record=False, timings=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
+        first, *rest = list(app._requests)
+        assert first.cached_tokens == 0 and first.predicted_tokens is None and first.unpredictable
+        assert "salted: no prediction" in badges(app, "ann")[0]
+        assert len(rest) == 3 and all(s.predicted_tokens == s.cached_tokens for s in rest)
+        assert all(s.cached_tokens >= 16 for s in rest)
+        st = backend.stats()
+        assert (st["predicted_turns"], st["mispredicted_turns"]) == (3, 0)
+        assert backend.salts_of("ben") == [("salt:user:alice",)]
+
+
+def test_matcher_keys_blocks_by_their_extra_keys():
+    from kvplay.wire.tree import PrefixMatcher, frozen_extra
+
+    m = PrefixMatcher()
+    m.add("b0", None, [1, 2], ("salt-b",))
+    m.add("b1", "b0", [3, 4])
+    assert m.predicted_hit([1, 2, 3, 4, 5]) is None  # only another salt's blocks match: cannot know
+    assert m.predicted_hit([1, 2, 3, 4, 5], [("salt-a",)]) == 0
+    assert m.predicted_hit([1, 2, 3, 4, 5], [("salt-b",)]) == 4
+    m.add("a0", None, [1, 2], ("salt-a",))
+    assert m.predicted_hit([1, 2, 3, 4, 5], [("salt-a",)]) == 2
+    m.add("u0", None, [1, 2])
+    assert m.predicted_hit([1, 2, 3, 4, 5]) == 2  # unsalted requests match unsalted blocks
+    m.remove("a0")
+    assert m.predicted_hit([1, 2, 3, 4, 5], [("salt-a",)]) == 2  # back to the unsalted block
+    assert m.predicted_hit([9, 9]) == 0
+    deep = [[[[[["x"]]]]]]
+    assert frozen_extra(deep) == ("?",) or "?" in repr(frozen_extra(deep))
+    assert frozen_extra(list(range(1000))) == "?" and frozen_extra({"a": [1, b"x"]}) == (("a", (1, b"x")),)
+    hash(frozen_extra([{"k": [1, {"n": None}]}, 2.5]))
+
+
 def test_tokenize_route(serve):
     srv, state = serve(num_blocks=32)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]

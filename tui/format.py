@@ -21,7 +21,8 @@ def _look(looks: dict[str, UserLook], name: str) -> UserLook:
 
 def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
     """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`; attached, also
-    `as predicted` or `predicted 480 ≠` (the mirror's prefix match before sending vs the usage)."""
+    `as predicted` or `predicted 480 ≠` (the mirror's prefix match before sending vs the usage),
+    or `salted: no prediction` (the server's salt decides and is not known yet)."""
     t = Text(style=DIM)
     t.append(f"prompt {stats.prompt_tokens} · cached {stats.cached_tokens}")
     if stats.cached_from:
@@ -39,6 +40,8 @@ def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
             t.append(" · as predicted")
         else:
             t.append(f" · predicted {predicted} ≠", style="bold red")
+    elif getattr(stats, "unpredictable", False):  # the server's salt decides, not learned yet
+        t.append(" · salted: no prediction")
     if timings:
         ttft = "–" if stats.ttft_ms is None else f"{stats.ttft_ms / 1000:.2f} s"
         rate = "–" if not stats.decode_tok_s else f"{stats.decode_tok_s:.0f} tok/s"

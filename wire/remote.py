@@ -17,9 +17,17 @@ Predicted vs delivered: before a turn is sent, its prompt's token ids (the serve
 are matched against the mirrored blocks (wire/tree.PrefixMatcher, per pod, the best pod counts):
 `RemoteStats.predicted_tokens`; after it, the server's `usage.prompt_tokens_details.cached_tokens`
 is what was delivered. `stats()` counts the turns predicted and those where the two differ (a
-stale mirror, an eviction or store the events did not show, a hash the tokens do not decide, such
-as a cache_salt). Each pod's PrefixMatcher is kept up to date from the mirror's journal as
-batches arrive, so a prediction costs O(prompt), not O(blocks).
+stale mirror, an eviction or store the events did not show). Each pod's PrefixMatcher is kept up
+to date from the mirror's journal as batches arrive, so a prediction costs O(prompt), not O(blocks).
+
+Salts: a server that hashes blocks with extra keys (vLLM's and SGLang's `cache_salt`, kvplay
+serve's per-user or per-group isolation salt) lists them per block in its events (`extra_keys`);
+the matcher keys blocks by them too. Which salt a pane's requests get is the server's business
+(bound to its API key, never chosen here): it is learned from the events of the pane's session —
+the `session_id` the server publishes, which is the pane's user, or the identity the server bound
+to our key when its answers name one (kvplay serve's `kvplay.user`). Until then a prompt that only
+blocks under other salts would match is "cannot know" (`predicted_tokens` None, `unpredictable`
+set: not counted, not a mismatch).
 
 No Textual here: usable and testable without the app.
 """
@@ -31,6 +39,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,10 +55,12 @@ from .mirror import Fleet
 from .recording import journal_events
 from .slots import SlotMirror
 from .subscriber import TROUBLE, PodSource, Subscriber
-from .tree import PrefixMatcher
+from .tree import PrefixMatcher, frozen_extra
 
 DEFAULT_SLOTS = 4096
 MAX_PROMPT_IDS = 1 << 20  # token ids taken from a server's /tokenize answer
+MAX_SALT_SESSIONS = 4096  # sessions whose salts are remembered (the oldest go first)
+MAX_SALTS = 8             # salts remembered per session
 
 
 class PodRange:
@@ -87,8 +98,10 @@ class PodRange:
 @dataclass
 class RemoteStats(RequestStats):
     """A remote turn's stats, plus the cached tokens the mirror predicted before it was sent
-    (None: no prediction, e.g. no KV events, or the server has no /tokenize)."""
+    (None: no prediction, e.g. no KV events, or the server has no /tokenize; `unpredictable`:
+    the server's salt decides and it is not known yet)."""
     predicted_tokens: int | None = None
+    unpredictable: bool = False
 
 
 class RemoteTurn:
@@ -139,7 +152,9 @@ class RemoteBackend:
         self._query_tokens = self._hit_tokens = self._finished = 0
         self._predicted = self._mispredicted = 0  # turns with a prediction, ... that the server's usage contradicted
         self._can_tokenize = True
-        self._matchers: dict[str, PrefixMatcher] = {}  # pod -> its cached blocks by (parent, tokens)
+        self._matchers: dict[str, PrefixMatcher] = {}  # pod -> its cached blocks by (parent, tokens, extra keys)
+        self._salts: OrderedDict = OrderedDict()  # session -> {extra keys its blocks carry}
+        self._identity: str | None = None  # who the server says our key is (kvplay serve's kvplay.user)
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
         self.pods: dict[str, SlotMirror] = {}
@@ -235,11 +250,12 @@ class RemoteBackend:
         slots = self.pods[pod]
         off = slots.offset
         now = time.monotonic()
+        extras = self._extras(batch)
         with self._lock:
             matcher = self._matchers.setdefault(pod, PrefixMatcher())
             for entry in journal:  # the prediction's index, kept as the mirror changes
                 if entry[0] == "stored":
-                    matcher.add(entry[1], entry[2], entry[3])
+                    matcher.add(entry[1], entry[2], entry[3], extras.get(entry[1]))
                 elif entry[0] == "removed":
                     matcher.remove(entry[1])
                 elif entry[0] == "cleared":
@@ -272,6 +288,32 @@ class RemoteBackend:
         # interval from a thread that never blocks: its loop crawled (~100 ms lags at 50,000
         # events/s). Releasing it after every batch hands it over at once.
         time.sleep(0)
+
+    def _extras(self, batch) -> dict:
+        """{block hash: its extra keys} of a batch's stored blocks that have any, hashable; each
+        session_id's salts are remembered on the way (what its requests get hashed with)."""
+        out = {}
+        for ev in batch.events:
+            keys = getattr(ev, "extra_keys", None)
+            if not keys:
+                continue
+            for h, x in zip(ev.block_hashes, keys):
+                if x is None:
+                    continue
+                x = out[h] = frozen_extra(x)
+                sid = ev.session_id
+                if sid is None or x == "?":
+                    continue
+                with self._lock:
+                    salts = self._salts.get(sid)
+                    if salts is None:
+                        salts = self._salts[sid] = {}
+                        if len(self._salts) > MAX_SALT_SESSIONS:
+                            self._salts.popitem(last=False)
+                    salts[x] = None
+                    if len(salts) > MAX_SALTS:
+                        del salts[next(iter(salts))]
+        return out
 
     def subscribe(self, listener: Callable) -> Callable[[], None]:
         with self._lock:
@@ -327,20 +369,36 @@ class RemoteBackend:
     def predict(self, user: str, messages: list[dict]) -> int | None:
         """The cached tokens the mirror says this prompt should get (the best pod's prefix match),
         before it is sent; the prompt is registered for attribution. None without events or
-        /tokenize."""
+        /tokenize, or when the salt decides and is not known (`salts_of`)."""
+        return self._predict(user, messages)[0]
+
+    def _predict(self, user: str, messages: list[dict]) -> tuple[int | None, bool]:
+        """(prediction, whether it is None because the salt is not known)."""
         if self._sub is None:
-            return None
+            return None, False
         ids = self.tokenize(messages)
         if ids is None:
-            return None
+            return None, False
         with self.fleet.lock:
             self.fleet.prompts.register(user, ids)
         with self._lock:
-            return max((mt.predicted_hit(ids) for mt in self._matchers.values()), default=0)
+            salts = self.salts_of(user)
+            got = [mt.predicted_hit(ids, salts) for mt in self._matchers.values()]
+        if None in got:
+            return None, True
+        return max(got, default=0), False
+
+    def salts_of(self, user: str) -> list | None:
+        """The extra keys this pane's requests are hashed with, as learned from the events of its
+        session on the server (the identity the server bound to our key, when it says; else the
+        pane's user, which the requests send as session_id); None: not seen yet."""
+        with self._lock:
+            salts = self._salts.get(self._identity or user)
+            return list(salts) if salts else None
 
     def _stream(self, turn: RemoteTurn, body: dict) -> None:
         stats = RemoteStats(turn.request_id, turn.user)
-        stats.predicted_tokens = self.predict(turn.user, body["messages"])
+        stats.predicted_tokens, stats.unpredictable = self._predict(turn.user, body["messages"])
         text, finish, error = [], "stop", None
         t0 = time.monotonic()
         usage = None
@@ -359,6 +417,7 @@ class RemoteBackend:
                             continue
                         chunk = json.loads(line[6:])
                         usage = chunk.get("usage") or usage
+                        self._learn_identity(chunk.get("kvplay"))
                         for ch in chunk.get("choices") or ():
                             piece = (ch.get("delta") or {}).get("content") or ""
                             if piece:
@@ -387,6 +446,14 @@ class RemoteBackend:
                 self._predicted += 1
                 self._mispredicted += stats.predicted_tokens != stats.cached_tokens
         turn._finish(RequestResult(turn.request_id, turn.user, "".join(text), [], stats, stats.finish_reason, error))
+
+    def _learn_identity(self, ext) -> None:
+        """kvplay serve names the user it bound to our key (`kvplay.user`): the session whose
+        events carry our salt."""
+        who = ext.get("user") if isinstance(ext, dict) else None
+        if isinstance(who, str) and 0 < len(who) <= 256 and who != self._identity:
+            with self._lock:
+                self._identity = who
 
     def _cached_from(self, user: str, since: float, cached: int, wait: float = 1.0) -> dict[str, int]:
         """The creators of what this turn reused: its session's re-announced blocks since it

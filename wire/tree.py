@@ -32,6 +32,8 @@ SHOWN_CHILDREN = 8      # children a view lists before "+ N more branches"
 LABEL_TOKENS = 48       # tokens decoded for a node's label (the rest is "…")
 LABEL_CACHE = 4096      # labels kept
 MAX_DEPTH = 64          # levels rendered as text/JSON (deeper ones are counted)
+EXTRA_ITEMS = 64        # values in one block's extra keys kept for matching (more: unmatchable)
+EXTRA_DEPTH = 4         # ... and levels of nesting
 
 
 class Node:
@@ -172,7 +174,7 @@ class PrefixTree:
         """How many leading tokens of `token_ids` the cached blocks hold (see PrefixMatcher)."""
         return self._matcher().match(token_ids)
 
-    def predicted_hit(self, token_ids) -> int:
+    def predicted_hit(self, token_ids) -> int | None:
         return self._matcher().predicted_hit(token_ids)
 
     def _matcher(self) -> "PrefixMatcher":
@@ -192,30 +194,45 @@ class PrefixTree:
 
 class PrefixMatcher:
     """A prompt's cached prefix, found the way a server finds it: block by block from a true root
-    (a block with no parent), each block matched by its tokens under the one before. O(blocks) to
-    build from a mirror's blocks, or kept up to date block by block (`add`, `remove`, `clear`:
-    what attach does as batches arrive); O(prompt) to ask."""
+    (a block with no parent), each block matched by its tokens under the one before — and by its
+    **extra keys** (a cache salt, a LoRA, as the server's events list them per block; None when
+    none), which the server hashes too. O(blocks) to build from a mirror's blocks, or kept up to
+    date block by block (`add`, `remove`, `clear`: what attach does as batches arrive); O(prompt)
+    to ask.
+
+    `salts` says which extra keys the asker's requests get (learned from the events of its own
+    session; None: not known yet). Where only blocks with other extra keys match, a known salt
+    stops the match (another user's salted blocks are no hit), and an unknown one makes the
+    prediction None: it cannot be known before the server says which salt it applies."""
 
     def __init__(self, blocks: dict | None = None):
-        self.index: dict = {}   # (parent key, tokens) -> key
-        self._entry: dict = {}  # key -> its index entry
+        self.index: dict = {}   # (parent key, tokens) -> {extra keys: key}
+        self._entry: dict = {}  # key -> (its index entry, its extra keys)
         self.sizes: list[int] = []
         for key, b in (blocks or {}).items():
             self.add(key, _parent_key(key, b.parent), b.tokens)
 
-    def add(self, key, parent_key, tokens) -> None:
-        if not tokens:
+    def add(self, key, parent_key, tokens, extra=None) -> None:
+        """Block `key` under `parent_key` with `tokens` and (hashable) `extra` keys; a block seen
+        before keeps its first entry (as the mirror keeps its first announcement)."""
+        if not tokens or key in self._entry:
             return
         entry = (parent_key, tuple(tokens))
-        self.index[entry] = key
-        self._entry[key] = entry
+        self.index.setdefault(entry, {})[extra] = key
+        self._entry[key] = (entry, extra)
         if len(tokens) not in self.sizes:
             self.sizes = sorted(self.sizes + [len(tokens)])
 
     def remove(self, key) -> None:
-        entry = self._entry.pop(key, None)
-        if entry is not None and self.index.get(entry) == key:
-            del self.index[entry]
+        got = self._entry.pop(key, None)
+        if got is None:
+            return
+        entry, extra = got
+        cands = self.index.get(entry)
+        if cands is not None and cands.get(extra) == key:
+            del cands[extra]
+            if not cands:
+                del self.index[entry]
 
     def clear(self) -> None:
         self.index.clear()
@@ -224,28 +241,61 @@ class PrefixMatcher:
     def __len__(self) -> int:
         return len(self._entry)
 
-    def _walk(self, token_ids) -> tuple[int, int]:
-        """(tokens matched, size of the last matched block)."""
+    def _walk(self, token_ids, salts=None) -> tuple[int, int, bool]:
+        """(tokens matched, size of the last matched block, whether the match stopped where only
+        the salt decides: blocks with these tokens under other extra keys, salt unknown)."""
         toks = list(token_ids)
         pos, parent, last = 0, None, 0
         while True:
+            unsure = False
             for size in self.sizes:
                 if pos + size <= len(toks):
-                    key = self.index.get((parent, tuple(toks[pos:pos + size])))
-                    if key is not None:
-                        pos, parent, last = pos + size, key, size
-                        break
+                    cands = self.index.get((parent, tuple(toks[pos:pos + size])))
+                    if not cands:
+                        continue
+                    key = None
+                    if salts:
+                        key = next((cands[x] for x in salts if x in cands), None)
+                    if key is None:
+                        key = cands.get(None)
+                    if key is None:
+                        unsure = unsure or salts is None
+                        continue
+                    pos, parent, last = pos + size, key, size
+                    break
             else:
-                return pos, last
+                return pos, last, unsure
 
-    def match(self, token_ids) -> int:
-        return self._walk(token_ids)[0]
+    def match(self, token_ids, salts=None) -> int:
+        return self._walk(token_ids, salts)[0]
 
-    def predicted_hit(self, token_ids) -> int:
+    def predicted_hit(self, token_ids, salts=None) -> int | None:
         """The cached tokens a server should report for this prompt: the matched blocks, less the
-        block holding the last prompt token when it matched (that token is always computed)."""
-        matched, last = self._walk(token_ids)
+        block holding the last prompt token when it matched (that token is always computed).
+        None when the salt decides and is not known (see the class)."""
+        matched, last, unsure = self._walk(token_ids, salts)
+        if unsure:
+            return None
         return matched - last if matched and matched >= len(token_ids) else matched
+
+
+def frozen_extra(value, depth: int = 0, budget: list | None = None):
+    """One block's extra keys as the events sent them (lists, maps, strings, bytes, numbers,
+    hostile or not) as a hashable value: lists become tuples, maps tuples of pairs; more than
+    `EXTRA_ITEMS` items or `EXTRA_DEPTH` levels in all is "?" (such a block never matches a salt)."""
+    budget = [EXTRA_ITEMS] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or depth > EXTRA_DEPTH:
+        return "?"
+    if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        out = tuple(frozen_extra(v, depth + 1, budget) for v in value)
+    elif isinstance(value, dict):
+        out = tuple((frozen_extra(k, depth + 1, budget), frozen_extra(v, depth + 1, budget)) for k, v in value.items())
+    else:
+        return "?"
+    return "?" if budget[0] < 0 else out
 
 
 class Labels:
