@@ -2,7 +2,10 @@
 `turn_blocks`-block turns under one shared system prompt, filled up to `--blocks` cached blocks,
 then the tree built, the prediction's index built and one prompt matched (attach's prediction)
 and the tree printed as text
-(8 children a node, as `kvplay tree` does).
+(8 children a node, as `kvplay tree` does); then 64 conversations stored and 64 evicted and what
+changed found (`diff_s`: tui/tree_anim.diff_trees, what the tree view animates; on its build
+thread, like the build) and the UI thread's share of a refresh (`snapshot_ms`: the block dict
+copied for the build thread).
 
     python -m kvplay.bench.tree_bench [--blocks 1000000] [--json]
 """
@@ -13,7 +16,8 @@ import json
 import random
 import time
 
-from kvplay.wire.codec import BlockStored, EventBatch
+from kvplay.tui.tree_anim import diff_trees
+from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.mirror import Mirror
 from kvplay.wire.tree import Labels, PrefixMatcher, PrefixTree, to_text
 
@@ -56,8 +60,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m, prompt = fill(args.blocks)
     t_fill = time.perf_counter() - t0
+    before = dict(m.blocks)  # the tree keeps its dict: a copy, as the view's snapshot is
     t0 = time.perf_counter()
-    tree = PrefixTree(m.blocks)
+    tree = PrefixTree(before)
     t_build = time.perf_counter() - t0
     t0 = time.perf_counter()
     matcher = PrefixMatcher(m.blocks)
@@ -68,16 +73,31 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lines = to_text(tree, Labels(None), 8, now=0.0)
     t_text = time.perf_counter() - t0
+    rng = random.Random(1)
+    leaves = [n for n in tree.nodes if not n.children and n.parent is not None][:64]
+    m.apply(EventBatch(1e9, [BlockRemoved(list(n.keys)) for n in leaves]))
+    top = max(m.blocks) + 1
+    m.apply(EventBatch(1e9, [BlockStored([top + i], 32, [rng.randrange(50_000) for _ in range(BLOCK_SIZE)],
+                                         BLOCK_SIZE, session_id="new") for i in range(64)]))
+    t0 = time.perf_counter()
+    snap = dict(m.blocks)
+    t_snap = time.perf_counter() - t0
+    after = PrefixTree(snap)
+    t0 = time.perf_counter()
+    changes, more = diff_trees(tree, after, {}, {})
+    t_diff = time.perf_counter() - t0
     out = {"blocks": len(m.blocks), "nodes": len(tree), "root_children": len(tree.roots[0].children),
            "fill_s": round(t_fill, 3), "build_s": round(t_build, 3), "index_s": round(t_index, 3), "match_ms": round(t_match * 1000, 3),
-           "matched_tokens": matched, "text_s": round(t_text, 3), "text_lines": len(lines)}
+           "matched_tokens": matched, "text_s": round(t_text, 3), "text_lines": len(lines),
+           "snapshot_ms": round(t_snap * 1000, 1), "diff_s": round(t_diff, 3), "changes": len(changes) + more}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"{out['blocks']:,} blocks → {out['nodes']:,} nodes ({out['root_children']:,} branches under the "
               f"system prompt): tree built in {out['build_s']} s; prediction index built in {out['index_s']} s "
               f"(attach keeps it up to date instead), one {len(prompt) + 1}-token prompt matched in "
-              f"{out['match_ms']} ms; text {out['text_s']} s ({out['text_lines']} lines)")
+              f"{out['match_ms']} ms; text {out['text_s']} s ({out['text_lines']} lines); "
+              f"{out['changes']} changes found in {out['diff_s']} s, the UI thread's snapshot {out['snapshot_ms']} ms")
     return 0
 
 
