@@ -298,7 +298,7 @@ class RemoteBackend:
             if not keys:
                 continue
             for h, x in zip(ev.block_hashes, keys):
-                if x is None:
+                if not x and x != 0:  # None, or an empty list: no extra keys
                     continue
                 x = out[h] = frozen_extra(x)
                 sid = ev.session_id
