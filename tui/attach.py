@@ -115,6 +115,8 @@ class AttachApp(KvplayApp):
             t.append(" turns' cached tokens as the mirror said", style=DIM)
             if stats["mispredicted_turns"]:
                 t.append(f" · {stats['mispredicted_turns']:,} differ", style="bold red")
+        if stats.get("unpredictable_turns"):  # the server's salt decided, before we had learned it
+            t.append(f"\n{stats['unpredictable_turns']:,} salted turns not predicted (salt not learned yet)", style=DIM)
         return t
 
     # --- controls the server owns ----------------------------------------------------------------

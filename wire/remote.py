@@ -151,6 +151,7 @@ class RemoteBackend:
         self._block_size = 0
         self._query_tokens = self._hit_tokens = self._finished = 0
         self._predicted = self._mispredicted = 0  # turns with a prediction, ... that the server's usage contradicted
+        self._unpredictable = 0  # turns the server's salt decided before we had learned it
         self._can_tokenize = True
         self._matchers: dict[str, PrefixMatcher] = {}  # pod -> its cached blocks by (parent, tokens, extra keys)
         self._salts: OrderedDict = OrderedDict()  # session -> {extra keys its blocks carry}
@@ -445,6 +446,7 @@ class RemoteBackend:
             if stats.predicted_tokens is not None and error is None:
                 self._predicted += 1
                 self._mispredicted += stats.predicted_tokens != stats.cached_tokens
+            self._unpredictable += stats.unpredictable and error is None
         turn._finish(RequestResult(turn.request_id, turn.user, "".join(text), [], stats, stats.finish_reason, error))
 
     def _learn_identity(self, ext) -> None:
@@ -493,6 +495,7 @@ class RemoteBackend:
                     "deterministic": False, "hash": "remote", "verify_on_hit": False,
                     "pods": {name: m.state for name, m in self.fleet.pods.items()},
                     "predicted_turns": self._predicted, "mispredicted_turns": self._mispredicted,
+                    "unpredictable_turns": self._unpredictable,
                     "pod_trouble": self._pod_trouble()}
 
     def _pod_trouble(self) -> dict:
