@@ -64,6 +64,9 @@ class Node:
         return f"Node({self.id}, blocks={len(self.keys)}, creator={self.creator!r}, children={len(self.children)})"
 
 
+_NO_CHILD = object()
+
+
 def _parent_key(key, parent):
     """A block's parent's mirror key: hybrid models' groups other than 0 key by (group, hash)."""
     if parent is None:
@@ -90,13 +93,14 @@ class PrefixTree:
             pk = _parent_key(key, b.parent)
             if pk is None or pk not in blocks:
                 roots.append((key, pk is not None))
-            else:
-                kids = children.get(pk)
-                if kids is None:
-                    children[pk] = [key]
-                else:
+            else:  # one child: the key itself; a list only where a branch starts (no million lists)
+                kids = children.get(pk, _NO_CHILD)
+                if kids is _NO_CHILD:
+                    children[pk] = key
+                elif type(kids) is list:
                     kids.append(key)
-        self._children = children
+                else:
+                    children[pk] = [kids, key]
         stack = [(key, None, orphan) for key, orphan in reversed(roots)]
         while stack:
             key, parent, orphan = stack.pop()
@@ -119,14 +123,15 @@ class PrefixTree:
                 else:
                     node.first_ts = min(node.first_ts, b.ts)
                     node.last_ts = max(node.last_ts, b.ts)
-                kids = children.get(key)
-                if kids is None or len(kids) != 1:
+                kids = children.get(key, _NO_CHILD)
+                if kids is _NO_CHILD or type(kids) is list:
                     break
-                key = kids[0]
+                key = kids
             node.creator = blocks[node.keys[0]].creator
             node.holders = tuple(holders)
-            for k in reversed(kids or ()):
-                stack.append((k, node, False))
+            if type(kids) is list:
+                for k in reversed(kids):
+                    stack.append((k, node, False))
         for node in reversed(self.nodes):  # children come after their parent: sizes bottom-up
             node.blocks_below += len(node.keys)
             node.sequences = node.sequences or 1
