@@ -211,8 +211,10 @@ class PrefixMatcher:
     prediction None: it cannot be known before the server says which salt it applies."""
 
     def __init__(self, blocks: dict | None = None):
-        self.index: dict = {}   # (parent key, tokens) -> {extra keys: key}
-        self._entry: dict = {}  # key -> (its index entry, its extra keys)
+        self.index: dict = {}   # (parent key, tokens) -> key, blocks without extra keys
+        self.salted: dict = {}  # (parent key, tokens) -> {extra keys: key}, blocks with some
+        self._entry: dict = {}  # key -> its index entry
+        self._extra: dict = {}  # key -> its extra keys (salted blocks only)
         self.sizes: list[int] = []
         for key, b in (blocks or {}).items():
             self.add(key, _parent_key(key, b.parent), b.tokens)
@@ -223,25 +225,35 @@ class PrefixMatcher:
         if not tokens or key in self._entry:
             return
         entry = (parent_key, tuple(tokens))
-        self.index.setdefault(entry, {})[extra] = key
-        self._entry[key] = (entry, extra)
+        if extra is None:
+            self.index[entry] = key
+        else:
+            self.salted.setdefault(entry, {})[extra] = key
+            self._extra[key] = extra
+        self._entry[key] = entry
         if len(tokens) not in self.sizes:
             self.sizes = sorted(self.sizes + [len(tokens)])
 
     def remove(self, key) -> None:
-        got = self._entry.pop(key, None)
-        if got is None:
+        entry = self._entry.pop(key, None)
+        if entry is None:
             return
-        entry, extra = got
-        cands = self.index.get(entry)
+        extra = self._extra.pop(key, None)
+        if extra is None:
+            if self.index.get(entry) == key:
+                del self.index[entry]
+            return
+        cands = self.salted.get(entry)
         if cands is not None and cands.get(extra) == key:
             del cands[extra]
             if not cands:
-                del self.index[entry]
+                del self.salted[entry]
 
     def clear(self) -> None:
         self.index.clear()
+        self.salted.clear()
         self._entry.clear()
+        self._extra.clear()
 
     def __len__(self) -> int:
         return len(self._entry)
@@ -251,20 +263,23 @@ class PrefixMatcher:
         the salt decides: blocks with these tokens under other extra keys, salt unknown)."""
         toks = list(token_ids)
         pos, parent, last = 0, None, 0
+        index, salted = self.index, self.salted
         while True:
             unsure = False
             for size in self.sizes:
                 if pos + size <= len(toks):
-                    cands = self.index.get((parent, tuple(toks[pos:pos + size])))
-                    if not cands:
-                        continue
+                    entry = (parent, tuple(toks[pos:pos + size]))
                     key = None
-                    if salts:
-                        key = next((cands[x] for x in salts if x in cands), None)
+                    if salted:
+                        cands = salted.get(entry)
+                        if cands and salts:
+                            key = next((cands[x] for x in salts if x in cands), None)
+                        elif cands and salts is None and entry not in index:
+                            unsure = True
+                            continue
                     if key is None:
-                        key = cands.get(None)
+                        key = index.get(entry)
                     if key is None:
-                        unsure = unsure or salts is None
                         continue
                     pos, parent, last = pos + size, key, size
                     break
