@@ -222,7 +222,7 @@ class TreeScreen(Screen):
 
     BINDINGS = [
         Binding("escape", "close", "Close", id="tree.close"),
-        Binding("right", "open_node", "Open", key_display="→", id="tree.open"),
+        Binding("right", "open_node", "Open", show=False, id="tree.open"),
         Binding("left", "close_node", "Close node", show=False, id="tree.close_node"),
         Binding("f", "find_block", "Find map block", id="tree.find"),
         Binding("m", "focus_map", "Map", id="tree.map"),
@@ -344,7 +344,7 @@ class TreeScreen(Screen):
         marked = set()
         for pod, c in changes:
             tree = old.get(pod) if c.ghost is not None else self.trees.get(pod)
-            node = c.ghost if c.ghost is not None else (tree._start.get(c.key) if tree is not None else None)
+            node = c.ghost if c.ghost is not None else (tree.node_of(c.key) if tree is not None else None)
             key = ("g" if c.ghost is not None else "n", pod, c.key)
             if node is None or key in marked:  # one mark a node: a store beats a partial eviction
                 continue
