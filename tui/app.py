@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from kvplay.wire.engine_feed import EngineFeed
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
 from .controls import ControlsMixin, without_labs
+from .lifecycle import run_app as run_until_quit
 from .format import block_detail, event_line, range_detail, legend_text, mode_line, requests_text, stats_text, ttft_text
 from .messages import (EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
                        ReplyFailed)
@@ -175,6 +177,9 @@ class KvplayApp(ControlsMixin, App):
         self._stats: dict | None = None
         self._detail_block: int | None = None
         self._unsubscribe = None
+        self._open_lock = threading.Lock()
+        self._opened = None  # the backend open_backend returned (closed at unmount, ready or not)
+        self._closing = False
         self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
         self.recorder = None
         self._recording_paused = False  # a lab runs: the app's session takes no engine events
@@ -341,6 +346,11 @@ class KvplayApp(ControlsMixin, App):
         except Exception as exc:  # an unexpected failure still gets a readable screen
             msg = f"{type(exc).__name__}: {exc}"
             self.post_message(EngineFailed(msg, fix_for(msg, self.config)))
+            return
+        with self._open_lock:  # the app quit while it loaded: on_unmount has run, close it here
+            closing, self._opened = self._closing, backend
+        if closing:
+            backend.close(timeout=1.0)
             return
         self.post_message(EngineReady(backend))
 
@@ -790,10 +800,10 @@ class KvplayApp(ControlsMixin, App):
     def on_unmount(self) -> None:
         if self._unsubscribe:
             self._unsubscribe()
-        if self.backend is not None:  # in-flight replies end now ("engine shut down"), not when done
-            self.backend.close(timeout=1.0)
-        elif self.engine is not None:
-            self.engine.shutdown(timeout=1.0)
+        with self._open_lock:  # a backend opened after this is closed by its loader (_load_engine)
+            self._closing, opened = True, self._opened
+        if opened is not None:  # in-flight replies end now ("engine shut down"), not when done
+            opened.close(timeout=1.0)
         if self.recorder is not None:
             self._recorder_call(self.recorder.close)
         self._rec_pool.shutdown(wait=True)  # every finished turn is written before we go
@@ -805,12 +815,7 @@ def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,
     """Open the playground (blocking). With `turns`, they play through the panes at their
     recorded pace × `speed` (F11 pauses, F12 steps). `replay_of` records the run as a replay."""
     app = KvplayApp(config, users, system_prompt, turns, speed, db, record, title, replay_of=replay_of)
-    app.run()
-
+    run_until_quit(app)  # a model still loading or a step in flight never holds the exit (tui/lifecycle.py)
     if app.recorder_error:
         print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
-    # Quit at once: the session is written (on_unmount waited for the recorder); what is left is
-    # a model still loading or a step in flight, and torch's slow teardown. Nothing to keep.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0

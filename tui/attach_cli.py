@@ -16,7 +16,6 @@ unreachable server is one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -28,6 +27,8 @@ from kvplay.sessions.script import load_script
 from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import Unreachable, discover
+
+from .lifecycle import run_app, run_until_done
 
 from .cli import APP_SYSTEM, parse_users
 
@@ -131,16 +132,14 @@ def main(args: argparse.Namespace) -> int:
             # start-up time: imported when this first runs
             from .screenshot import take_screenshot
 
-            asyncio.run(take_screenshot(app, Path(args.screenshot), size))
+            run_until_done(take_screenshot(app, Path(args.screenshot), size))
             print(f"kvplay: saved {args.screenshot}", file=sys.stderr)
         else:
-            app.run()
+            run_app(app)  # workers never hold the exit (tui/lifecycle.py)
     finally:
         backend.close()
     if app.recorder_error:
         print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
     if app.recorder is not None:
         print(f"kvplay: recorded session {app.recorder.session_id} in {app.recorder.path}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # like `kvplay`: nothing left to keep; skip torch's slow teardown
+    return 0

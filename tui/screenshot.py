@@ -14,6 +14,7 @@ from kvplay.options import KvplayError, add_engine_args, check_output_file, conf
 from kvplay.sessions.script import load_script, parse_script
 
 from .demo import DEMO_TOML
+from .lifecycle import run_until_done
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -91,6 +92,6 @@ def main(args: argparse.Namespace) -> int:
           f"on {config.model} at {size[0]}x{size[1]} …", file=sys.stderr)
     app = KvplayApp(config, script.users, script.system, turns=script.turns, speed=args.speed,
                     record=False, title=args.title)
-    asyncio.run(take_screenshot(app, out, size, args.timeout, args.show_events, args.select_block, tree=args.tree))
+    run_until_done(take_screenshot(app, out, size, args.timeout, args.show_events, args.select_block, tree=args.tree))
     print(f"kvplay: saved {out}", file=sys.stderr)
     return 0

@@ -4,11 +4,12 @@ at event N (default: the end) and save an SVG instead."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
+
+from .lifecycle import run_app, run_until_done
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +61,8 @@ def main(args: argparse.Namespace) -> int:
         from .screenshot import parse_size
 
         check_output_file(args.screenshot, "--screenshot", ".svg")
-        out = asyncio.run(save_svg(app, Path(args.screenshot), parse_size(args.size)))
+        out = run_until_done(save_svg(app, Path(args.screenshot), parse_size(args.size)))
         print(f"kvplay: saved {out}", file=sys.stderr)
         return 0
-    app.run()
+    run_app(app)
     return 0
