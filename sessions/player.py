@@ -1,6 +1,7 @@
-"""Play turns through one Engine: the scheduling shared by `kvplay run` and headless replay.
+"""Play turns through one Engine: `kvplay run` and headless replay.
 
-Turns without `at` run in file order, each after the previous turn finished; turns with `at`
+The pacing and the conversations are sessions/conversation.py's (the app's panes use the same):
+turns without `at` run in file order, each after the previous turn finished; turns with `at`
 (seconds from the start, divided by `speed`) are submitted at that offset and run concurrently.
 Either way a user's turn waits for that user's previous reply, and (unless the job carries
 fixed `messages`) its prompt is the system prompt + that user's earlier turns and replies.
@@ -15,6 +16,8 @@ from typing import Callable
 from kvplay.engine.errors import EngineError
 from kvplay.engine.request import RequestResult
 from kvplay.engine.sampling import SamplingParams
+
+from .conversation import Conversation, Pacing, consume
 
 TURN_TIMEOUT_S = 3600.0  # a turn still unfinished after this is reported as failed, never waited on for ever
 
@@ -64,12 +67,8 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
         raise EngineError(f"--speed must be positive (got {speed})")
     n = len(jobs)
     finished = [threading.Event() for _ in jobs]
-    last_of_user: dict[str, int] = {}
-    prev_same_user: list[int | None] = []
-    for i, job in enumerate(jobs):
-        prev_same_user.append(last_of_user.get(job.user))
-        last_of_user[job.user] = i
-    history: dict[str, list[tuple[str, str]]] = {}
+    pacing = Pacing([(job.user, job.at) for job in jobs], speed)
+    conversations: dict[str, Conversation] = {}
     out: list[Done | None] = [None] * n
     lock = threading.Lock()
     failures: list[BaseException] = []
@@ -78,23 +77,16 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
     def run(i: int) -> None:
         job = jobs[i]
         try:
-            if job.at is None:
-                if i > 0:
-                    finished[i - 1].wait()
-            else:
-                delay = t0 + job.at / speed - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            p = prev_same_user[i]
-            if p is not None:
+            delay = t0 + pacing.due(i) - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            for p in pacing.after[i]:
                 finished[p].wait()
+            conversation = conversations.setdefault(job.user, Conversation())
             if job.messages is not None or job.prompt is not None:
                 messages = job.messages or []
             else:
-                messages = [{"role": "system", "content": system}] if system else []
-                for q, a in history.get(job.user, []):
-                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-                messages.append({"role": "user", "content": job.text})
+                messages = conversation.messages(system, job.text)
             started, offset = time.time(), time.monotonic() - t0
             try:
                 # through the engine's queue, so each applies before this turn (and is recorded
@@ -111,7 +103,7 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 else:
                     handle = engine.submit(job.user, messages, job.sampling)
                 try:
-                    res = handle.result(TURN_TIMEOUT_S)
+                    res = consume(handle, timeout=TURN_TIMEOUT_S)
                 except TimeoutError:
                     handle.cancel()
                     raise
@@ -120,7 +112,7 @@ def play(engine, jobs: list[Job], system: str, on_done: Callable[[Done], None] |
                 res, err = None, str(exc)
             done = Done(job, messages, res, err, started, time.time(), offset)
             if err is None:
-                history.setdefault(job.user, []).append((job.text, res.text))
+                conversation.add(job.text, res.text)
             out[i] = done
             if on_done is not None:
                 with lock:

@@ -86,6 +86,10 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
         await pilot.press("f2")
         await pilot.pause(0.1)
         assert any("Isolation is the server's setting" in str(n.message) for n in app._notifications)
+        # the palette lists the controls the server's backend supports (Controls), no others
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert "cache: clear" in titles and "mode: toggle deterministic" not in titles
+        assert not any(t.startswith(("isolation:", "eviction:", "lab:")) for t in titles)
         await pilot.press("f4")
         await wait_until(pilot, lambda: state.engine.stats()["blocks_cached"] == 0)
         await wait_until(pilot, lambda: int((backend.arrays().state == 1).sum()) == 0)

@@ -1,9 +1,16 @@
-"""The multi-user playground: chat panes on the left, the shared block pool on the right.
+"""The multi-user playground's layout: chat panes on the left, the views of the shared block
+pool on the right, and what routes between them.
 
-Threads: the engine runs on its own thread (Engine.start()); the model loads in a thread
-worker; every reply streams in its own thread worker; recorder writes go to one recorder
-thread. None of them touch widgets: they `post_message` (see tui/messages.py). A 15 Hz timer
-redraws the map and stats only when an engine event marked them dirty.
+KvplayApp composes rooms, each a module of its own: the chat room (tui/chat_room.py: panes,
+sending, streaming, autoplay), the cache room (tui/cache_room.py: block map, details, bars,
+timeline, stats, event log, tree), the controls room (tui/controls.py: keys and palette, gated by
+the backend's Controls) and the recording room (tui/recording_room.py). The app itself owns the
+layout, the backend's start (a ChatBackend, kvplay.wire.chat_backend) and the shutdown.
+
+Threads: the engine runs on its own thread (Engine.start()); the model loads in a thread worker;
+every reply streams in its own thread worker; recorder writes go to one recorder thread. None of
+them touch widgets: they `post_message` (see tui/messages.py). Workers are daemon threads
+(tui/lifecycle.py), so quitting never waits on one.
 """
 from __future__ import annotations
 
@@ -12,7 +19,6 @@ import itertools
 import os
 import sys
 import threading
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,22 +31,22 @@ from textual.widgets import Header, Log, Static, Tabs
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
-from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec, sampling_for
+from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
 from kvplay.wire.engine_feed import EngineFeed
 
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
-from .controls import ControlsMixin, without_labs
+from .cache_room import EVENT_LINES, CacheRoom
+from .chat_room import ChatRoom
+from .controls import ControlsRoom
 from .lifecycle import run_app as run_until_quit
-from .format import block_detail, event_line, range_detail, legend_text, mode_line, requests_text, stats_text, ttft_text
-from .messages import (EngineFailed, EngineLoading, EngineReady, ReplyDelta, ReplyDone,
-                       ReplyFailed)
+from .messages import EngineFailed, EngineLoading, EngineReady
 from .panes import ChatPane, safe_id
+from .recording_room import RecordingRoom
 from .screens import ErrorScreen
 from .theme import assign_looks
-from .timeline import Timeline, result_span
-from .tree_view import FeedTrees, TreeScreen
-from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars, update_static
+from .timeline import Timeline
+from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
 
 MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
@@ -52,7 +58,6 @@ FOOTER_ORDER = ["help", "quit", "prefix_tree", "cycle_isolation", "cycle_evictio
                 "focus_map", "screenshot"]
 PALETTE_KEY_W = 14  # the footer's ctrl+p entry
 REFRESH_HZ = 15
-EVENT_LINES = 500  # the event log (F-key toggled) keeps this many lines
 HINTS = [
     "① Start here: type a question as {name} and press Enter.",
     "② Then ask {name} something. The prompt starts with the same system prompt, so those "
@@ -94,7 +99,7 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-class KvplayApp(ControlsMixin, App):
+class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
     """kvplay: many users, one model, one shared KV block pool."""
 
     CSS_PATH = "app.tcss"
@@ -157,6 +162,7 @@ class KvplayApp(ControlsMixin, App):
         self.paused = False
         self._step = 0
         self._turn_ids = itertools.count(1)
+        self._finished_turns: set[int] = set()  # turns whose reply is done or failed (autoplay's pacing)
         self._dirty = False
         self._refreshing = False
         self._hit: set[int] = set()
@@ -401,371 +407,7 @@ class KvplayApp(ControlsMixin, App):
             self.notify(f"Type as {first.name}, then as {second.name}, and watch the block map. "
                         "F1 explains every colour and number.", title="Model ready", timeout=8)
 
-    # --- recorder (one thread of its own; never the engine thread) -----------------------------
-    def _recorder_call(self, fn, *args) -> None:
-        self._rec_pool.submit(self._guarded, fn, *args)
-
-    def _start_recording(self):
-        """Open the session at the first turn (an app closed without a turn records nothing).
-        Returns a future the reply workers wait on, so the recorder sees every event of the
-        first request."""
-        if self._recorder_opened is None:
-            self._recorder_opened = self._rec_pool.submit(self._guarded, self._open_recorder)
-        return self._recorder_opened
-
-    def _guarded(self, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:  # recording must never break the playground
-            if self.recorder_error is None:
-                self.recorder_error = f"{type(exc).__name__}: {exc}"
-
-    def _open_recorder(self) -> None:
-        # start-up time: imported when this first runs
-        from kvplay.sessions.recorder import Recorder
-
-        if self.backend is None:
-            return
-        rec = Recorder.open(self.db, self.engine.config if self.engine else None, self.backend.model_name,
-                            source="replay" if self.replay_of else "app", system_prompt=self.system_prompt,
-                            title=self._title, replay_of=self.replay_of)
-        if not self._recording_paused:  # (a lab resumes it when done)
-            rec.attach(self.engine or self.backend)  # the engine: its step clock goes with each event
-        self.recorder = rec
-        for u in self.users:
-            self._record_user(u)
-
-    def _record_user(self, u: UserSpec) -> None:
-        if self.recorder is not None:
-            self.recorder.add_user(u.name, group=u.group, colour=self.looks[u.name].colour, seed=u.seed,
-                                   temperature=u.temperature, max_tokens=u.max_tokens, top_p=u.top_p,
-                                   top_k=u.top_k)
-
-    def _record_turn(self, user, text, messages, sampling, result, started) -> None:
-        if self.recorder is not None:
-            self.recorder.record_turn(user, text, messages, sampling, result, started=started)
-
-    # --- sending ------------------------------------------------------------------------------
-    @on(ChatPane.Submitted)
-    def _on_pane_submitted(self, msg: ChatPane.Submitted) -> None:
-        self.send(msg.pane, msg.text)
-
-    def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
-        if self.backend is None:
-            pane.set_busy(True)
-            note = pane.notice("The model is still loading; this message is sent as soon as it is ready.")
-            self._pending.append((pane, text, turn, note))
-            return None
-        spec = pane.spec
-        try:
-            sampling = sampling_for(spec, turn)
-        except EngineError as exc:
-            pane.notice(f"✗ {exc}", error=True)
-            return None
-        messages = [{"role": "system", "content": self.system_prompt}, *pane.history,
-                    {"role": "user", "content": text}]
-        turn_id = next(self._turn_ids)
-        pane.add_user_message(text)
-        pane.start_reply(turn_id)
-        pane.set_busy(True)
-        self._inflight[turn_id] = (pane, text)
-        opened = self._start_recording() if self.record else None
-        self._stream(opened, turn_id, spec.name, text, messages, sampling)
-        return turn_id
-
-    @work(thread=True, exit_on_error=False, group="replies", description="Streaming a reply")
-    def _stream(self, opened, turn_id: int, user: str, text: str, messages: list[dict], sampling) -> None:
-        if opened is not None:
-            opened.result()  # the recorder listens before the first request is submitted
-        started = time.time()
-        self._started[turn_id] = started  # the timeline places the turn here
-        try:
-            handle = self.backend.submit(user, messages, sampling)  # the group: the engine's registry
-        except EngineError as exc:
-            self.post_message(ReplyFailed(turn_id, user, str(exc)))
-            return
-        except Exception as exc:
-            self.post_message(ReplyFailed(turn_id, user, f"{type(exc).__name__}: {exc}"))
-            return
-        out = ""
-        for delta in handle:
-            out += delta.text
-            self.post_message(ReplyDelta(turn_id, user, out))
-        result = handle.result()
-        self.post_message(ReplyDone(turn_id, user, result))
-        if self.record:
-            self._recorder_call(self._record_turn, user, text, messages, sampling, result, started)
-
-    def on_reply_delta(self, msg: ReplyDelta) -> None:
-        entry = self._inflight.get(msg.turn_id)
-        if entry is not None:
-            entry[0].update_reply(msg.turn_id, msg.text)
-
-    def on_reply_done(self, msg: ReplyDone) -> None:
-        entry = self._inflight.pop(msg.turn_id, None)
-        res = msg.result
-        if entry is None:
-            return
-        pane, text = entry
-        pane.finish_reply(msg.turn_id, res, self.looks, self.timings)
-        pane.set_busy(False)
-        if res.error is None:
-            pane.history += [{"role": "user", "content": text}, {"role": "assistant", "content": res.text}]
-        self._requests.append(res.stats)
-        started = self._started.pop(msg.turn_id, None)
-        if started is not None and res.stats.prompt_tokens:
-            self._spans.append(result_span(res.stats, started, msg.turn_id))
-            self.query_one(Timeline).set_spans(list(self._spans), self.looks, time.time())
-        if res.stats.ttft_ms is not None:
-            self._ttft.setdefault(msg.user, []).append(res.stats.ttft_ms)
-        self._update_requests()
-        self._dirty = True
-
-    def on_reply_failed(self, msg: ReplyFailed) -> None:
-        pane, _ = self._inflight.pop(msg.turn_id, (None, None))
-        self._started.pop(msg.turn_id, None)
-        if pane is not None:
-            pane.fail_reply(msg.turn_id, msg.error)
-            pane.set_busy(False)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._inflight)
-
-    # --- engine events and the coalesced redraw ------------------------------------------------
-    @property
-    def settled(self) -> bool:
-        """Every engine event taken in and the counters and map redrawn (tests, screenshots)."""
-        return not self._event_queue and not self._dirty and not self._refreshing
-
-    def _take_events(self) -> None:
-        q = self._event_queue
-        n = len(q)
-        if not n:
-            return
-        events = [q.popleft() for _ in range(n)]
-        for ev in events:
-            self._note_event(ev)
-        lines = []  # only the newest lines survive in the event log: format those alone
-        for ev in reversed(events):
-            line = event_line(ev, self.looks)
-            if line:
-                lines.append(line)
-                if len(lines) == EVENT_LINES:
-                    break
-        lines.reverse()
-        self._log_events(lines)
-
-    def _log_events(self, lines: list[str]) -> None:
-        """The event log keeps its last lines; the Log widget is written only while it is shown
-        (a hidden one still asked for a layout pass per write)."""
-        if not lines:
-            return
-        self._event_lines.extend(lines)
-        log = next(iter(self.query("#events").results(Log)), None)  # gone while the app closes
-        if log is not None and log.has_class("shown"):
-            log.write_lines(lines)
-
-    def show_events(self, shown: bool) -> None:
-        """Show or hide the event log: shown, it is brought into view (the panel's last item, below
-        the fold with four users; compact: on the cache tab)."""
-        log = self.query_one("#events", Log)
-        log.set_class(shown, "shown")
-        log.clear()
-        if shown:
-            log.write_lines(list(self._event_lines))
-            if self.compact and not self.screen.has_class("show-cache"):
-                self.query_one(PaneSwitcher).active = CACHE_TAB
-            self.call_after_refresh(self.query_one("#side").scroll_end, animate=False)  # the log is last
-
-    def _note_event(self, ev) -> None:
-        """What the map and the jump key need from an event: hit and flash sets, the blocks of
-        each running request (a remote server's events name no request)."""
-        self._dirty = True
-        kind = ev.kind
-        if self.feed is not None:
-            self.feed.apply(ev)
-        if kind == "BlockHit":
-            self._hit = set(ev.block_ids)
-            if self.flash_s:
-                self._flash = set(ev.block_ids)
-                self._flash_until = time.monotonic() + self.flash_s
-        elif kind == "RequestStarted" and ev.cached_tokens == 0:
-            self._hit = set()
-        elif kind == "AllBlocksCleared":
-            self._hit = set()
-            self._last_blocks = set()
-        rid = getattr(ev, "request_id", None)
-        if rid is None:
-            return
-        if kind in ("BlockHit", "BlockStored"):
-            self._request_blocks.setdefault(rid, set()).update(ev.block_ids)
-        elif kind == "RequestFinished":
-            self._last_blocks = self._request_blocks.pop(rid, set()) or self._last_blocks
-
-    def _tick(self) -> None:
-        if self.recorder_error and not self._recorder_error_shown:
-            self._recorder_error_shown = True
-            self.notify(f"Recording stopped working: {self.recorder_error}. The playground carries on; "
-                        "use --no-record to silence this.", severity="warning", timeout=10)
-        if self.backend is None:
-            return
-        self._take_events()
-        if self.timings and self._spans and time.monotonic() - self._timeline_at >= 1.0:
-            self._timeline_at = time.monotonic()  # the timeline's axis ends at now
-            self.query_one(Timeline).follow(time.time())
-        if self._flash and time.monotonic() > self._flash_until:
-            self._flash = set()
-            self._redraw_map()
-        if self._dirty and not self._refreshing:
-            self._dirty = False
-            self._refreshing = True
-            self._fetch_state()
-
-    @work(thread=True, exit_on_error=False, group="refresh", description="Reading the counters")
-    def _fetch_state(self) -> None:
-        # stats() waits for the engine's lock (between steps): off the UI thread, and never long.
-        # The map reads the pool itself, in ranges (BlockMap.set_source).
-        try:
-            stats = self.backend.stats(timeout=0.2)
-        except Exception:
-            stats = None
-        self.call_from_thread(self._apply_state, stats)
-
-    def _apply_state(self, stats) -> None:
-        self._refreshing = False
-        if stats is not None:
-            stats = without_labs(stats, self._excluded)
-            self._stats = stats
-            update_static(self.query_one("#stats", Static), self.stats_view(stats))
-            update_static(self.query_one("#status", Static), self.status_view(stats))
-        self._redraw_map()
-        if self._detail_block is not None:
-            self._show_detail(*self._detail_block)
-
-    def stats_view(self, stats: dict) -> Text:
-        return stats_text(stats)
-
-    def status_view(self, stats: dict) -> Text:
-        return mode_line(stats, self.backend.model_name, self.backend.device)
-
-    def _redraw_map(self) -> None:
-        for bm in self.query(BlockMap):  # one map, or one per pod of an attached fleet
-            if not getattr(bm, "own_marks", False):  # the tree view's map marks its node's blocks
-                bm.looks, bm.hit, bm.flash = self.looks, bm.local(self._hit), bm.local(self._flash)
-            bm._rebuild()
-
-    @on(BlockMap.ViewChanged)
-    def _on_map_view(self, msg: BlockMap.ViewChanged) -> None:
-        if isinstance(msg, BlockMap.JumpRequested):
-            return self._on_map_jump(msg)
-        bm = msg.blockmap
-        for title in self.query(f"#{bm.id}-title"):
-            update_static(title, Text.assemble((bm.label, "bold"), ("  " + bm.scale_text(), "")))
-
-    def _on_map_jump(self, msg: BlockMap.JumpRequested) -> None:
-        if not self._last_blocks:
-            self.notify("No request has finished yet: nothing to jump to.")
-        elif not msg.blockmap.local(self._last_blocks):
-            self.notify(f"The last request's blocks are not in {msg.blockmap.label}.")
-        else:
-            msg.blockmap.show_blocks(msg.blockmap.local(self._last_blocks))
-
-    def _update_legend(self) -> None:
-        self.query_one("#legend", Static).update(legend_text(self.looks))
-
-    def _update_requests(self) -> None:
-        self.query_one(RequestBars).show(list(self._requests)[-6:], self._ttft, self.looks, self.timings)
-
-    @on(BlockMap.CellSelected)
-    def _on_cell(self, msg: BlockMap.CellSelected) -> None:
-        first = msg.block_id + (msg.blockmap.offset if msg.blockmap is not None else 0)
-        self._detail_block = (first, msg.blocks)
-        self._show_detail(first, msg.blocks)
-
-    def block_detail(self, block_id: int, blocks: int = 1) -> Text:
-        if self.backend is None or not 0 <= block_id < self.backend.num_blocks:
-            return Text("")
-        if blocks > 1:
-            return range_detail(block_id, self.backend.arrays(block_id, block_id + blocks), self.looks)
-        view = self.backend.block(block_id)
-        if view is None:
-            return Text("")
-        return block_detail(view, self.looks, self.backend, self.timings)
-
-    def select_block(self, block_id: int) -> None:
-        """Show single blocks with the map's cursor on `block_id`, and its details."""
-        bm = self.query_one(BlockMap)
-        bm.focus()
-        bm.set_scale(1, max(0, min(block_id, max(0, bm.num_blocks - 1))))
-        self._detail_block = (bm.cursor, 1)
-        self._show_detail(bm.cursor)
-
-    def _show_detail(self, block_id: int, blocks: int = 1) -> None:
-        for panel in self.query("#detail"):  # none while the app is tearing down (a late CellSelected)
-            update_static(panel, self.block_detail(block_id, blocks))
-
-    # --- autoplay (scripts and replays) --------------------------------------------------------
-    @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")
-    async def _autoplay(self) -> None:
-        await self.ready.wait()
-        for p in self.panes:
-            p.set_ready(True, placeholder=f"replaying… type as {p.user} to join in")
-        t0 = time.monotonic()
-        paused_for = 0.0
-        for turn in self.turns:
-            try:
-                pane = self.pane(turn.user)
-            except KeyError:
-                continue
-            if turn.at is not None:  # timed turns overlap (speed 0: all at once)
-                while self.speed > 0 and time.monotonic() - paused_for < t0 + turn.at / self.speed:
-                    await asyncio.sleep(0.02)
-            else:
-                while self.busy:
-                    await asyncio.sleep(0.02)
-            while pane.busy:
-                await asyncio.sleep(0.02)
-            pause_start = time.monotonic()
-            while self.paused and self._step == 0:
-                await asyncio.sleep(0.05)
-            paused_for += time.monotonic() - pause_start if self.paused else 0.0
-            if self._step:
-                self._step -= 1
-            if self.engine is not None and (turn.clear or turn.engine):
-                # a recorded or scripted F4 / F2-F5, through the engine's queue before this turn
-                if turn.clear:
-                    await asyncio.to_thread(self.engine.clear_cache)
-                if turn.engine:
-                    await asyncio.to_thread(self.engine.reconfigure, **turn.engine)
-                self._dirty = True
-            if turn.group is not None and (turn.group or None) != pane.spec.group:
-                self.set_user_group(pane, turn.group or None)  # a recorded or scripted change
-            self.send(pane, turn.text, turn)
-        while self.busy:
-            await asyncio.sleep(0.02)
-        # let the last events and state refresh land
-        self._dirty = True
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if self.settled:
-                break
-        for p in self.panes:
-            p.set_ready(True)
-        self.autoplay_done.set()
-
-    def action_replay_pause(self) -> None:
-        if not self.turns:
-            self.notify("Pause and step work while a script or replay plays.")
-            return
-        self.paused = not self.paused
-        self.notify("Replay paused: F12 plays one turn, F11 resumes." if self.paused else "Replay resumed.")
-
-    def action_replay_step(self) -> None:
-        if self.turns:
-            self.paused = True
-            self._step += 1
-
+    # --- palette ------------------------------------------------------------------------------
     def action_scrub(self) -> None:
         # start-up time: imported when this first runs
         from .scrub import open_in_app
@@ -780,21 +422,6 @@ class KvplayApp(ControlsMixin, App):
         yield SystemCommand("cache: prefix tree", "The cached prefixes as a tree of text, who made and reused them "
                             "(ctrl+r)", self.action_prefix_tree)
         yield from super().get_system_commands(screen)
-
-    # --- the prefix tree ------------------------------------------------------------------------
-    def tree_source(self):
-        """What the tree view reads: the engine's events fed into a Mirror (wire/engine_feed.py)."""
-        b = self.backend
-        return FeedTrees(self.feed, b.decode if b is not None else None, b)
-
-    def action_prefix_tree(self) -> None:
-        if isinstance(self.screen, TreeScreen):
-            self.pop_screen()
-            return
-        if self.backend is None:
-            self.notify("The model is still loading: no cache yet.", severity="warning")
-            return
-        self.push_screen(TreeScreen(self.tree_source(), self.looks))
 
     # --- shutdown -------------------------------------------------------------------------------
     def on_unmount(self) -> None:

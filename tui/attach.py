@@ -1,21 +1,18 @@
 """The playground attached to a remote server (`kvplay attach`): the same KvplayApp, whose
 backend is a `RemoteBackend` (wire/remote.py) instead of an in-process engine.
 
-What differs is only what a remote server decides for itself: isolation, eviction and
-determinism are the server's settings and labs run on kvplay's own engine, so those keys say so
-in one line; F4 asks the server to reset its prefix cache (`POST /reset_prefix_cache`). The
-status panel shows each pod's state (waiting / live / replaying / stale) and its blocks, and the
+What a remote server decides for itself (isolation, eviction, determinism, groups; labs run on
+kvplay's own engine) its backend's `Controls` say (wire/remote.remote_controls): the app's keys
+answer those with one line, and F4 asks the server to reset its prefix cache. The status panel shows each pod's state (waiting / live / replaying / stale) and its blocks, and the
 stats panel what the server's `usage` and KV events tell (no memory figures: the server's pool
 is not ours to weigh).
 """
 from __future__ import annotations
 
 from rich.text import Text
-from textual import work
 from textual.widgets import Static
 
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.errors import EngineError
 
 from .app import KvplayApp
 from .blockmap import BlockMap
@@ -118,39 +115,3 @@ class AttachApp(KvplayApp):
         if stats.get("unpredictable_turns"):  # the server's salt decided, before we had learned it
             t.append(f"\n{stats['unpredictable_turns']:,} salted turns not predicted (salt not learned yet)", style=DIM)
         return t
-
-    # --- controls the server owns ----------------------------------------------------------------
-    def _server_decides(self, what: str, how: str) -> None:
-        self.notify(f"{what} is the server's setting, not switchable from kvplay attach: {how}",
-                    severity="warning", timeout=8)
-
-    def set_isolation(self, mode: str) -> None:
-        self._server_decides("Isolation", "vLLM shares blocks unless a request sends cache_salt; "
-                             "kvplay serve isolates by API key with --isolation.")
-
-    def set_eviction(self, policy: str) -> None:
-        self._server_decides("Eviction", "vLLM evicts least recently used free blocks; kvplay serve takes --eviction.")
-
-    def action_toggle_deterministic(self) -> None:
-        self._server_decides("Deterministic mode", "vLLM: VLLM_BATCH_INVARIANT=1; kvplay serve: --deterministic.")
-
-    def action_run_lab(self, name: str) -> None:
-        target = "leak" if name == "leak" else "determinism"
-        self.notify(f"Labs run on kvplay's own engine. To measure this server: kvplay lab {target} "
-                    f"--target {self.backend.url}", severity="warning", timeout=10)
-
-    def action_clear_cache(self) -> None:
-        if self.backend is not None:
-            self._reset_remote()
-
-    @work(thread=True, exit_on_error=False, group="control", description="Resetting the server's prefix cache")
-    def _reset_remote(self) -> None:
-        try:
-            n = self.backend.clear_cache()
-        except EngineError as exc:
-            self.call_from_thread(self.notify, str(exc), severity="error", timeout=10)
-            return
-        self._dirty = True
-        self.call_from_thread(self.notify, "The server reset its prefix cache" +
-                              (f" ({n} blocks dropped)." if n is not None else ".") +
-                              " The map empties when its KV events say so.")

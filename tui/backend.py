@@ -1,74 +1,21 @@
-"""What the app talks to: one chat interface and one picture of the pool, whatever serves them.
+"""The app's default ChatBackend: an in-process Engine (the interface and its Controls are
+kvplay.wire.chat_backend; `kvplay attach`'s is kvplay.wire.remote.RemoteBackend).
 
-`ChatBackend` is the interface the panes and the block map use: submit a user's turn, stream
-its text, get its result (with `stats.cached_from`); subscribe to the engine's events; read
-counters; and read the pool in ranges (`summary`, `arrays`, `block`), never as one object per
-block, so a 1M-block pool costs what the visible cells cost. `LocalEngineBackend` wraps an
-in-process `Engine`; a remote backend (`kvplay attach`) implements the same methods over HTTP
-and KV events. No Textual here: a backend is usable (and testable) without the app.
+The pool the views read is a `SlotMirror` fed by the engine's event batches, read in ranges
+(`summary`, `arrays`, `block`), never as one object per block, so a 1M-block pool costs what the
+visible cells cost. No Textual here: a backend is usable (and testable) without the app.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator, Protocol
+from typing import Callable
 
 from kvplay.engine.observe import summarize
+from kvplay.wire.chat_backend import ChatBackend, Controls, Turn
 from kvplay.wire.slots import SlotMirror
 
-
-class Turn(Protocol):
-    """One submitted turn: iterate for deltas (each with `.text`), then `result()`."""
-
-    request_id: str
-
-    def __iter__(self) -> Iterator: ...
-
-    def result(self, timeout: float | None = None): ...
-
-
-class ChatBackend:
-    """The interface (a local engine implements it below; a remote server implements it too)."""
-
-    model_name: str = ""
-    device: str = ""
-
-    # --- chat ---------------------------------------------------------------------------------
-    def register_user(self, name: str, group: str | None = None) -> None:
-        raise NotImplementedError
-
-    def submit(self, user: str, messages: list[dict], sampling=None) -> Turn:
-        """Queue `user`'s turn (identity and group come from the backend, not the request)."""
-        raise NotImplementedError
-
-    # --- observation --------------------------------------------------------------------------
-    def subscribe(self, listener: Callable) -> Callable[[], None]:
-        """Call `listener(event)` for every event (on the backend's thread); returns an unsubscribe."""
-        raise NotImplementedError
-
-    def stats(self, timeout: float = 0.0) -> dict | None:
-        raise NotImplementedError
-
-    @property
-    def num_blocks(self) -> int:
-        raise NotImplementedError
-
-    def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        """The blocks [start, stop) in `cells` equal runs (kvplay.engine.observe.BlockSummary)."""
-        raise NotImplementedError
-
-    def arrays(self, start: int = 0, stop: int | None = None):
-        """State and creator codes of the blocks [start, stop) (kvplay.engine.observe.BlockArrays)."""
-        raise NotImplementedError
-
-    def block(self, block_id: int):
-        """One block's details (kvplay.engine.observe.BlockView), or None."""
-        raise NotImplementedError
-
-    def decode(self, token_ids) -> str:
-        raise NotImplementedError
-
-    def close(self, timeout: float = 1.0) -> None:
-        raise NotImplementedError
+# an in-process engine: every setting is the app's to change
+LOCAL_CONTROLS = Controls(isolation=True, eviction=True, deterministic=True, clear=True, groups=True, labs=True)
 
 
 class LocalEngineBackend(ChatBackend):
@@ -77,6 +24,8 @@ class LocalEngineBackend(ChatBackend):
     engine's pool, observer or stats; the engine object needs only `register_user`, `submit`,
     `subscribe`, `subscribe_batches`, `num_blocks`, `block_bytes`, `config` (the settings shown),
     `tokenizer` and `shutdown`."""
+
+    controls = LOCAL_CONTROLS
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -140,3 +89,19 @@ class LocalEngineBackend(ChatBackend):
     def close(self, timeout: float = 1.0) -> None:
         self._unsub()
         self.engine.shutdown(timeout=timeout)
+
+    # --- controls: through the engine's queue, so each is an event where it happened ------------
+    def reconfigure(self, **changes) -> None:
+        self.engine.reconfigure(**changes)
+
+    def fresh_cache_blocks(self, **changes) -> int:
+        return self.stats()["blocks_cached"] if self.engine.needs_fresh_cache(**changes) else 0
+
+    def setting(self, name: str):
+        return getattr(self.engine.config, name)
+
+    def clear_cache(self) -> int | None:
+        return self.engine.clear_cache()
+
+    def set_group(self, user: str, group: str | None) -> None:
+        self.engine.set_group(user, group)

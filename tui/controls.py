@@ -1,7 +1,10 @@
-"""What the keys and the command palette do: focus, modes, cache, users, prompt, screenshot.
+"""The controls room: what the keys and the command palette do (focus, modes, cache, users,
+prompt, labs, screenshot).
 
-A mixin of KvplayApp, kept apart so app.py stays about threads, messages and layout. Engine
-calls that wait on the engine thread (reconfigure, clear) run in thread workers.
+Every control that changes the backend's engine asks the backend's `Controls`
+(kvplay.wire.chat_backend) first: what the backend does not support is one notice saying how
+to change it where it is decided, and the palette lists only what it supports. Backend calls that
+wait on the engine thread (reconfigure, clear) run in thread workers.
 """
 from __future__ import annotations
 
@@ -35,6 +38,15 @@ from .widgets import CACHE_TAB
 # Counters a lab's own requests add to the engine's; the app subtracts them (without_labs).
 LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
 
+
+# palette entries that change the backend's engine: by category, or by title
+PALETTE_CONTROLS = {"isolation": "isolation", "eviction": "eviction", "lab": "labs",
+                    "cache: clear": "clear", "mode: toggle deterministic": "deterministic"}
+
+
+def palette_control(title: str) -> str | None:
+    """The control (kvplay.wire.chat_backend.CONTROLS) a palette entry changes, or None."""
+    return PALETTE_CONTROLS.get(title) or PALETTE_CONTROLS.get(title.split(":")[0])
 
 APP_LAB_TITLE = "from the app"  # a lab session recorded by the app (its sizes are APP_LABS')
 
@@ -116,8 +128,25 @@ def without_labs(stats: dict, excluded: dict[str, int]) -> dict:
     return out
 
 
-class ControlsMixin:
-    """Actions bound in KvplayApp.BINDINGS and listed in the command palette."""
+class ControlsRoom:
+    """Actions bound in KvplayApp.BINDINGS and listed in the command palette (a part of
+    KvplayApp: it reads the app's backend, panes and recorder)."""
+
+    def allowed(self, control: str) -> bool:
+        """Whether the backend lets the app change `control` now; if not, one notice says why."""
+        if self.backend is None:
+            self.notify("The model is still loading.", severity="warning")
+            return False
+        controls = self.backend.controls
+        if not controls.supports(control):
+            self.notify(controls.refusal(control), severity="warning", timeout=10)
+            return False
+        return True
+
+    def setting(self, name: str):
+        """An engine setting as the backend has it now (before it is ready: the app's config)."""
+        value = self.backend.setting(name) if self.backend is not None else None
+        return getattr(self.config, name) if value is None else value
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -150,8 +179,7 @@ class ControlsMixin:
         self.show_events(not self.query_one("#events", Log).has_class("shown"))
 
     def _reconfigure(self, **changes) -> None:
-        if self.engine is None:
-            self.notify("The model is still loading.", severity="warning")
+        if not self.allowed(next(iter(changes))):
             return
         what = ", ".join(f"{k} {('on' if v else 'off') if isinstance(v, bool) else v}" for k, v in changes.items())
 
@@ -159,7 +187,7 @@ class ControlsMixin:
             if ok:
                 self._apply_reconfigure(changes, what)
 
-        n = self.engine.stats()["blocks_cached"] if self.engine.needs_fresh_cache(**changes) else 0
+        n = self.backend.fresh_cache_blocks(**changes)
         if n:  # what clearing drops: the cached blocks (a running request's finish first)
             self.push_screen(ConfirmScreen(f"Switching to {what} needs a fresh cache: the {n} cached "
                                            f"block{'s' if n != 1 else ''} in the pool will be dropped. Continue?"),
@@ -170,7 +198,7 @@ class ControlsMixin:
     @work(thread=True, exit_on_error=False, group="control", description="Reconfiguring")
     def _apply_reconfigure(self, changes: dict, what: str) -> None:
         try:
-            self.engine.reconfigure(**changes)
+            self.backend.reconfigure(**changes)
         except EngineError as exc:
             self.call_from_thread(self.notify, str(exc), severity="error")
             return
@@ -184,25 +212,27 @@ class ControlsMixin:
         self._reconfigure(eviction=policy)
 
     def action_cycle_isolation(self) -> None:
-        cur = self.engine.config.isolation if self.engine else self.config.isolation
+        cur = self.setting("isolation")
         self.set_isolation(ISOLATION_MODES[(ISOLATION_MODES.index(cur) + 1) % len(ISOLATION_MODES)])
 
     def action_cycle_eviction(self) -> None:
-        cur = self.engine.config.eviction if self.engine else self.config.eviction
+        cur = self.setting("eviction")
         self.set_eviction(EVICTION_POLICIES[(EVICTION_POLICIES.index(cur) + 1) % len(EVICTION_POLICIES)])
 
     def action_toggle_deterministic(self) -> None:
-        cur = self.engine.config.deterministic if self.engine else self.config.deterministic
-        self._reconfigure(deterministic=not cur)
+        self._reconfigure(deterministic=not self.setting("deterministic"))
 
     def action_clear_cache(self) -> None:
-        if self.engine is None:
-            return
-        self._clear_cache()
+        if self.allowed("clear"):
+            self._clear_cache()
 
     @work(thread=True, exit_on_error=False, group="control", description="Clearing the cache")
     def _clear_cache(self) -> None:
-        n = self.engine.clear_cache()
+        try:
+            n = self.backend.clear_cache()
+        except EngineError as exc:  # a server that refuses (or lacks) the reset
+            self.call_from_thread(self.notify, str(exc), severity="error", timeout=10)
+            return
         self._dirty = True
         self.call_from_thread(self.notify, f"Cache cleared ({n} blocks dropped)." if isinstance(n, int)
                               else "Cache cleared.")
@@ -221,8 +251,8 @@ class ControlsMixin:
         UserGroupChanged, applied from the user's next request); the users table keeps the
         latest settings."""
         pane.spec.group = group
-        if self.engine is not None:
-            self.engine.set_group(pane.spec.name, group)
+        if self.backend is not None and self.backend.controls.groups:
+            self.backend.set_group(pane.spec.name, group)
         pane.refresh_subtitle()
         self._recorder_call(self._record_user, pane.spec)
 
@@ -244,7 +274,10 @@ class ControlsMixin:
                             severity="error")
                 return
             s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
-            self.set_user_group(pane, values["group"].strip() or None)  # records the user too
+            group = values["group"].strip() or None
+            if group != s.group and not self.allowed("groups"):
+                group = s.group  # the backend binds groups itself: the rest still applies
+            self.set_user_group(pane, group)  # records the user too
             self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
 
         self.push_screen(FormScreen(f"Settings for {s.name}", [
@@ -282,7 +315,7 @@ class ControlsMixin:
             try:
                 self.backend.register_user(spec.name, spec.group)
             except EngineError:  # a removed pane's user comes back in another group (local engine)
-                self.engine.set_group(spec.name, spec.group)
+                self.backend.set_group(spec.name, spec.group)
             pane.call_after_refresh(pane.set_ready, True)
         if self.record:
             self._recorder_call(self._record_user, spec)
@@ -309,8 +342,7 @@ class ControlsMixin:
         self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
 
     def action_run_lab(self, name: str) -> None:
-        if self.engine is None:
-            self.notify("The model is still loading.", severity="warning")
+        if not self.allowed("labs"):
             return
 
         def done(ok: bool | None) -> None:
@@ -437,6 +469,9 @@ class ControlsMixin:
             cmds.append((f"isolation: {mode}", f"Set block sharing to {mode}", lambda m=mode: self.set_isolation(m)))
         for pol in EVICTION_POLICIES:
             cmds.append((f"eviction: {pol}", f"Evict cached blocks {pol} first", lambda p=pol: self.set_eviction(p)))
+        controls = self.backend.controls if self.backend is not None else None  # (all, while loading)
+        if controls is not None:  # the palette lists what this backend supports
+            cmds = [c for c in cmds if (name := palette_control(c[0])) is None or controls.supports(name)]
         if self.turns:
             cmds += [("replay: pause or resume", "Pause or resume the script", self.action_replay_pause),
                      ("replay: step", "Play the next turn", self.action_replay_step)]

@@ -9,6 +9,8 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input
 
+from kvplay.sessions.conversation import Conversation
+
 from .chatlog import ChatLog, Entry
 from .format import badge
 from .theme import UserLook
@@ -32,7 +34,7 @@ class ChatPane(Vertical):
         self.spec = spec
         self.look = look
         self.hint = hint
-        self.history: list[dict] = []  # user/assistant messages of this user's conversation
+        self.conversation = Conversation()  # this user's turns and replies (sessions/conversation.py)
         self.busy = False
         self.ready = False
         self._replies: dict[int, tuple[Entry, Entry]] = {}  # turn → its reply and badge entries
@@ -40,6 +42,10 @@ class ChatPane(Vertical):
     @property
     def user(self) -> str:
         return self.spec.name
+
+    @property
+    def history(self) -> list[dict]:
+        return self.conversation.history
 
     def compose(self):
         self._chat = ChatLog(classes="log")

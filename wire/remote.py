@@ -51,6 +51,7 @@ from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
 
 from kvplay.engine.observe import BlockArrays, summarize
 
+from .chat_backend import ChatBackend, Controls
 from .mirror import Fleet
 from .recording import journal_events
 from .slots import SlotMirror
@@ -132,12 +133,30 @@ class RemoteTurn:
         self._queue.put(None)
 
 
-class RemoteBackend:
-    """kvplay.tui.backend.ChatBackend over HTTP + KV events (duck-typed: no Textual import)."""
+def remote_controls(url: str) -> Controls:
+    """A server decides its own isolation, eviction and determinism, and labs run on kvplay's
+    own engine; F4 asks the server to reset its prefix cache (POST /reset_prefix_cache)."""
+    def server(what: str, how: str) -> str:
+        return f"{what} is the server's setting, not switchable from kvplay attach: {how}"
+
+    return Controls(clear=True, why={
+        "isolation": server("Isolation", "vLLM shares blocks unless a request sends cache_salt; "
+                            "kvplay serve isolates by API key with --isolation."),
+        "eviction": server("Eviction", "vLLM evicts least recently used free blocks; kvplay serve takes --eviction."),
+        "deterministic": server("Deterministic mode", "vLLM: VLLM_BATCH_INVARIANT=1; kvplay serve: --deterministic."),
+        "groups": server("A user's group", "kvplay serve binds it to the API key (keys file); vLLM has none."),
+        "labs": f"Labs run on kvplay's own engine. To measure this server: kvplay lab leak|determinism "
+                f"--target {url}",
+    })
+
+
+class RemoteBackend(ChatBackend):
+    """A ChatBackend over HTTP + KV events (no Textual import)."""
 
     def __init__(self, url: str, api_key: str | None = None, sources: list[PodSource] = (),
                  model: str | None = None, timeout: float = 300.0, slots: int | None = None):
         self.url = url.rstrip("/")
+        self.controls = remote_controls(self.url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self.model_name = model or self._first_model()
