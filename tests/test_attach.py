@@ -14,6 +14,7 @@ from kvplay.sessions.script import UserSpec
 from kvplay.tui.attach import AttachApp
 from kvplay.tui.attach_cli import open_backend
 from kvplay.tui.blockmap import BlockMap
+from kvplay.tui.widgets import KvFooter
 from kvplay.wire.publisher import KVEventsConfig
 
 SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly and kindly. " * 3
@@ -90,6 +91,8 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert "cache: clear" in titles and "mode: toggle deterministic" not in titles
         assert not any(t.startswith(("isolation:", "eviction:", "lab:")) for t in titles)
+        keep = app.query_one(KvFooter).keep  # ... and the footer offers F4, not F2/F3/F5
+        assert "clear_cache" in keep and not keep & {"cycle_isolation", "cycle_eviction", "toggle_deterministic"}
         await pilot.press("f4")
         await wait_until(pilot, lambda: state.engine.stats()["blocks_cached"] == 0)
         await wait_until(pilot, lambda: int((backend.arrays().state == 1).sum()) == 0)

@@ -279,8 +279,10 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
         grid.styles.grid_size_rows = -(-n // cols)
 
     def _footer_fit(self, width: int) -> set[str] | None:
-        """The footer's keys that fit in `width` columns, FOOTER_ORDER first (None: all fit)."""
-        shown = [b for b in self.BINDINGS if isinstance(b, Binding) and b.show]
+        """The footer's keys that fit in `width` columns, FOOTER_ORDER first (None: all fit);
+        a control the backend does not support is not offered (its key still says why)."""
+        offered = [b for b in self.BINDINGS if isinstance(b, Binding) and b.show]
+        shown = [b for b in offered if self.offers(b.action)]
         shown.sort(key=lambda b: FOOTER_ORDER.index(b.action) if b.action in FOOTER_ORDER else len(FOOTER_ORDER))
         room, keep = width - PALETTE_KEY_W, set()
         for b in shown:  # a key is drawn as " f5 Determ. " (ctrl+x as ^x)
@@ -289,7 +291,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
                 break
             room -= need
             keep.add(b.action)
-        return None if len(keep) == len(shown) else keep
+        return None if len(keep) == len(offered) else keep
 
     def show_pane(self, pane: ChatPane) -> None:
         """Compact: make `pane` the one shown (and its tab the active one)."""
@@ -387,6 +389,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
         self.backend = msg.engine  # the backend open_backend returned
         self.engine = getattr(self.backend, "engine", None)  # None on a remote server
         self.query_one(BlockMap).set_source(self.backend, self.looks)
+        self._layout_panes()  # the footer offers the controls this backend supports
         self._maps_ready()
         for u in self.users:  # each pane's identity is bound in the engine, not per message
             self.backend.register_user(u.name, u.group)

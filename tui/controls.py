@@ -39,6 +39,9 @@ from .widgets import CACHE_TAB
 LAB_COUNTERS = ("query_tokens", "hit_tokens", "evictions", "preemptions", "collisions_caught", "requests_finished")
 
 
+# keys that change the backend's engine: action -> control (kvplay.wire.chat_backend.CONTROLS)
+ACTION_CONTROLS = {"cycle_isolation": "isolation", "cycle_eviction": "eviction",
+                   "toggle_deterministic": "deterministic", "clear_cache": "clear"}
 # palette entries that change the backend's engine: by category, or by title
 PALETTE_CONTROLS = {"isolation": "isolation", "eviction": "eviction", "lab": "labs",
                     "cache: clear": "clear", "mode: toggle deterministic": "deterministic"}
@@ -142,6 +145,11 @@ class ControlsRoom:
             self.notify(controls.refusal(control), severity="warning", timeout=10)
             return False
         return True
+
+    def offers(self, action: str) -> bool:
+        """Whether the footer shows the key of `action`: not a control the backend lacks."""
+        control = ACTION_CONTROLS.get(action)
+        return control is None or self.backend is None or self.backend.controls.supports(control)
 
     def setting(self, name: str):
         """An engine setting as the backend has it now (before it is ready: the app's config)."""
