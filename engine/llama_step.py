@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .invariance import LinearPlan, tiled_linear
+from .packed import pack, packed_linear
 from .paged import StepPlan, paged_attention
 from .skinny import skinny_mm, written_out_rows
 
@@ -70,10 +71,11 @@ class _Layer:
     act: object
     attn: torch.nn.Module  # for its scaling and the attention call's `module` argument
     window: int | None
+    packed: tuple = (None, None, None, None)  # oneDNN copies of qkv, o, gate_up, down (packed.py)
 
 
 class LlamaStep:
-    def __init__(self, model):
+    def __init__(self, model, packed: bool = True):
         inner = model.model
         cfg = inner.config
         self.embed = inner.embed_tokens
@@ -94,9 +96,20 @@ class LlamaStep:
                 a.o_proj.weight, layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.variance_epsilon, gate_up, m.down_proj.weight,
                 m.act_fn, a, window))
+        # oneDNN's packed copies of every layer weight (packed.py); none where it cannot pack
+        self.packed = packed and all(
+            self._pack_layer(L) for L in self.layers)
+
+    @staticmethod
+    def _pack_layer(L: _Layer) -> bool:
+        got = tuple(pack(w) for w in (L.qkv, L.o, L.gate_up, L.down))
+        if any(p is None for p in got):
+            return False
+        L.packed = got
+        return True
 
     @classmethod
-    def for_model(cls, model) -> "LlamaStep | None":
+    def for_model(cls, model, packed: bool = True) -> "LlamaStep | None":
         """A LlamaStep when every part of `model` is one this module writes out, else None."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
@@ -116,19 +129,24 @@ class LlamaStep:
                     or a.o_proj.bias is not None
                     or len({lin.bias is None for lin in (a.q_proj, a.k_proj, a.v_proj)}) != 1):
                 return None
-        return cls(model)
+        return cls(model, packed)
 
-    @staticmethod
-    def _linear_for(det: LinearPlan | None, few: bool, threads: int):
-        """This step's GEMM: deterministic mode's tiles, `skinny_mm` for few rows, else F.linear."""
+    def _linear_for(self, det: LinearPlan | None, n: int, dtype: torch.dtype, threads: int):
+        """This step's GEMM, called as linear(x, weight, bias, packed weight): deterministic
+        mode's tiles; one row on one thread F.linear's GEMV; else oneDNN's packed weights
+        (packed.py) where they exist, `skinny_mm` for few rows, F.linear."""
         if det is not None:
-            return lambda x, w, b: tiled_linear(det, x, w, b)
-        if few:
-            def few_rows(x, w, b):
+            return lambda x, w, b, p: tiled_linear(det, x, w, b)
+        if n == 1 and threads == 1:
+            return lambda x, w, b, p: F.linear(x, w, b)
+        if self.packed:
+            return lambda x, w, b, p: packed_linear(x, p, b)
+        if dtype is torch.float32 and n <= written_out_rows(threads):
+            def few_rows(x, w, b, p):
                 y = skinny_mm(x, w, threads)
                 return y if b is None else y + b
             return few_rows
-        return F.linear
+        return lambda x, w, b, p: F.linear(x, w, b)
 
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,15 +168,15 @@ class LlamaStep:
         deterministic mode's calibrated GEMM shapes (every GEMM in its tiles, invariance.py)."""
         n = input_ids.shape[1]
         x = self.embed(input_ids[0])  # [N, hidden]
-        few = det is None and x.dtype is torch.float32 and n <= written_out_rows(threads)
-        linear = self._linear_for(det, few, threads)
+        linear = self._linear_for(det, n, x.dtype, threads)
         cos, sin = self.rotary(x, positions)  # [1, N, D]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         k_end = (hq + hk) * d
         for i, L in enumerate(self.layers):
             h = self._rms(x, L.norm1, L.eps1)
-            qkv = linear(h, L.qkv, L.qkv_bias)  # [N, (hq + 2 hk) d]
+            qkv_p, o_p, gate_up_p, down_p = L.packed
+            qkv = linear(h, L.qkv, L.qkv_bias, qkv_p)  # [N, (hq + 2 hk) d]
             qk = self._rotate(qkv[:, :k_end].view(n, hq + hk, d), cos, sin)  # q and k heads at once
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, k_end:].view(n, hk, d)
@@ -169,9 +187,9 @@ class LlamaStep:
                 q = q.contiguous()
             o, _ = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), kpool, vpool, None,
                                    scaling=L.attn.scaling, sliding_window=L.window, kvplay_plan=plan)
-            x = x + linear(o.view(n, hq * d), L.o, None)
+            x = x + linear(o.view(n, hq * d), L.o, None, o_p)
             h = self._rms(x, L.norm2, L.eps2)
-            gu = linear(h, L.gate_up, None)
+            gu = linear(h, L.gate_up, None, gate_up_p)
             inter = gu.shape[1] // 2
-            x = x + linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None)
+            x = x + linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None, down_p)
         return self._rms(x, self.norm, self.eps)

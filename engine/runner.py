@@ -20,6 +20,7 @@ from .invariance import BatchInvariantLinear, LinearPlan, tiled_linear
 from .paged import ATTN_NAME, PagedCache, StepPlan
 from .skinny import decode_step, install, max_rows, skinny_linear
 from .kv_store import KVStore
+from .packed import pack, packed_linear
 from .llama_step import LlamaStep
 
 
@@ -44,7 +45,7 @@ def kv_geometry(model) -> tuple[int, int, int]:
 
 
 class ModelRunner:
-    def __init__(self, loaded, num_blocks: int, block_size: int):
+    def __init__(self, loaded, num_blocks: int, block_size: int, packed: bool = True):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -65,7 +66,10 @@ class ModelRunner:
         # transformers >= 5.24 names it `cache` (`past_key_values` is a deprecated alias).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # Steps on CPU run the decoder written out (llama_step.py) when the model fits it.
-        self.llama_step = LlamaStep.for_model(self.model) if self.device.type == "cpu" else None
+        self.llama_step = LlamaStep.for_model(self.model, packed) if self.device.type == "cpu" else None
+        head = self.model.lm_head
+        self.head_packed = (pack(head.weight) if self.llama_step is not None and self.llama_step.packed
+                            and type(head) is torch.nn.Linear else None)
         if self.device.type == "cpu" and self.llama_step is None:
             install(self.model.model)  # the modules' decode steps take skinny.py; lm_head below
 
@@ -132,6 +136,8 @@ class ModelRunner:
                 logits = head(rows)
             elif det is not None:
                 logits = tiled_linear(det, rows, head.weight, head.bias)
+            elif self.head_packed is not None and (rows.shape[0] > 1 or threads > 1):
+                logits = packed_linear(rows, self.head_packed, head.bias)
             else:  # the biggest weight of a small model: a prefill step reads it for a few rows too
                 logits = skinny_linear(rows, head.weight, head.bias, threads)
         finally:

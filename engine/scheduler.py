@@ -15,8 +15,9 @@
    prompt never freezes the others' streaming (deterministic mode ends chunks on block
    boundaries). At least the last prompt token is always computed (its logits start the answer).
 
-``step()`` runs one decision: the model runner (``runner.py``) executes the decode rows, then
-the prefill rows (one batched forward each); ``update`` advances each request, has the KV
+``step()`` runs one decision: the model runner (``runner.py``) executes the decode rows and the
+prefill rows in one batched forward (as vLLM v1 mixes them: on CPU a step costs mostly one pass
+over the weights, so two forwards cost nearly twice one); ``update`` advances each request, has the KV
 manager register the blocks that became full, and hands the logits to the output processor
 (``output.py``: sampling, incremental detokenising, streaming, stats), finishing the requests it
 says are done.
@@ -188,11 +189,9 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling step. Returns True if any model work was done."""
         out = self.schedule()
-        det = self.config.deterministic
-        if out.decode:
-            self.update([(r, 1) for r in out.decode], self.runner.forward(out.decode_rows(), det))
-        if out.prefill:
-            self.update(out.prefill, self.runner.forward(out.prefill_rows(), det))
+        if out:  # decode rows and prompt chunks in one forward: the weights are read once a step
+            logits = self.runner.forward(out.decode_rows() + out.prefill_rows(), self.config.deterministic)
+            self.update([(r, 1) for r in out.decode] + out.prefill, logits)
         return bool(out)
 
     def update(self, computed: list[tuple[Request, int]], logits) -> None:

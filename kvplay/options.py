@@ -51,11 +51,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bitwise-reproducible logits: cached == cold, whatever shares the batch")
     g.add_argument("--no-verify", dest="verify_on_hit", action="store_const", const=False, default=None,
                    help="trust the hash on a hit (do not compare stored tokens)")
+    g.add_argument("--no-packed-weights", dest="packed_weights", action="store_const", const=False,
+                   default=None, help="CPU: F.linear on the plain weights, not oneDNN's packed copies "
+                   "(saves one copy of the weights' memory; slower steps)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     """Only the engine flags the user actually gave."""
-    names = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["deterministic", "verify_on_hit"]
+    names = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["deterministic", "verify_on_hit", "packed_weights"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
