@@ -77,30 +77,29 @@ def check_prompt_size(g, context: int) -> None:
 
 
 class TokenizerPool:
-    """Up to `size` copies of `tokenizer`, each used by one thread at a time."""
+    """Up to `size` copies of `tokenizer`, each used by one thread at a time. The copies are made
+    on a thread of their own as the server starts (a deep copy of a fast tokenizer holds the GIL
+    for ~0.5 s: made on the first burst of requests, it stalled the engine's steps)."""
 
     def __init__(self, tokenizer, size: int = 4):
         self._free: "queue.SimpleQueue" = queue.SimpleQueue()
         self._free.put(tokenizer)
-        self._made = 1
-        self._size = size
         self._tok = tokenizer
-        self._lock = threading.Lock()
+        self.copies = 1
+        if size > 1:
+            threading.Thread(target=self._copy, args=(size - 1,), name="kvplay-tokenizer-copies",
+                             daemon=True).start()
+
+    def _copy(self, n: int) -> None:
+        for _ in range(n):
+            try:
+                tok = copy.deepcopy(self._tok)
+            except Exception:  # a tokenizer that cannot be copied: the one there is serves all
+                return
+            self.copies += 1
+            self._free.put(tok)
 
     def _take(self):
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            grow = self._made < self._size
-            if grow:
-                self._made += 1
-        if grow:
-            try:
-                return copy.deepcopy(self._tok)
-            except Exception:  # a tokenizer that cannot be copied: wait for the one there is
-                pass
         return self._free.get()
 
     def run(self, fn, *args):
