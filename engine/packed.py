@@ -1,19 +1,20 @@
 """Weights prepacked once for oneDNN, for the CPU GEMMs of the decoder written out (llama_step.py).
 
 `F.linear(x, w)` hands MKL the weight in PyTorch's row-major layout on every call, and a GEMM of
-a few rows re-packs panels of it each time: on the 2-core AVX2 machine kvplay is measured on, the
-120 layer GEMMs of SmolLM2-135M at one thread took 65 ms for 8 rows and 88 ms for 16, while the
-same weights prepacked for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, the layout
-oneDNN's matmul reads, what vLLM's CPU backend builds with `create_onednn_mm` and torch's
-inductor with `_linear_pointwise`) took 40 and 53 ms; 64 rows 215 → 143, 264 rows 689 → 593
-(best of 7, `scripts/gemm_paths.py`). A serving step of several users' decode rows and a prompt
-chunk is such a GEMM, so it is where serving under load spends its time.
+a few rows re-packs panels of it each time. oneDNN's matmul reads its own blocked layout; the
+weights reordered into it once (`torch.ops.mkldnn._reorder_linear_weight`, as vLLM's CPU backend
+builds `create_onednn_mm` handlers and torch's inductor uses `_linear_pointwise`) make a step of
+several rows — a serving step: several users' decode rows and a prompt chunk — much cheaper.
+`scripts/step_paths.py` measures it on the embedded model; at one thread, thread CPU time, best
+of 5, on the 2-core AVX2 machine while other jobs shared it (load 4): 8 decode rows 130 → 83 ms,
+8 decode rows + a 48-token chunk 284 → 213 ms, 32 decode rows 312 → 231 ms; one row is level.
 
 The packed copy is oneDNN's own (opaque) tensor beside the weight, which the module path,
-transformers' forward and deterministic mode still read: the weights' memory is held twice
-(SmolLM2-135M: +540 MB). `--no-packed-weights` (EngineConfig.packed_weights) turns it off.
-The sums run in oneDNN's order: logits differ from F.linear's in the last bits, as they do
-between any two batch shapes in the default mode; deterministic mode never takes this path.
+transformers' forward and deterministic mode still read: the weights are held twice (measured
+for SmolLM2-135M: +0.76 GB RSS, its parameters being 0.5 GB). `--no-packed-weights`
+(EngineConfig.packed_weights) turns it off. The sums run in oneDNN's order: logits differ from
+F.linear's in the last bits, as they do between any two batch shapes in the default mode;
+deterministic mode never takes this path.
 """
 from __future__ import annotations
 
