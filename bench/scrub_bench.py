@@ -21,7 +21,6 @@ import tracemalloc
 from kvplay.engine.events import BlockHit, RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.pool import BlockPool
 from kvplay.sessions.history import History
-from kvplay.sessions.recorder import event_row
 
 SMALL, HUGE = 512, 1_000_000
 BLOCK = 16
@@ -36,8 +35,7 @@ def recorded_events(num_blocks: int, turns: int = 160, users: int = 8) -> list[d
     def emit(ev) -> None:
         seq[0] += 1
         ev.seq, ev.ts = seq[0], 1000.0 + seq[0] * 0.001
-        d = json.loads(event_row("bench", ev)["payload"])
-        out.append(d)
+        out.append(ev.to_dict())
 
     pool = BlockPool(num_blocks, BLOCK, "lru", emit=emit)
     system = list(range(1, 1 + 4 * BLOCK))  # a 4-block shared system prompt

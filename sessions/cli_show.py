@@ -7,6 +7,7 @@ import json
 from kvplay.options import add_db_arg
 
 from .cli_list import when
+from .event_log import count_events, read_events
 from .query import resolve_session, session_turns, session_users
 from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
 from .store import open_db
@@ -29,10 +30,11 @@ def load(db, ident: str, events: bool = False) -> dict:
     for t in out["turns"]:
         t.pop("session_id", None)
     if events:
-        out["events"] = [json.loads(r["payload"]) for r in
-                         db.query("select payload from cache_events where session_id = ? order by seq, id", [s["id"]])]
+        out["events"], bad = read_events(db, s["id"])
+        if bad:
+            out["bad_events"] = bad
     else:
-        out["event_count"] = db.execute("select count(*) from cache_events where session_id = ?", [s["id"]]).fetchone()[0]
+        out["event_count"] = count_events(db, s["id"])
     return out
 
 
@@ -59,6 +61,11 @@ def main(args: argparse.Namespace) -> int:
                   f"{st.get('blocks_total')} blocks, evictions {st.get('evictions')}, preemptions "
                   f"{st.get('preemptions')}, saved {human_bytes(st.get('bytes_saved'))} vs a cache per user",
                   highlight=False)
+    if s.get("dropped_events"):
+        con.print(f"[yellow]the recorder dropped {s['dropped_events']:,} events it could not keep up with: "
+                  "the cache history of this session is incomplete[/yellow]", highlight=False)
+    if s.get("bad_events"):
+        con.print(f"[yellow]{s['bad_events']:,} recorded events were damaged and skipped[/yellow]", highlight=False)
     if s.get("replay_of"):
         con.print(f"replay of {s['replay_of']}", highlight=False)
     if s.get("script_path"):

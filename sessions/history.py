@@ -14,11 +14,12 @@ inferred); newer ones equal the live pool after every event.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass
 
 from kvplay.engine.observe import BlockView
 from kvplay.wire.slots import MAX_BLOCKS, SlotMirror
+
+from .event_log import read_events
 
 CHECKPOINT_BYTES = 256 << 20  # all checkpoints of one History together, at most about this
 _SLOT_BYTES = 31  # bytes per slot of a SlotMirror's arrays
@@ -109,22 +110,11 @@ class History:
 
 # --- loading a recorded session (no engine, no model) ---------------------------------------------
 def session_events(db, sid: str) -> list[dict]:
-    """The recorded events of a session in order: each its payload plus `forwards`, the engine's
-    step clock when it was emitted (None for sessions recorded before kvplay kept it). A row
-    whose payload is not a JSON object (a damaged or hand-made file) is skipped."""
-    out = []
-    for r in db.query("select * from cache_events where session_id = ? order by seq, id", [sid]):
-        try:
-            d = json.loads(r["payload"])
-        except (TypeError, ValueError):
-            continue
-        if not isinstance(d, dict):
-            continue
-        d["forwards"] = r.get("forwards")
-        if r.get("pod") is not None:  # a watched server's pod
-            d["pod"] = r["pod"]
-        out.append(d)
-    return out
+    """The recorded events of a session in order, as dicts: each its fields plus `forwards`, the
+    engine's step clock (None for sessions recorded before kvplay kept it), and `pod` for a
+    watched server. Rows of either recording format (sessions/event_log.py); a damaged row or
+    event is skipped."""
+    return read_events(db, sid)[0]
 
 
 def recorded_pool_size(session: dict, events: list[dict]) -> int | None:

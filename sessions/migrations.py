@@ -68,6 +68,21 @@ def m004_watched_pods(db: sqlite_utils.Database) -> None:
     db["cache_events"].add_column("wire_seq", int)
 
 
+@migration
+def m005_event_batches(db: sqlite_utils.Database) -> None:
+    """Engine events recorded one row per batch (an engine step, or a watched pod's wire batch):
+    `events` holds the batch's events msgpack-encoded by `kvplay.engine.events.encode_events`,
+    `seq` the first event's seq and `n` how many there are. Sessions recorded before keep their
+    `cache_events` rows (one per event, JSON); readers read both (sessions/event_log.py).
+    `dropped_events` counts the events a session's recorder could not keep up with."""
+    db["event_batches"].create({
+        "id": int, "session_id": str, "seq": int, "n": int, "step": int, "ts": float, "forwards": int,
+        "pod": str, "wire_seq": int, "events": bytes,
+    }, pk="id", foreign_keys=[("session_id", "sessions", "id")])
+    db["event_batches"].create_index(["session_id", "seq"])
+    db["sessions"].add_column("dropped_events", int)
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 

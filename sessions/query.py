@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .event_log import read_events
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
 
@@ -47,18 +48,7 @@ CLEAR_REASONS = ("cleared", "reconfigured")  # an engine's own clears (not a wat
 def timeline_events(db, sid: str) -> list[dict]:
     """The recorded events `settings_timeline` reads (settings, groups, clears and each request's
     queueing), in order, without loading the session's cache events."""
-    marks = ", ".join("?" * len(TIMELINE_KINDS))
-    rows = db.query(f"select payload from cache_events where session_id = ? and kind in ({marks}) "
-                    "order by seq, id", [sid, *TIMELINE_KINDS])
-    out = []
-    for r in rows:
-        try:
-            d = json.loads(r["payload"])
-        except (TypeError, ValueError):  # a damaged row is skipped, never a traceback
-            continue
-        if isinstance(d, dict):
-            out.append(d)
-    return out
+    return read_events(db, sid, TIMELINE_KINDS)[0]  # a damaged row is skipped, never a traceback
 
 
 @dataclass

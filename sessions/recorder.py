@@ -1,14 +1,22 @@
 """Recorder: writes one session (its users, turns and engine events) into the sessions DB.
 
     rec = Recorder.open(db_path, config, model_name, source, system_prompt, script_path, replay_of)
-    rec.attach(engine)        # engine events are buffered (the listener only enqueues)
+    rec.attach(engine)        # engine event batches are queued (the listener only enqueues)
     rec.add_user("alice", group=None, colour=None, seed=1, temperature=0.0)
     rec.record_turn(user, text, messages, sampling, result)   # one commit per finished turn
     rec.close()               # marks the session ended
 
+Events are recorded one row per batch (sessions/event_log.py): an engine step's `EngineBatch`
+becomes one `event_batches` row holding its events msgpack-encoded. The engine thread only
+appends the batch to a bounded queue; a writer thread of the recorder's own encodes and writes
+whatever is queued in one transaction each time it wakes (so a busy engine costs one commit per
+wake, not one per batch). When the queue is full the batch is dropped and counted
+(`dropped_events`, written to the session), never waited for: the engine is never blocked.
+
 Usable from any thread: one sqlite connection (check_same_thread=False) guarded by a lock.
-A turn and the events buffered before it are written in one transaction (`write_txn`: BEGIN
-IMMEDIATE around `db.atomic()`), so a `kill -9` loses at most the turn in flight.
+A turn and the batches queued before it are written in one transaction (`write_txn`: BEGIN
+IMMEDIATE around `db.atomic()`), and the writer commits every FLUSH_S at the latest, so a
+`kill -9` loses at most the turn in flight and the events of the last FLUSH_S.
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ import sqlite3
 import threading
 import time
 
+import msgspec
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: recording a watched server must not import torch
@@ -26,10 +36,13 @@ if TYPE_CHECKING:  # annotations only: recording a watched server must not impor
     from kvplay.engine.request import RequestResult
     from kvplay.engine.sampling import SamplingParams
 
+from .event_log import batch_row, insert_batch_rows
 from .ids import new_ulid
 from .store import StoreError, open_db, resolve_path, write_txn
 
 SOURCES = ("run", "app", "replay", "watch")
+MAX_QUEUED_EVENTS = 262_144  # events waiting for the writer (beyond this a batch is dropped)
+FLUSH_S = 0.2                # the writer commits what is queued at least this often
 
 
 def versions() -> dict:
@@ -46,29 +59,22 @@ _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # o
 # json.dumps with arguments builds a new one per call, a third of the cost of a small event
 
 
-def event_row(session_id: str, ev) -> dict:
-    # Event.to_dict's dataclasses.asdict deep-copies every list; a shallow copy serialises the
-    # same and was most of the cost of recording a busy watched server.
-    d = dict(vars(ev), kind=ev.kind)
-    ids = d.get("block_ids")
-    if ids is None and d.get("block_id") is not None:
-        ids = [d["block_id"]]
-    hashes = d.get("block_hashes")
-    if hashes is None and d.get("block_hash"):
-        hashes = [d["block_hash"]]
-    user = d.get("user") or (",".join(d["creators"]) if d.get("creators") else None)
-    return {"session_id": session_id, "seq": d.get("seq"), "ts": d.get("ts"), "kind": d["kind"],
-            "block_ids": None if ids is None else _dumps(ids),
-            "block_hashes": None if hashes is None else _dumps(hashes),
-            "user": user, "request_id": d.get("request_id") or None, "payload": _dumps(d)}
-
-
 class Recorder:
     def __init__(self, db, session_id: str):
         self.db = db
         self.session_id = session_id
         self._lock = threading.Lock()
-        self._events: collections.deque = collections.deque()
+        # queued batches: (events, step, ts, forwards, pod, wire_seq); appended on the engine
+        # thread, taken under _lock (deque appends and pops are atomic)
+        self._queue: collections.deque = collections.deque()
+        self._queued = 0  # events in _queue
+        self._qlock = threading.Lock()  # _queue and _queued; never held while writing
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._stop = False
+        self.dropped_events = 0
+        self.dropped_batches = 0
+        self.write_error: str | None = None
         self._unsub = None
         self._engine = None
         self._seq = 0
@@ -92,33 +98,111 @@ class Recorder:
         rec.path = str(resolve_path(db_path))
         return rec
 
-    # --- engine events (listener runs on the engine thread: only enqueue) ----------------------
+    # --- engine events (listeners run on the engine thread: only enqueue) ----------------------
     def attach(self, engine) -> None:
+        """Record `engine`'s event batches (`subscribe_batches`); a source with only per-event
+        `subscribe` (a remote backend) has its events queued one by one and written together."""
         if self._unsub is None:
             self._engine = engine
-            self._unsub = engine.subscribe(self._on_event)
+            if hasattr(engine, "subscribe_batches"):
+                self._unsub = engine.subscribe_batches(self._on_batch)
+            else:
+                self._unsub = engine.subscribe(self._on_event)
+            self._start_writer()
+
+    def _forwards(self) -> int | None:
+        # On the engine thread, at the end of a step or command: the forward count read here is
+        # the step clock of the batch (the simulator enters each request at its recorded clock).
+        return getattr(getattr(self._engine, "runner", None), "forwards", None)
+
+    def _on_batch(self, batch) -> None:
+        self.record_batch(batch.events, step=batch.step, ts=batch.ts, forwards=self._forwards())
 
     def _on_event(self, ev) -> None:
-        # On the engine thread, between or inside steps: the forward count read here is the
-        # step clock at this event (the simulator enters each request at its recorded clock).
-        runner = getattr(self._engine, "runner", None)
-        self._events.append((ev, getattr(runner, "forwards", None)))
+        self.record_batch([ev], ts=ev.ts, forwards=self._forwards())
+
+    def record_batch(self, events: list, step: int | None = None, ts: float | None = None,
+                     forwards: int | None = None, pod: str | None = None, wire_seq: int | None = None) -> bool:
+        """Queue one batch of engine events for the writer thread (never blocks, any thread):
+        False when the queue is full and the batch was dropped (counted in `dropped_events`).
+        Batches without a `step` (events recorded one at a time) that follow each other with the
+        same pod and wire_seq are written as one row."""
+        n = len(events)
+        if not n:
+            return True
+        with self._qlock:
+            if self._queued + n > MAX_QUEUED_EVENTS or self._closed:
+                self.dropped_events += n
+                self.dropped_batches += 1
+                return False
+            self._queued += n
+            self._queue.append((events, step, ts, forwards, pod, wire_seq))
+        if self._writer is None:
+            self._start_writer()
+        self._wake.set()
+        return True
 
     def detach(self) -> None:
         if self._unsub is not None:
             self._unsub()
             self._unsub = None
 
-    def _drain(self) -> list[dict]:
-        rows = []
-        while True:
+    # --- the writer thread --------------------------------------------------------------------
+    def _start_writer(self) -> None:
+        if self._writer is None and not self._closed:
+            self._writer = threading.Thread(target=self._write_loop, name="kvplay-recorder", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(FLUSH_S)
+            self._wake.clear()
+            rows: list = []
             try:
-                ev, forwards = self._events.popleft()
-            except IndexError:
-                return rows
-            row = event_row(self.session_id, ev)
-            row["forwards"] = forwards
-            rows.append(row)
+                with self._lock:
+                    if self._closed:
+                        return
+                    rows = self._take_rows()
+                    if rows:
+                        with write_txn(self.db):
+                            insert_batch_rows(self.db, rows)
+            except Exception as exc:  # a locked or broken DB: say so at close, keep the thread
+                self.write_error = f"{type(exc).__name__}: {exc}"
+                self.dropped_events += sum(r[2] for r in rows)
+                self.dropped_batches += len(rows)
+
+    def _take_rows(self) -> list[tuple]:
+        """The queued batches as `event_batches` rows (under _lock). A batch that cannot be
+        encoded (an event holding something that is not plain data) is dropped and counted."""
+        with self._qlock:
+            taken = list(self._queue)
+            self._queue.clear()
+            self._queued = 0
+        rows = []
+
+        def add(events, step, ts, key) -> None:
+            try:
+                rows.append(batch_row(self.session_id, events, step, ts, *key))
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                self.dropped_events += len(events)
+                self.dropped_batches += 1
+
+        merged: list | None = None
+        key = None
+        for events, step, ts, forwards, pod, wire_seq in taken:
+            if step is None and merged is not None and key == (forwards, pod, wire_seq):
+                merged.extend(events)
+                continue
+            if merged is not None:
+                add(merged, None, None, key)
+                merged = None
+            if step is None:
+                merged, key = list(events), (forwards, pod, wire_seq)
+            else:
+                add(events, step, ts, (forwards, pod, wire_seq))
+        if merged is not None:
+            add(merged, None, None, key)
+        return rows
 
     def _prompt_ids(self, messages: list[dict], result: RequestResult) -> tuple[list[int] | None, int | None]:
         """The prompt the engine computed for this turn (encoded again the way submit does), so
@@ -173,43 +257,48 @@ class Recorder:
                 "token_ids": _dumps(list(result.token_ids)),
                 "prompt_ids": None if prompt_ids is None else _dumps(prompt_ids), "system_tokens": system_tokens,
             }
-            events = self._drain()
+            rows = self._take_rows()
             try:
                 with write_txn(self.db):
                     self.db["turns"].insert(row)
-                    if events:
-                        self.db["cache_events"].insert_all(events)
+                    if rows:
+                        insert_batch_rows(self.db, rows)
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot record turn {self._seq} in {self.path}: {exc}") from None
         return tid
 
     def record_events(self, events, columns: list[dict] | None = None) -> None:
         """Write events that did not come from an attached engine (a watched server's KV events,
-        as engine events), in one transaction; `columns[i]` adds to event i's row (pod, wire_seq)."""
-        rows = [event_row(self.session_id, ev) for ev in events]
-        for row, extra in zip(rows, columns or ()):
-            row.update(extra)
+        as engine events) now, in one transaction; `columns[i]` (pod, wire_seq) goes with event
+        i: consecutive events with the same columns are one batch row."""
+        columns = list(columns or ())
+        rows = []
+        start = 0
+        events = list(events)
+        for i in range(1, len(events) + 1):
+            if i == len(events) or (columns[i] if i < len(columns) else None) != (
+                    columns[start] if start < len(columns) else None):
+                extra = columns[start] if start < len(columns) else {}
+                rows.append(batch_row(self.session_id, events[start:i], pod=extra.get("pod"),
+                                      wire_seq=extra.get("wire_seq")))
+                start = i
         if rows:
-            cols = list(rows[0])
-            same = all(len(r) == len(cols) for r in rows)  # event_row's keys + the same extras
-            sql = (f"insert into cache_events ({', '.join(cols)}) values ({', '.join('?' * len(cols))})"
-                   if same else None)
             with self._lock:
                 try:
                     with write_txn(self.db):
-                        if sql is None:
-                            self.db["cache_events"].insert_all(rows)
-                        else:  # executemany: a busy watched server sends thousands of events a second
-                            self.db.conn.executemany(sql, [[r[c] for c in cols] for r in rows])
+                        insert_batch_rows(self.db, rows)
                 except sqlite3.Error as exc:
-                    raise StoreError(f"cannot record {len(rows)} events in {self.path}: {exc}") from None
+                    raise StoreError(f"cannot record {len(events)} events in {self.path}: {exc}") from None
 
     def flush(self) -> None:
+        """Write every queued batch now."""
         with self._lock:
-            events = self._drain()
-            if events:
+            if self._closed:
+                return
+            rows = self._take_rows()
+            if rows:
                 with write_txn(self.db):
-                    self.db["cache_events"].insert_all(events)
+                    insert_batch_rows(self.db, rows)
 
     def close(self) -> None:
         if self._closed:
@@ -221,12 +310,19 @@ class Recorder:
             except Exception:  # the engine may be gone; the session still ends cleanly
                 stats = None
         self.detach()
+        self._stop = True
+        self._wake.set()
+        writer = self._writer
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(10)
         self.flush()
         with self._lock:
             with write_txn(self.db):
                 update = {"ended": time.time()}
                 if stats is not None:
                     update["stats"] = _dumps(stats)
+                if self.dropped_events:
+                    update["dropped_events"] = self.dropped_events
                 self.db["sessions"].update(self.session_id, update)
             self.db.close()
             self._closed = True

@@ -416,7 +416,8 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
     scrubber and the simulator open it like any recorded session."""
     # start-up time: imported when this first runs
     from .ids import new_ulid
-    from .recorder import _dumps, event_row, versions
+    from .event_log import batch_row, insert_batch_rows
+    from .recorder import _dumps, versions
 
     trace = read.trace
     res = simulate(trace, keep_events=True)
@@ -449,18 +450,17 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
                 "error": fin.error if fin else None, "token_ids": _dumps(r.output_ids),
                 "prompt_ids": _dumps(r.prompt_ids), "system_tokens": 0})
         db["turns"].insert_all(rows)
-        evs = []
+        steps: list = []  # [forwards, events]: one recorded batch per step of the simulated engine
         for ev, forwards in res.events:
             kind = type(ev).__name__
             if kind == "FirstToken":  # no model ran: no time to first token to show
                 continue
             if kind == "RequestFinished":
                 ev.stats = {k: (None if k.endswith("_ms") or k == "decode_tok_s" else v) for k, v in ev.stats.items()}
-            row = event_row(sid, ev)
-            row["forwards"] = forwards
-            evs.append(row)
-        if evs:
-            db["cache_events"].insert_all(evs)
+            if not steps or steps[-1][0] != forwards:
+                steps.append((forwards, []))
+            steps[-1][1].append(ev)
+        insert_batch_rows(db, [batch_row(sid, evs, forwards=fw) for fw, evs in steps])
     return sid
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from recorded_util import recorded
+
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.errors import EngineError
@@ -101,7 +103,6 @@ def test_an_unregistered_user_is_registered_without_a_group(make_engine):
 
 def test_group_change_is_recorded(make_engine, tmp_path):
     from kvplay.sessions.recorder import Recorder
-    from kvplay.sessions.store import open_db
 
     eng = make_engine(isolation="group")
     rec = Recorder.open(str(tmp_path / "s.db"), eng.config, eng.model_name, "run", "")
@@ -110,10 +111,8 @@ def test_group_change_is_recorded(make_engine, tmp_path):
     eng.set_group("bob", "g1")
     eng.call(lambda: None)
     rec.close()
-    db = open_db(str(tmp_path / "s.db"))
-    rows = list(db.query("select kind, user, payload from cache_events where kind = 'UserGroupChanged'"))
-    assert len(rows) == 1 and rows[0]["user"] == "bob"
-    assert json.loads(rows[0]["payload"])["new_group"] == "g1"
+    rows = recorded(tmp_path / "s.db", kinds=("UserGroupChanged",))
+    assert len(rows) == 1 and rows[0]["user"] == "bob" and rows[0]["new_group"] == "g1"
 
 
 def test_kvplay_run_group_attack_example_gives_zero_tokens_from_alice(capsys, tmp_path, monkeypatch):

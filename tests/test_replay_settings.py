@@ -4,7 +4,6 @@ their creators, not only the text."""
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import pytest
 
@@ -13,6 +12,8 @@ from kvplay.engine.events import SettingsChanged
 from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.script import parse_script
+
+from recorded_util import drop_recorded, recorded
 
 SYSTEM = "You are a helpful assistant for a bakery. Answer briefly and never invent prices or opening hours."
 QUESTION = "How do I keep a sourdough starter alive over a long holiday away from home?"
@@ -76,13 +77,11 @@ def test_app_style_changes_are_recorded_replayed_and_exported(make_engine, tmp_p
     assert cached[4][0] > 0 and set(cached[4][1]) == {"dave"}
     assert cached[5][0] == 0  # cleared
 
-    con = sqlite3.connect(db)
-    rows = con.execute("select kind, payload from cache_events where session_id = ? order by seq", [sid]).fetchall()
-    con.close()
-    settings = [json.loads(p)["changes"] for k, p in rows if k == "SettingsChanged"]
+    rows = recorded(db, sid)
+    settings = [e["changes"] for e in rows if e["kind"] == "SettingsChanged"]
     assert settings == [{"isolation": "user"}, {"isolation": "shared"}, {"deterministic": True}, {"eviction": "lfu"}]
     # each change sits right before the request it preceded
-    kinds = [k for k, _ in rows if k in ("SettingsChanged", "RequestQueued", "AllBlocksCleared")]
+    kinds = [e["kind"] for e in rows if e["kind"] in ("SettingsChanged", "RequestQueued", "AllBlocksCleared")]
     assert kinds == ["RequestQueued", "SettingsChanged", "RequestQueued", "SettingsChanged", "RequestQueued",
                      "SettingsChanged", "AllBlocksCleared", "RequestQueued", "SettingsChanged", "RequestQueued",
                      "AllBlocksCleared", "RequestQueued"]
@@ -113,11 +112,7 @@ def test_a_replay_whose_cached_tokens_differ_does_not_reproduce(make_engine, tmp
     recorded before settings were events): the text may match, the cache does not."""
     db = str(tmp_path / "s.db")
     sid, cached = record_app_style(make_engine, db)
-    con = sqlite3.connect(db)
-    con.execute("delete from cache_events where session_id = ? and kind = 'SettingsChanged' "
-                "and payload like '%\"isolation\":\"user\"%'", [sid])
-    con.commit()
-    con.close()
+    assert drop_recorded(db, sid, lambda e: e.kind == "SettingsChanged" and e.changes == {"isolation": "user"}) == 1
     assert cli(["replay", sid, "--db", db, "--headless", "--json", "--no-record"]) == 0  # not deterministic mode
     objs = json_lines(capsys.readouterr().out)
     comps, summ = {c["turn"]: c for c in objs[:-1]}, objs[-1]
@@ -185,13 +180,9 @@ async def test_the_apps_f2_f4_f5_are_recorded_where_they_happened(tiny_llama, tm
         await pilot.press("f4")
         await pilot.pause(0.5)
         await say(app, pilot, "alice", "Hello again")
-    con = sqlite3.connect(db)
-    rows = con.execute("select kind, payload from cache_events where kind in "
-                       "('RequestQueued', 'SettingsChanged', 'AllBlocksCleared') order by seq").fetchall()
-    con.close()
     got = []
-    for kind, payload in rows:
-        d = json.loads(payload)
+    for d in recorded(db, kinds=("RequestQueued", "SettingsChanged", "AllBlocksCleared")):
+        kind = d["kind"]
         got.append(kind if kind == "RequestQueued" else
                    (kind, d.get("changes") or d.get("reason")))
     assert got == ["RequestQueued", ("SettingsChanged", {"isolation": "user"}),

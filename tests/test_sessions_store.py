@@ -7,13 +7,14 @@ import pytest
 import sqlite_utils
 
 from kvplay.cli import main as cli
+from kvplay.sessions.event_log import read_events
 from kvplay.sessions.ids import new_ulid, ulid_time
 from kvplay.sessions.migrations import MIGRATIONS, MIGRATIONS_TABLE, migrate, schema_version
 from kvplay.sessions.store import StoreError, open_db
 
 EXPECTED = {
     "sessions": {"id", "created", "ended", "source", "model", "engine_config", "versions", "system_prompt",
-                 "script_path", "replay_of", "title", "stats"},
+                 "script_path", "replay_of", "title", "stats", "dropped_events"},
     "users": {"session_id", "name", "group", "colour", "seed", "temperature", "max_tokens", "top_p", "top_k"},
     "turns": {"id", "session_id", "seq", "user", "text", "reply", "messages", "sampling", "seed", "at", "started",
               "ended", "request_id", "ttft_ms", "decode_tok_s", "prompt_tokens", "cached_tokens", "computed_tokens",
@@ -21,6 +22,7 @@ EXPECTED = {
               "prompt_ids", "system_tokens"},
     "cache_events": {"id", "session_id", "seq", "ts", "kind", "block_ids", "block_hashes", "user", "request_id",
                      "payload", "forwards", "pod", "wire_seq"},
+    "event_batches": {"id", "session_id", "seq", "n", "step", "ts", "forwards", "pod", "wire_seq", "events"},
 }
 
 
@@ -114,10 +116,13 @@ def test_recorder_from_another_thread(tmp_path, make_engine):
     turns = list(db["turns"].rows)
     assert [t["id"] for t in turns] == out
     assert turns[0]["token_ids"] == str(list(res.token_ids)).replace(" ", "")
-    kinds = {r["kind"] for r in db["cache_events"].rows}
-    assert {"RequestQueued", "RequestStarted", "RequestFinished", "BlockStored"} <= kinds
-    stored = next(db.query("select * from cache_events where kind = 'BlockStored'"))
-    assert stored["user"] == "alice" and stored["block_ids"].startswith("[") and stored["request_id"] == res.request_id
+    events, bad = read_events(db, rec.session_id)
+    kinds = {e["kind"] for e in events}
+    assert {"RequestQueued", "RequestStarted", "RequestFinished", "BlockStored"} <= kinds and bad == 0
+    stored = next(e for e in events if e["kind"] == "BlockStored")
+    assert stored["user"] == "alice" and stored["block_ids"] and stored["request_id"] == res.request_id
+    assert db.execute("select count(*) from cache_events").fetchone()[0] == 0  # one row per batch now
+    assert db.execute("select sum(n) from event_batches").fetchone()[0] == len(events)
     session = db["sessions"].get(rec.session_id)
     assert session["ended"] is not None
     assert json.loads(session["stats"])["requests_finished"] == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 
 
+from recorded_util import recorded
+
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import UserSpec
 from kvplay.tui.app import KvplayApp
@@ -687,7 +689,6 @@ async def test_a_lab_from_the_palette_records_its_own_session_not_into_the_apps(
     assert set(sessions) == {"app", "lab:response-cache"}
     app_sid, lab_sid = sessions["app"], sessions["lab:response-cache"]
     turns = con.execute("select count(*) from turns where session_id = ?", [app_sid]).fetchone()[0]
-    finished = con.execute("select count(*) from cache_events where session_id = ? and kind = 'RequestFinished'",
-                           [app_sid]).fetchone()[0]
+    finished = len(recorded(db, app_sid, kinds=("RequestFinished",)))
     assert turns == finished == 2  # alice's and bob's, none of the lab's
     assert con.execute("select count(*) from turns where session_id = ?", [lab_sid]).fetchone()[0] > 0

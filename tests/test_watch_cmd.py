@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from recorded_util import recorded
 from test_watch_subscriber import free_port, restart
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, hash_hex
@@ -151,8 +152,9 @@ def test_watch_json_gap_restart_and_recording(tmp_path, pubs):
     # recorded like any session: kvplay's event names, pod and wire seq on every row
     con = sqlite3.connect(db)
     assert con.execute("select source from sessions").fetchall() == [("watch",)]
-    rows = con.execute("select kind, user, pod, wire_seq, block_hashes, payload from cache_events order by seq, id").fetchall()
-    assert {r[2] for r in rows} == {"vllm-0"}
+    rows = [(e["kind"], e.get("user"), e.get("pod"), e.get("wire_seq"), json.dumps(e.get("block_hashes")), json.dumps(e))
+            for e in recorded(db)]
+    assert {r[2] for r in rows} == {"vllm-0"} and all(type(r[3]) is int for r in rows)
     kinds = [r[0] for r in rows]
     assert kinds.count("BlockHit") == 1
     assert sum(len(json.loads(r[4])) for r in rows if r[0] == "BlockRemoved") == 2

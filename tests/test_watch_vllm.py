@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import time
 import urllib.request
 
 import pytest
 
+from recorded_util import recorded
 from test_watch_cmd import Watch
 from test_watch_subscriber import free_port
 
@@ -121,8 +121,7 @@ def test_watch_real_vllm_gap_and_restart(tmp_path):
     assert set(pod["by_session"]) == {"carol"} and pod["blocks"] >= carol[0] // 32
     assert carol[1] == 0
     # before the restart: bob's re-announced blocks are exactly what vLLM said it reused
-    con = sqlite3.connect(db)
-    rows = con.execute("select kind, user, payload from cache_events order by seq, id").fetchall()
+    rows = [(e["kind"], e.get("user"), json.dumps(e)) for e in recorded(db)]
     restart_at = [i for i, r in enumerate(rows) if r[0] == "AllBlocksCleared"
                   and json.loads(r[2])["reason"] == "publisher restarted"]
     assert len(restart_at) == 1

@@ -194,12 +194,12 @@ class ScrubScreen(Screen):
     def _event_text(self) -> Text:
         if self.cursor == 0:
             return Text("before the first event (→ steps, space plays)", style=DIM)
-        from kvplay.engine.events import event_from_dict
+        from kvplay.engine.events import EventError, event_from_dict
 
         d = {k: v for k, v in self.rec.events[self.cursor - 1].items() if k != "forwards"}
         try:
             line = event_line(event_from_dict(d), self.looks)
-        except (KeyError, TypeError):
+        except (EventError, KeyError, TypeError):
             line = None
         return Text(line or f"{d.get('seq', ''):>5} {d.get('kind')} {d.get('user') or ''}")
 

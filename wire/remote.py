@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import httpx
+import msgspec
 import numpy as np
 
 from kvplay.engine.errors import EngineError
@@ -284,13 +285,13 @@ class RemoteBackend(ChatBackend):
                 k = ev.kind
                 if k == "BlockStored":
                     self._code(ev.user)
-                    slots.apply(vars(ev), k)
+                    slots.apply(msgspec.structs.asdict(ev), k)
                     ev.block_ids = [slots.slot_of[(None, h)] + off for h in ev.block_hashes]
                     self._block_size = ev.block_size or self._block_size
                 else:
                     ids = [s + off for s in map(slots.slot_of.get, ((None, h) for h in getattr(ev, "block_hashes", ())))
                            if s is not None]
-                    slots.apply(vars(ev), k)
+                    slots.apply(msgspec.structs.asdict(ev), k)
                     if k == "BlockHit":
                         self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
                     if k != "AllBlocksCleared":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 
+import msgspec
 import numpy as np
 
 from kvplay.engine.observe import BlockArrays, BlockSummary, BlockView, summarize
@@ -134,7 +135,7 @@ class SlotMirror:
     def apply_batch(self, batch) -> None:
         """An `EngineBatch` (engine/events.py): its events in order."""
         for ev in batch.events:
-            self.apply(vars(ev), type(ev).__name__)
+            self.apply(msgspec.structs.asdict(ev), type(ev).__name__)
 
     def apply_all(self, events) -> None:
         for e in events:

@@ -1,0 +1,38 @@
+"""Reading and editing a test's recorded events (sessions/event_log.py: rows of either format)."""
+from __future__ import annotations
+
+from kvplay.engine.events import decode_events, encode_events
+from kvplay.sessions.event_log import read_events
+from kvplay.sessions.store import open_db
+
+
+def recorded(db_path, sid: str | None = None, kinds: tuple | None = None) -> list[dict]:
+    """The recorded events (dicts, in order) of session `sid`, or of every session in the DB."""
+    db = open_db(db_path, create=False)
+    try:
+        sids = [sid] if sid else [r[0] for r in db.execute("select id from sessions order by id")]
+        out = []
+        for s in sids:
+            out += read_events(db, s, kinds)[0]
+        return out
+    finally:
+        db.close()
+
+
+def drop_recorded(db_path, sid: str, drop) -> int:
+    """Remove from session `sid`'s recorded batches every event for which `drop(event)` is true
+    (as if it had never been recorded); returns how many went."""
+    db = open_db(db_path)
+    gone = 0
+    try:
+        with db.conn:
+            for rid, blob in db.execute("select id, events from event_batches where session_id = ?", [sid]).fetchall():
+                events, _ = decode_events(blob)
+                keep = [e for e in events if not drop(e)]
+                if len(keep) != len(events):
+                    gone += len(events) - len(keep)
+                    db.execute("update event_batches set events = ?, n = ? where id = ?",
+                               [encode_events(keep), len(keep), rid])
+    finally:
+        db.close()
+    return gone
