@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Recording throughput before and after, in one run: `mirror_bench --record` (decode + apply +
-# record a synthetic vLLM-like stream to SQLite, one thread) on a git ref's code (default main),
-# then on the working tree. The ref's package is staged as Python sees it (as
+# Recording throughput before and after, in one run: this checkout's `mirror_bench --record`
+# (decode + apply + record a synthetic vLLM-like stream to SQLite, one thread; and the recorder
+# alone) on a git ref's package (default main), then on the working tree. The ref's package is staged as Python sees it (as
 # scripts/lint_imports.sh stages it) and put ahead of the editable install on PYTHONPATH.
 #   scripts/recorder_before_after.sh [REF] [--events N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF=${1:-main}
 shift || true
-PY=${KVPLAY_VENV:-.venv}/bin/python
+PY=$(cd "${KVPLAY_VENV:-.venv}/bin" && pwd)/python
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/src"
@@ -20,6 +20,9 @@ for folder in engine wire sessions serve tui labs bench; do
   cp "$stage/src/$folder/"*.py "$stage/kvplay/$folder/"
 done
 echo "before ($REF, $(git rev-parse --short "$REF")):"
-PYTHONPATH="$stage" "$PY" -m kvplay.bench.mirror_bench --record --no-socket "$@"
+# This checkout's bench (so both runs measure the same way) on the ref's package, run from the
+# stage: with the checkout as the working directory its kvplay/ would come first.
+bench=$(pwd)/bench/mirror_bench.py
+(cd "$stage" && PYTHONPATH="$stage" "$PY" "$bench" --record --no-socket "$@")
 echo "after (working tree, $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + changes')):"
 "$PY" -m kvplay.bench.mirror_bench --record --no-socket "$@"

@@ -15,7 +15,7 @@ import json
 
 import msgspec
 
-from kvplay.engine.events import MAX_BATCH_BYTES, decode_events, encode_events
+from kvplay.engine.events import MAX_BATCH_BYTES, decode_events, encode_events, event_from_dict
 
 MAX_PAYLOAD_BYTES = 16 << 20  # one old (JSON, one event) row
 
@@ -57,12 +57,9 @@ def read_events(db, sid: str, kinds: tuple | None = None) -> tuple[list[dict], i
         sql = (f"select case when length(payload) <= {MAX_PAYLOAD_BYTES} then payload end, forwards, pod, "
                f"wire_seq from cache_events where {where} order by seq, id")
         for payload, forwards, pod, wire_seq in db.execute(sql, args):
-            try:
-                d = json.loads(payload)
-            except (TypeError, ValueError, RecursionError):
-                bad += 1
-                continue
-            if not isinstance(d, dict) or not isinstance(d.get("kind"), str):
+            try:  # validated as a new row's events are: the same types either way
+                d = event_from_dict(json.loads(payload)).to_dict()
+            except (TypeError, ValueError, RecursionError):  # (EventError is a ValueError)
                 bad += 1
                 continue
             d["forwards"] = forwards if type(forwards) is int else None
