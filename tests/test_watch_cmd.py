@@ -152,7 +152,7 @@ def test_watch_json_gap_restart_and_recording(tmp_path, pubs):
     # recorded like any session: kvplay's event names, pod and wire seq on every row
     con = sqlite3.connect(db)
     assert con.execute("select source from sessions").fetchall() == [("watch",)]
-    rows = [(e["kind"], e.get("user"), e.get("pod"), e.get("wire_seq"), json.dumps(e.get("block_hashes")), json.dumps(e))
+    rows = [(e["kind"], e.get("user"), e.get("pod"), e.get("wire_seq"), json.dumps(e.get("block_hashes") or []), json.dumps(e))
             for e in recorded(db)]
     assert {r[2] for r in rows} == {"vllm-0"} and all(type(r[3]) is int for r in rows)
     kinds = [r[0] for r in rows]
