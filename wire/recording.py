@@ -18,6 +18,8 @@ from kvplay.engine.events import AllBlocksCleared, BlockHit, BlockRemoved, Block
 
 from .codec import hash_hex
 
+_U64 = 0xFFFFFFFFFFFFFFFF  # hash_hex of an int, inlined on this hot path
+
 
 def journal_events(journal: list, ts: float) -> list:
     """A mirror's journal entries (wire/mirror.py) as kvplay engine events, in order: new blocks
@@ -27,36 +29,45 @@ def journal_events(journal: list, ts: float) -> list:
     AllBlocksCleared."""
     out = []
     hits = None
+    chain = None  # the BlockStored the last entry extended, and that entry's raw hash
+    chain_h = None
+    removed = None
     for entry in journal:
         kind = entry[0]
-        if kind == "hit":
+        if kind == "stored":
+            _, h, parent, tokens, size, who = entry
+            hx = format(h & _U64, "016x") if type(h) is int else hash_hex(h)
+            if chain is not None and parent == chain_h and chain.user == who and chain.block_size == size:
+                chain.block_hashes.append(hx)  # the chain goes on: one event, like vLLM's
+                chain.token_ids.extend(tokens)
+            else:
+                hp = None if parent is None else (
+                    format(parent & _U64, "016x") if type(parent) is int else hash_hex(parent))
+                chain = BlockStored(ts=ts, block_hashes=[hx], parent_block_hash=hp, token_ids=list(tokens),
+                                    block_size=size, user=who)
+                out.append(chain)
+            chain_h = h
+            hits = removed = None
+        elif kind == "hit":
             _, h, who, creator, size = entry
             if hits is None or hits.user != who:
                 hits = BlockHit(ts=ts, user=who, block_hashes=[], cached_tokens=0, by_creator={})
                 out.append(hits)
-            hits.block_hashes.append(hash_hex(h))
+            hits.block_hashes.append(format(h & _U64, "016x") if type(h) is int else hash_hex(h))
             hits.cached_tokens += size
             hits.by_creator[creator] = hits.by_creator.get(creator, 0) + size
-            continue
-        hits = None
-        last = out[-1] if out else None
-        if kind == "stored":
-            _, h, parent, tokens, size, who = entry
-            hp = hash_hex(parent)
-            if (type(last) is BlockStored and last.user == who and last.block_size == size
-                    and last.block_hashes[-1] == hp):  # the chain goes on: one event, like vLLM's
-                last.block_hashes.append(hash_hex(h))
-                last.token_ids.extend(tokens)
-            else:
-                out.append(BlockStored(ts=ts, block_hashes=[hash_hex(h)], parent_block_hash=hp,
-                                       token_ids=list(tokens), block_size=size, user=who))
+            chain = removed = None
         elif kind == "removed":
             _, h, creator = entry
-            if type(last) is BlockRemoved:
-                last.block_hashes.append(hash_hex(h))
-                last.creators.append(creator or "")
+            hx = format(h & _U64, "016x") if type(h) is int else hash_hex(h)
+            if removed is None:
+                removed = BlockRemoved(ts=ts, block_hashes=[hx], creators=[creator or ""])
+                out.append(removed)
             else:
-                out.append(BlockRemoved(ts=ts, block_hashes=[hash_hex(h)], creators=[creator or ""]))
+                removed.block_hashes.append(hx)
+                removed.creators.append(creator or "")
+            chain = hits = None
         else:
             out.append(AllBlocksCleared(ts=ts, reason=entry[1]))
+            chain = hits = removed = None
     return out
