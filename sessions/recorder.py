@@ -16,7 +16,8 @@ wake, not one per batch). When the queue is full the batch is dropped and counte
 Usable from any thread: one sqlite connection (check_same_thread=False) guarded by a lock.
 A turn and the batches queued before it are written in one transaction (`write_txn`: BEGIN
 IMMEDIATE around `db.atomic()`), and the writer commits every FLUSH_S at the latest, so a
-`kill -9` loses at most the turn in flight and the events of the last FLUSH_S.
+`kill -9` loses at most the turn in flight and the events of the last FLUSH_S (the connection
+runs WAL with synchronous NORMAL: no fsync per commit; a power cut may lose the last commits).
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ class Recorder:
              system_prompt: str, script_path: str | None = None, replay_of: str | None = None,
              title: str | None = None) -> "Recorder":
         db = open_db(db_path)
+        # WAL with synchronous NORMAL: a commit survives the process dying (kill -9), only the
+        # last ones may be lost if the machine loses power; no fsync per commit of a busy writer
+        db.execute("PRAGMA synchronous = NORMAL")
         sid = new_ulid()
         with write_txn(db):
             db["sessions"].insert({
@@ -271,16 +275,15 @@ class Recorder:
         """Write events that did not come from an attached engine (a watched server's KV events,
         as engine events) now, in one transaction; `columns[i]` (pod, wire_seq) goes with event
         i: consecutive events with the same columns are one batch row."""
+        events = list(events)
         columns = list(columns or ())
+        columns += [{}] * (len(events) - len(columns))
         rows = []
         start = 0
-        events = list(events)
         for i in range(1, len(events) + 1):
-            if i == len(events) or (columns[i] if i < len(columns) else None) != (
-                    columns[start] if start < len(columns) else None):
-                extra = columns[start] if start < len(columns) else {}
-                rows.append(batch_row(self.session_id, events[start:i], pod=extra.get("pod"),
-                                      wire_seq=extra.get("wire_seq")))
+            cur = columns[start]
+            if i == len(events) or (columns[i] is not cur and columns[i] != cur):
+                rows.append(batch_row(self.session_id, events[start:i], pod=cur.get("pod"), wire_seq=cur.get("wire_seq")))
                 start = i
         if rows:
             with self._lock:
