@@ -108,29 +108,43 @@ def measure_recording(payloads: list[bytes], db_path: str) -> float:
     return time.perf_counter() - t0
 
 
+def _engine_events(payloads: list[bytes]) -> list[tuple[list, float]]:
+    """Each payload's events as kvplay engine events (decoded, applied, converted as a watched
+    server's are), numbered in order."""
+    # start-up time: imported when this first runs
+    from kvplay.wire.recording import journal_events
+
+    m = Mirror("bench")
+    m.journal = []
+    out = []
+    seq = 0
+    for wire_seq, p in enumerate(payloads):
+        b = decode_batch(p)
+        m.apply(b, wire_seq)
+        events = journal_events(m.journal, b.ts)
+        m.journal = []
+        for ev in events:
+            seq += 1
+            ev.seq = seq
+        out.append((events, b.ts))
+    return out
+
+
 def measure_recorder(payloads: list[bytes], db_path: str) -> tuple[float, int]:
     """(seconds, engine events) the recorder alone takes to write every payload's events: the
     batches are decoded, applied and turned into engine events first (untimed), then written with
     `Recorder.record_events` 1,000 batches at a time (as `kvplay watch` flushes), and closed."""
     # start-up time: imported when this first runs
     from kvplay.sessions.recorder import Recorder
-    from kvplay.wire.recording import journal_events
 
-    m = Mirror("bench")
-    m.journal = []
     chunks: list = [([], [])]
-    seq = 0
-    for wire_seq, p in enumerate(payloads):
-        b = decode_batch(p)
-        m.apply(b, wire_seq)
-        cols = {"pod": "bench", "wire_seq": wire_seq}
+    n = 0
+    for wire_seq, (evs, _ts) in enumerate(_engine_events(payloads)):
         events, columns = chunks[-1]
-        for ev in journal_events(m.journal, b.ts):
-            seq += 1
-            ev.seq = seq
-            events.append(ev)
-            columns.append(cols)
-        m.journal = []
+        cols = {"pod": "bench", "wire_seq": wire_seq}
+        events.extend(evs)
+        columns.extend([cols] * len(evs))
+        n += len(evs)
         if wire_seq % 1000 == 999:
             chunks.append(([], []))
     rec = Recorder.open(db_path, None, "remote", "watch", "", title="mirror bench")
@@ -139,7 +153,27 @@ def measure_recorder(payloads: list[bytes], db_path: str) -> tuple[float, int]:
         if events:
             rec.record_events(events, columns)
     rec.close()
-    return time.perf_counter() - t0, seq
+    return time.perf_counter() - t0, n
+
+
+def measure_engine_recorder(payloads: list[bytes], db_path: str) -> tuple[float, int, int] | None:
+    """(seconds, engine events, dropped) for the local engine's recording path: each payload's
+    engine events handed to `Recorder.record_batch` as one engine step's batch (what the engine
+    thread does), the recorder's writer thread writing them, until `close` has written the
+    last. None on a kvplay whose recorder has no batch queue."""
+    # start-up time: imported when this first runs
+    from kvplay.sessions.recorder import Recorder
+
+    if not hasattr(Recorder, "record_batch"):
+        return None
+    batches = _engine_events(payloads)
+    rec = Recorder.open(db_path, None, "bench", "run", "", title="mirror bench (engine path)")
+    t0 = time.perf_counter()
+    for step, (events, ts) in enumerate(batches, 1):
+        if events:
+            rec.record_batch(events, step=step, ts=ts, forwards=step)
+    rec.close()
+    return time.perf_counter() - t0, sum(len(e) for e, _ in batches), rec.dropped_events
 
 
 def measure_socket(payloads: list[bytes]) -> float:
@@ -335,6 +369,10 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
         with tempfile.TemporaryDirectory() as tmp:
             dr = measure_recording(payloads, os.path.join(tmp, "bench.db"))
             dw, engine_events = measure_recorder(payloads, os.path.join(tmp, "alone.db"))
+            eng = measure_engine_recorder(payloads, os.path.join(tmp, "engine.db"))
+        if eng is not None:
+            out.update(engine_recorder_s=round(eng[0], 4), engine_recorder_events_per_s=round(eng[1] / eng[0]),
+                       engine_recorder_dropped=eng[2])
         out.update(record_s=round(dr, 4), record_events_per_s=round(events / dr),
                    recorder_s=round(dw, 4), recorder_events_per_s=round(events / dw),
                    recorder_engine_events=engine_events, recorder_engine_events_per_s=round(engine_events / dw))
@@ -379,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode + apply + record to SQLite: {r['record_events_per_s']:,} events/s")
             print(f"the recorder alone (write to SQLite, the wire events as {r['recorder_engine_events']:,} engine "
                   f"events): {r['recorder_events_per_s']:,} events/s ({r['recorder_engine_events_per_s']:,} engine events/s)")
+        if "engine_recorder_s" in r:
+            print(f"the same engine events as engine steps' batches through the recorder's queue and writer "
+                  f"thread: {r['engine_recorder_events_per_s']:,} engine events/s "
+                  f"({r['engine_recorder_dropped']:,} dropped)")
     return 0
 
 
