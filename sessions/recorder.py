@@ -135,16 +135,22 @@ class Recorder:
         if not n:
             return True
         with self._qlock:
-            if self._queued + n > MAX_QUEUED_EVENTS or self._closed:
-                self.dropped_events += n
-                self.dropped_batches += 1
-                return False
-            self._queued += n
-            self._queue.append((events, step, ts, forwards, pod, wire_seq))
+            full = self._queued + n > MAX_QUEUED_EVENTS or self._closed
+            if not full:
+                self._queued += n
+                self._queue.append((events, step, ts, forwards, pod, wire_seq))
+        if full:
+            self._dropped(n, 1)
+            return False
         if self._writer is None:
             self._start_writer()
         self._wake.set()
         return True
+
+    def _dropped(self, events: int, batches: int) -> None:
+        with self._qlock:
+            self.dropped_events += events
+            self.dropped_batches += batches
 
     def detach(self) -> None:
         if self._unsub is not None:
@@ -153,7 +159,9 @@ class Recorder:
 
     # --- the writer thread --------------------------------------------------------------------
     def _start_writer(self) -> None:
-        if self._writer is None and not self._closed:
+        with self._qlock:
+            if self._writer is not None or self._closed:
+                return
             self._writer = threading.Thread(target=self._write_loop, name="kvplay-recorder", daemon=True)
             self._writer.start()
 
@@ -170,10 +178,9 @@ class Recorder:
                     if rows:
                         with write_txn(self.db):
                             insert_batch_rows(self.db, rows)
-            except Exception as exc:  # a locked or broken DB: say so at close, keep the thread
-                self.write_error = f"{type(exc).__name__}: {exc}"
-                self.dropped_events += sum(r[2] for r in rows)
-                self.dropped_batches += len(rows)
+            except Exception as exc:  # a locked or broken DB: the rows count as dropped (in the
+                self.write_error = f"{type(exc).__name__}: {exc}"  # session's dropped_events)
+                self._dropped(sum(r[2] for r in rows), len(rows))
 
     def _take_rows(self) -> list[tuple]:
         """The queued batches as `event_batches` rows (under _lock). A batch that cannot be
@@ -188,8 +195,7 @@ class Recorder:
             try:
                 rows.append(batch_row(self.session_id, events, step, ts, *key))
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-                self.dropped_events += len(events)
-                self.dropped_batches += 1
+                self._dropped(len(events), 1)
 
         merged: list | None = None
         key = None
