@@ -222,7 +222,7 @@ class SlotMirror:
 
     def apply(self, e, kind: str | None = None) -> bool:
         """Apply one event: a mapping with the engine event's fields (a recorded row's payload,
-        or `vars(event)`), its kind given or under "kind". A malformed one (wrong types, block
+        or `msgspec.structs.asdict(event)`), its kind given or under "kind". A malformed one (wrong types, block
         ids out of range) is counted in `bad` and skipped: False, never an exception. Checks
         come before changes, except that a BlockStored or BlockRemoved naming blocks by hash
         may have taken slots before a later field fails."""
