@@ -1,5 +1,5 @@
 """How many KV events per second one process mirrors: a synthetic vLLM-like stream, decoded and
-applied exactly as `kvplay watch` does (wire/codec.decode_batch + wire/mirror.Mirror.apply), and
+applied exactly as `kvplay watch` does (wire/codec.decode_batch + wire/mirror.Mirror.apply_wire), and
 once more through a real ZMQ socket and the Subscriber.
 
 The stream looks like a busy GPU server's: each engine step stores a few prompts' blocks (one
@@ -77,18 +77,18 @@ def count_events(payloads: list[bytes]) -> tuple[int, int]:
 
 def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> float:
     """Seconds to decode and apply every payload into a fresh mirror (after `warm`)."""
-    m = Mirror("bench")
+    m = Mirror(pod="bench")
     for seq, p in enumerate(warm or []):
-        m.apply(decode_batch(p), seq)
+        m.apply_wire(decode_batch(p), seq)
     base = len(warm or [])
     t0 = time.perf_counter()
     for seq, p in enumerate(payloads, base):
-        m.apply(decode_batch(p), seq)
+        m.apply_wire(decode_batch(p), seq)
     return time.perf_counter() - t0
 
 
 def measure_recording(payloads: list[bytes], db_path: str) -> float:
-    """Seconds to decode, apply and record (journal -> engine events -> SQLite, flushed every
+    """Seconds to decode, apply and record (the mirror's engine events -> SQLite, flushed every
     1,000 batches as `kvplay watch` flushes about once a second) every payload."""
     # start-up time: imported when this first runs
     from kvplay.sessions.watch_recording import WatchRecording
@@ -99,9 +99,7 @@ def measure_recording(payloads: list[bytes], db_path: str) -> float:
     m = fleet.pod("bench")
     t0 = time.perf_counter()
     for seq, p in enumerate(payloads):
-        b = decode_batch(p)
-        m.apply(b, seq)
-        rec.on_batch("bench", seq, b.ts)
+        rec.on_batch("bench", seq, m.apply_wire(decode_batch(p), seq).events)
         if seq % 1000 == 999:
             rec.flush()
     rec.close()
@@ -110,19 +108,14 @@ def measure_recording(payloads: list[bytes], db_path: str) -> float:
 
 def _engine_events(payloads: list[bytes]) -> list[tuple[list, float]]:
     """Each payload's events as kvplay engine events (decoded, applied, converted as a watched
-    server's are), numbered in order."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.recording import journal_events
-
-    m = Mirror("bench")
-    m.journal = []
+    server's are: `Mirror.apply_wire` with `convert`), numbered in order."""
+    m = Mirror(pod="bench")
+    m.convert = True
     out = []
     seq = 0
     for wire_seq, p in enumerate(payloads):
         b = decode_batch(p)
-        m.apply(b, wire_seq)
-        events = journal_events(m.journal, b.ts)
-        m.journal = []
+        events = m.apply_wire(b, wire_seq).events
         for ev in events:
             seq += 1
             ev.seq = seq

@@ -8,7 +8,7 @@ Three measurements, each a ratio or a figure from one run (no timed tests):
   compared (on a shared machine other work only ever adds time; the median is reported too)
   (target: large <= 1.1x small).
 - **stats()**: the app's refresh call on the large engine after the workload (target <= 1 ms);
-  next to it ``block_summary`` over 1000 cells and the app's block map call (its SlotMirror's
+  next to it ``block_summary`` over 1000 cells and the app's block map call (its Mirror's
   ``summary``; every engine here feeds one from its batches, as the app's does).
 - **ready time and RSS at 1,000,000 blocks**: in a fresh interpreter (the model loaded first),
   the time to build the Engine, split into the pool's metadata and the K/V tensor allocation,
@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from kvplay.engine.config import EngineConfig
-from kvplay.wire.slots import SlotMirror
+from kvplay.wire.mirror import Mirror
 
 from .metrics import Target
 
@@ -101,7 +101,7 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
             progress(f"scale: step cost, {n:,} blocks, repetition {rep + 1}/{reps}")
             t0 = time.perf_counter()
             engine = Engine(base.replace(num_blocks=n).validate(), loaded)
-            mirror = SlotMirror(n)  # as the app has one: the engine's batches feed it every step
+            mirror = Mirror(n)  # as the app has one: the engine's batches feed it every step
             engine.subscribe_batches(mirror.apply_batch)
             engine.start()
             ready[n].append(time.perf_counter() - t0)
@@ -143,7 +143,7 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
 from kvplay.engine.config import EngineConfig
-from kvplay.wire.slots import SlotMirror
+from kvplay.wire.mirror import Mirror
 from kvplay.engine.engine import Engine
 from kvplay.engine.kv_store import KVStore
 from kvplay.engine.model import load_model

@@ -4,7 +4,7 @@ The session: a real `BlockPool` (no model) driven like a multi-user chat — eac
 user's cached prefix (BlocksTouched + BlockHit), allocates the rest, stores its full blocks,
 releases everything — with its events stamped and serialised exactly as the recorder writes
 them. The same events are then scrubbed the way `kvplay scrub` does (sessions/history.History
-over wire/slots.SlotMirror): open at event 45 with a whole-pool map summary, the counters and
+over wire/mirror.Mirror): open at event 45 with a whole-pool map summary, the counters and
 one block's detail; seek to the end; seek back to the middle. Times are best of `reps`;
 memory is tracemalloc's peak over one open-and-seek.
 

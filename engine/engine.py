@@ -11,7 +11,7 @@ One step on the engine thread: the scheduler decides (scheduler.py), the KV mana
 request its blocks (kv_manager.py over the block pool, pool.py + eviction.py), the model runner
 computes (runner.py, paged.py, kv_store.py), the output processor samples, detokenises and
 streams (output.py); after each step the stats are published (observe.py) and the step's events
-handed to batch subscribers as one EngineBatch (every cache view mirrors them: wire/slots.py).
+handed to batch subscribers as one EngineBatch (every cache view mirrors them: wire/mirror.py).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class Engine:
         """Call `fn(batch)` on the engine thread once per step, command or call that emitted
         anything: the step's events in order (the pool and scheduler queue them through
         `_emit`; `_drain_events` hands them over, as vLLM's `take_events()`). The one stream
-        every cache view reads (wire/slots.py mirrors it). Returns an unsubscribe."""
+        every cache view reads (wire/mirror.py mirrors it). Returns an unsubscribe."""
         self._batch_listeners.append(fn)
         return lambda: self._batch_listeners.remove(fn) if fn in self._batch_listeners else None
 

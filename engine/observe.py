@@ -1,7 +1,7 @@
 """The engine's counters and the shapes the cache views share.
 
 Views (the block map, stats, scrubber, attach) read a mirror of the engine's events
-(wire/slots.SlotMirror), never the engine's pool; what is here:
+(wire/mirror.Mirror), never the engine's pool; what is here:
 
 - ``Engine.stats(timeout=1.0) -> dict``: O(1) counters (kept incrementally by the pool and
   scheduler), for the CLI, the server's /metrics and the bench. Waits up to `timeout` s for the

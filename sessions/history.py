@@ -1,14 +1,14 @@
 """A recorded session's cache history: the block pool as it stood after any recorded event.
 
-`pool_state(events, n, num_blocks)` applies events 0..n-1 to an empty `SlotMirror`
-(wire/slots.py: the one mirror every cache view reads) and returns it with the counters the app
+`pool_state(events, n, num_blocks)` applies events 0..n-1 to an empty `Mirror`
+(wire/mirror.py: the one mirror every cache view reads) and returns it with the counters the app
 shows. `History` adds checkpoints so that scrubbing back and forth through a long session stays
 cheap: a seek replays at most a checkpoint's spacing of events, and a checkpoint copies the
 mirror's arrays only up to the highest block the session used, so opening or seeking a session
 recorded on a 1,000,000-block pool costs what its events cost, not the pool.
 
 Recordings made before the engine emitted BlocksAllocated/Touched/Released show a block
-allocated but not yet full as free until it is stored (wire/slots.py says how in-use is then
+allocated but not yet full as free until it is stored (wire/mirror.py says how in-use is then
 inferred); newer ones equal the live pool after every event.
 """
 from __future__ import annotations
@@ -17,12 +17,12 @@ import bisect
 from dataclasses import dataclass
 
 from kvplay.engine.observe import BlockView
-from kvplay.wire.slots import MAX_BLOCKS, SlotMirror
+from kvplay.wire.mirror import MAX_BLOCKS, Mirror
 
 from .event_log import read_events
 
 CHECKPOINT_BYTES = 256 << 20  # all checkpoints of one History together, at most about this
-_SLOT_BYTES = 31  # bytes per slot of a SlotMirror's arrays
+_SLOT_BYTES = 31  # bytes per slot of a Mirror's arrays
 
 
 @dataclass
@@ -30,7 +30,7 @@ class PoolState:
     """The pool and counters after `applied` events. `mirror` is the History's cursor: it is
     this state until the next `History.state` call moves it."""
     applied: int
-    mirror: SlotMirror
+    mirror: Mirror
     hit: frozenset  # blocks the latest request reused
     hit_tokens: int
     query_tokens: int
@@ -57,14 +57,14 @@ class PoolState:
         return self.mirror.count(state)
 
 
-def _state(m: SlotMirror) -> PoolState:
+def _state(m: Mirror) -> PoolState:
     return PoolState(m.applied, m, m.hit, m.hit_tokens, m.query_tokens, m.evictions, m.preemptions,
                      len(m.running), len(m.waiting), m.ts)
 
 
 def pool_state(events: list[dict], n: int, num_blocks: int) -> PoolState:
     """The pool after applying recorded events 0..n-1 (event dicts as the recorder stores them)."""
-    m = SlotMirror(num_blocks)
+    m = Mirror(num_blocks)
     m.apply_all(events[:max(0, n)])
     return _state(m)
 
@@ -79,13 +79,13 @@ class History:
         self.num_blocks = num_blocks
         self.every = every
         self._marks: list[int] = [0]
-        self._saved: list[SlotMirror] = [SlotMirror(num_blocks)]
-        self._cur = SlotMirror(num_blocks)
+        self._saved: list[Mirror] = [Mirror(num_blocks)]
+        self._cur = Mirror(num_blocks)
 
     def __len__(self) -> int:
         return len(self.events)
 
-    def _room(self, m: SlotMirror) -> int:
+    def _room(self, m: Mirror) -> int:
         return max(4, CHECKPOINT_BYTES // (max(16, m.hw) * _SLOT_BYTES))
 
     def state(self, n: int) -> PoolState:
@@ -124,7 +124,7 @@ def recorded_pool_size(session: dict, events: list[dict]) -> int | None:
     if type(n) is not int or not 0 < n <= MAX_BLOCKS:  # missing, or not a pool a mirror can hold
         n = None
     if n is None and events:  # every block the events name (what a mirror accepts of them)
-        r = SlotMirror(0)
+        r = Mirror(0)
         r.apply_all(events)
         n = r.hw
     return n or None

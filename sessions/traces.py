@@ -296,19 +296,22 @@ def _vllm_batches_in(path: str, data: bytes):
             raise TraceError(f"{path} record {n}: {exc}") from None
 
 
-def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
+def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
     """Requests rebuilt from BlockStored events: each one's prompt is its parent's chain plus its
     own blocks (plus one token, the one a server always computes); an event continuing the chain
     the same session's previous one ended is the same request (chunked prefill, decode blocks).
     A request reused its parent's chain, and any leading blocks it re-announces that were still
-    cached (vLLM's kv_cache_report_mode "full"). Returns the items, the hits the server got, the
+    cached (vLLM's kv_cache_report_mode "full"). What is cached is the one Mirror's picture
+    (wire/mirror.py, fed every event in order). Returns the items, the hits the server got, the
     prompt tokens and the peak of blocks resident (a lower bound of its pool)."""
     # start-up time: imported when this first runs
-    from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored
+    from kvplay.wire.codec import AllBlocksCleared, BlockStored, EventBatch
+    from kvplay.wire.mirror import Mirror
 
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
     items: list = []
-    resident: set = set()
+    mirror = Mirror(pod="trace")
+    resident = mirror.key_slot
     peak = hits = 0
     open_: dict = {}  # session id (user) -> (its latest request, the hash its chain ends with)
     for n, b in batches:
@@ -331,8 +334,6 @@ def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
                 for i, h in enumerate(ev.block_hashes):
                     prefix = prefix + list(ev.token_ids[i * bs:(i + 1) * bs])
                     chain[h] = prefix
-                    resident.add(h)
-                peak = max(peak, len(resident))
                 uid = ev.session_id if isinstance(ev.session_id, str) and ev.session_id else "vllm"
                 cur, tail = open_.get(uid, (None, None))
                 if cur is not None and p is not None and p == tail:
@@ -344,12 +345,11 @@ def _vllm_trace(batches, path: str) -> tuple[list, int, int, int]:
                     hits += cur.cached_tokens
                     items.append(cur)
                 open_[uid] = (cur, ev.block_hashes[-1] if ev.block_hashes else tail)
-            elif isinstance(ev, BlockRemoved):
-                resident.difference_update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
-                resident.clear()
                 items.append(Clear(None, frozenset(), "cleared"))
                 open_.clear()
+            mirror.apply_wire(EventBatch(b.ts, [ev]))
+            peak = max(peak, len(resident))
     query = sum(len(r.prompt_ids) for r in items if isinstance(r, TraceRequest))
     return items, hits, query, peak
 
@@ -399,7 +399,7 @@ def read_trace_file(path: str, fmt: str = "auto", block_size: int = 16, num_bloc
         bs = block_size
         peak = 0
     else:
-        items, hits, query, peak = _vllm_trace(good, path)
+        items, hits, query, peak = _requests_from_stored(good, path)
         bs = next((ev.block_size for _, b in good for ev in b.events if getattr(ev, "block_size", 0)), block_size)
         if not any(isinstance(i, TraceRequest) for i in items):
             raise TraceError(error or f"{path}: no BlockStored events, so no requests to rebuild")
@@ -487,7 +487,7 @@ def _stored_only_trace(session: dict, events: list[dict]) -> Trace:
             batches.append((len(batches) + 1, EventBatch(e.get("ts") or 0.0, [])))
             last = key
         batches[-1][1].events.append(ev)
-    items, hits, query, peak = _vllm_trace(batches, f"session {session['id']}")
+    items, hits, query, peak = _requests_from_stored(batches, f"session {session['id']}")
     bs = next((e.get("block_size") for e in events if e.get("block_size")), 16)
     trace = Trace(EngineConfig(model="trace", block_size=bs, num_blocks=1), "trace", items,
                   source=f"session {session['id']} (blocks only)", recorded_hit_tokens=hits, recorded_query_tokens=query)

@@ -163,7 +163,7 @@ def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
         top = ", ".join(f"{k} {v}" for k, v in m.by_session.most_common(4))
         info = sub.pod_info(name)
         trouble = "".join(f" {k.replace('_', ' ')} {info[k]}" for k in TROUBLE if info[k])
-        parts.append(f"{name} [{m.state}] seq {m.last_seq} blocks {len(m.blocks)}"
+        parts.append(f"{name} [{m.pod_state}] seq {m.last_seq} blocks {len(m.blocks)}"
                      f"{' (' + top + ')' if top else ''} +{m.stored - prev[0]} -{m.removed - prev[1]}"
                      f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}{trouble}")
         last[name] = (m.stored, m.removed)
@@ -192,12 +192,16 @@ def main(args) -> int:
 
     def on_batch(pod, seq, batch, counts, replayed):
         if recording is not None:
-            recording.on_batch(pod, seq, batch.ts)
+            recording.on_batch(pod, seq, counts.events)
         if as_json:
             d = {"pod": pod, "seq": seq, "stored": counts[0], "removed": counts[1], "cleared": counts[2]}
             if replayed:
                 d["replayed"] = True
             out.write(json.dumps(d) + "\n")
+
+    def on_restart(pod):
+        if recording is not None:
+            recording.on_restart(pod)
 
     def on_state(pod, state):
         print(f"kvplay: pod {pod} is {state}", file=sys.stderr, flush=True)
@@ -213,7 +217,7 @@ def main(args) -> int:
             print(_human_line(fleet, sub, last), flush=True)
 
     try:
-        sub = Subscriber(sources, fleet, on_batch=on_batch, on_state=on_state,
+        sub = Subscriber(sources, fleet, on_batch=on_batch, on_state=on_state, on_restart=on_restart,
                          replay_timeout=args.replay_timeout).open()
     except WireError as exc:
         raise KvplayError(str(exc)) from None

@@ -1,10 +1,15 @@
 """Record a watched server into the sessions DB, like any other session (source "watch"): each
-applied batch's mirror journal becomes engine events (wire/recording.journal_events), written
-with the batch's `pod` and `wire_seq` in one transaction per `flush()`."""
+applied batch as kvplay engine events — what the pod's `Mirror.apply_wire` converted it to (the
+one converter, wire/mirror.py) — written with the batch's `pod` and `wire_seq` in one transaction
+per `flush()` (the watch loop flushes about once a second and at the end), so a busy server costs
+one commit a second, not one per batch. Hashes are hex; block ids are left out (each pod numbers
+its own slots: the recording names blocks by pod and hash)."""
 from __future__ import annotations
 
+import time
+
+from kvplay.engine.events import AllBlocksCleared
 from kvplay.wire.mirror import Fleet
-from kvplay.wire.recording import journal_events
 
 from .recorder import Recorder
 
@@ -21,24 +26,23 @@ class WatchRecording:
         self.recorded = 0
 
     def watch(self, pod: str) -> None:
-        """Start journaling `pod`'s mirror."""
-        m = self.fleet.pod(pod)
-        if m.journal is None:
-            m.journal = []
+        """Record `pod`: its mirror converts what it applies into engine events."""
+        self.fleet.pod(pod).convert = True
 
-    def on_batch(self, pod: str, wire_seq: int, ts: float) -> None:
-        """Turn what the pod's last batch did into events (called after each applied batch)."""
-        m = self.fleet.pod(pod)
-        journal = m.journal
-        if not journal:
-            return
-        m.journal = []
+    def on_batch(self, pod: str, wire_seq: int, events: list) -> None:
+        """Queue one applied batch's engine events (its `Applied.events`)."""
         cols = {"pod": pod, "wire_seq": wire_seq}
-        for ev in journal_events(journal, ts):
+        for ev in events:
             self._seq += 1
             ev.seq = self._seq
+            if hasattr(ev, "block_ids"):
+                ev.block_ids = []
             self._events.append(ev)
             self._cols.append(cols)
+
+    def on_restart(self, pod: str) -> None:
+        """The pod's publisher restarted: its cache is gone (an AllBlocksCleared)."""
+        self.on_batch(pod, -1, [AllBlocksCleared(ts=time.time(), reason="publisher restarted")])
 
     def flush(self) -> None:
         if not self._events:

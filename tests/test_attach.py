@@ -145,7 +145,7 @@ async def test_attach_two_pods_one_map_each(serve, tmp_path):
         with httpx.Client() as client:  # another client of pod b
             assert chat(client, servers[1].url, system=SYSTEM, user="zed", session_id="zed").status_code == 200
         assert backend.num_blocks == 64 and backend.pods["b"].offset == 32
-        await wait_until(pilot, lambda: len(backend.pods["b"].slot_of) > 0)
+        await wait_until(pilot, lambda: len(backend.pods["b"].key_slot) > 0)
         arr = backend.arrays()
         a_users = {arr.users[c] for c in arr.creator[:32][arr.state[:32] == 1]}
         b_users = {arr.users[c] for c in arr.creator[32:][arr.state[32:] == 1]}

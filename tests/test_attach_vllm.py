@@ -82,8 +82,8 @@ def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys):
         bob = chat(vllm.base, "bob", "Do you sell rye bread?")
         assert bob[1] >= 32
         end = time.monotonic() + 60
-        while not ({"alice", "bob"} <= set(m.by_session) and m.state == "live"):
-            assert time.monotonic() < end, (m.summary(), m.state)
+        while not ({"alice", "bob"} <= set(m.by_session) and m.pod_state == "live"):
+            assert time.monotonic() < end, (m.summary(), m.pod_state)
             time.sleep(0.1)
         assert m.by_session["alice"] >= alice[0] // 32 and m.restarts == 0
     finally:

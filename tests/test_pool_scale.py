@@ -192,15 +192,15 @@ SYSTEM = {"role": "system", "content": "A shared system prompt for every user he
 
 
 def test_mirror_stats_and_summary_match_a_full_recount(tiny_llama):
-    """After every turn, a SlotMirror fed only by the engine's batches equals a full recount of
+    """After every turn, a Mirror fed only by the engine's batches equals a full recount of
     the pool (refs, hashes, creators, tokens, hits, users), the engine's O(1) stats equal a
     brute-force count, and its ranged arrays and summaries agree with the recount."""
     from kvplay.engine.config import EngineConfig
     from kvplay.engine.engine import Engine
-    from kvplay.wire.slots import SlotMirror
+    from kvplay.wire.mirror import Mirror
 
     eng = Engine(EngineConfig(model="tiny:llama", num_blocks=48, eviction="lfu"), tiny_llama)
-    mirror = SlotMirror(48)
+    mirror = Mirror(48)
     eng.subscribe_batches(mirror.apply_batch)
     eng.start()
     try:

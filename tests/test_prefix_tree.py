@@ -1,6 +1,6 @@
 """The prefix tree (wire/tree.py) on a Mirror: structure against a brute-force reference built
 from the same events, prediction, labels from a real tokenizer, and the local engine's events
-through the feed (wire/engine_feed.py)."""
+through the one Mirror (wire/mirror.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvplay.wire.engine_feed import EngineFeed, feed_events
+from kvplay.tui.tree_view import MirrorTrees
 from kvplay.wire.mirror import Mirror
 from kvplay.wire.tree import Labels, PrefixTree, to_json, to_text
 
@@ -181,7 +181,7 @@ def test_labels_decode_with_the_tokenizer_bounded_and_cached(tiny_llama):
     assert broken(tree, tree.roots[0]).startswith(" ".join(map(str, ids[:3])))
 
 
-def test_local_engine_events_through_the_feed(make_engine):
+def test_local_engine_events_through_the_mirror(make_engine):
     from kvplay.engine.sampling import SamplingParams
 
     eng = make_engine(num_blocks=128)
@@ -190,26 +190,27 @@ def test_local_engine_events_through_the_feed(make_engine):
     system = {"role": "system", "content": "You are a careful assistant. " * 8}
     for user, q in (("alice", "first question"), ("bob", "tell me about caches"), ("carol", "hi")):
         eng.generate(user, [system, {"role": "user", "content": q}], SamplingParams(max_tokens=4), timeout=60)
-    feed = EngineFeed()
+    m = Mirror()
     for ev in list(events):
-        feed.apply(ev)
-    m = feed.mirror(None)
-    tree = PrefixTree(m.blocks, feed.hits[None])
+        m.apply(ev)
+    tree = PrefixTree(m.blocks, m.block_hits())
     root = tree.roots[0]
     assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"} and root.hits >= 2 * len(root.keys)
     assert len(root.children) == 3
     text = Labels(eng.tokenizer.decode)(tree, root)
     assert text.startswith("You are a careful assistant.") or "careful assistant" in text
-    ids = feed.block_ids(None, root.keys)
+    source = MirrorTrees(m)
+    ids = source.block_ids(None, root.keys)
     assert len(ids) == len(root.keys)
-    assert tree.node_of(feed.key_of(ids[0])[1]) is root
+    assert tree.node_of(source.key_of(ids[0])[1]) is root
     # the recorded form (dicts) gives the same tree
-    again = feed_events([e.to_dict() for e in events])
-    assert tree_shape(PrefixTree(again.mirror(None).blocks)) == tree_shape(tree)
+    again = Mirror()
+    again.apply_all([e.to_dict() for e in events])
+    assert tree_shape(PrefixTree(again.blocks)) == tree_shape(tree)
     # a hostile event is counted, not raised
-    feed.apply({"kind": "BlockStored", "block_hashes": [1, 2], "token_ids": "x"})
-    feed.apply({"kind": "BlockStored", "block_hashes": ["a"], "token_ids": ["x"], "block_size": 1})
-    assert feed.bad == 2
+    m.apply({"kind": "BlockStored", "block_hashes": [1, 2], "token_ids": "x"})
+    m.apply({"kind": "BlockStored", "block_hashes": ["a"], "token_ids": ["x"], "block_size": 1})
+    assert m.bad == 2
 
 
 # --- kvplay tree ---------------------------------------------------------------------------------

@@ -103,8 +103,8 @@ def test_attach_url_alone_mirrors_kvplay_serve(serve, capsys):
             assert chat(c, srv.url, content="And croissants?", user="bob").status_code == 200
         want = state.engine.stats()["blocks_cached"]
         end = time.monotonic() + 30
-        while len(m.blocks) != want or m.state != "live":
-            assert time.monotonic() < end, (len(m.blocks), want, m.state)
+        while len(m.blocks) != want or m.pod_state != "live":
+            assert time.monotonic() < end, (len(m.blocks), want, m.pod_state)
             time.sleep(0.05)
         assert set(m.by_session) <= {"alice", "bob"} and m.by_session["alice"] > 0
     finally:

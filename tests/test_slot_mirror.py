@@ -1,5 +1,5 @@
 """One event stream, one mirror: the engine's per-step batches rebuild its pool exactly
-(wire/slots.SlotMirror), and the app's backend reads nothing of the engine but those batches."""
+(wire/slots.Mirror), and the app's backend reads nothing of the engine but those batches."""
 from __future__ import annotations
 
 import random
@@ -13,7 +13,7 @@ from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions import history
 from kvplay.sessions.history import History, pool_state
 from kvplay.tui.backend import LocalEngineBackend
-from kvplay.wire.slots import SlotMirror
+from kvplay.wire.mirror import Mirror
 
 SYSTEM = "You are a helpful assistant for a small bakery. Answer briefly and plainly, please."
 USERS = ("alice", "bob", "carol", "dave")
@@ -36,7 +36,7 @@ def _round(backend_or_engine, k: int) -> None:
         assert h.result(60).error is None
 
 
-def _mismatches(m: SlotMirror, pool) -> list:
+def _mismatches(m: Mirror, pool) -> list:
     out = []
     for b in range(pool.num_blocks):
         live, got = block_view(pool, b), m.block(b)
@@ -53,7 +53,7 @@ def test_batches_rebuild_the_live_pool_after_every_step(tiny_llama):
     on the engine thread, the mirror's blocks equal the pool's (state, refs, hits; hash,
     creator, users and tokens of indexed blocks), and its counters equal the engine's."""
     eng = _engine(tiny_llama, num_blocks=20, isolation="shared", max_running=4)
-    m = SlotMirror(eng.num_blocks)
+    m = Mirror(eng.num_blocks)
     bad, steps, seqs = [], [], []
 
     def on_batch(batch):
@@ -151,7 +151,7 @@ def test_summary_of_the_used_part_equals_the_whole_pool(used):
     """A mirror summarises only up to the highest block ever named; the rest is free."""
     rng = random.Random(1)
     n, hw = 10_000, 3_000
-    m = SlotMirror(n)
+    m = Mirror(n)
     ids = rng.sample(range(hw), int(hw * used))
     for i, b in enumerate(ids):
         m.apply({"kind": "BlocksAllocated", "block_ids": [b]})
@@ -192,7 +192,7 @@ def test_malformed_recorded_events_are_counted_and_skipped():
     """A recording is untrusted: wrong types, negative or huge block ids, a hostile pool size
     are counted in `bad` and skipped, the mirror unchanged by them and its arrays bounded."""
     from kvplay.sessions.history import recorded_pool_size
-    from kvplay.wire.slots import MAX_BLOCKS
+    from kvplay.wire.mirror import MAX_BLOCKS
 
     good = [{"kind": "BlocksAllocated", "block_ids": [0, 1]},
             {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["aa"], "token_ids": [1, 2], "block_size": 2,
@@ -214,7 +214,7 @@ def test_malformed_recorded_events_are_counted_and_skipped():
            {"kind": "RequestQueued", "request_id": "r", "prompt_tokens": "3"},
            {"kind": "BlocksAllocated", "block_ids": [2], "ts": "now"},
            {"kind": 5}, None, 7]
-    m = SlotMirror(4)
+    m = Mirror(4)
     m.apply_all(good)
     before = (m.views(), m.stats())
     for e in bad:

@@ -18,8 +18,8 @@ from kvplay.tui.app import KvplayApp
 from kvplay.tui.attach import AttachApp
 from kvplay.tui.attach_cli import open_backend
 from kvplay.tui.blockmap import BlockMap
-from kvplay.tui.tree_view import FeedTrees, TreeScreen
-from kvplay.wire.engine_feed import EngineFeed
+from kvplay.tui.tree_view import MirrorTrees, TreeScreen
+from kvplay.wire.mirror import Mirror
 from kvplay.wire.publisher import KVEventsConfig
 from kvplay.wire.tree import PrefixTree
 
@@ -68,12 +68,12 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
         node = app.screen.query_one(Tree).cursor_node.data[2]
         assert node is root.children[1] and node.creator in ("bob", "carol", "alice")
         bm = screen.query_one("#tree-map", BlockMap)
-        ids = app.feed.block_ids(None, node.keys)
+        ids = app.screen.source.block_ids(None, node.keys)
         assert ids and bm.hit == frozenset(ids)  # its blocks marked on the map
         assert all(app.backend.block(i).creator == node.creator for i in ids)
         # a block of carol's branch on the map finds carol's node
         carol = next(c for c in root.children if c.creator == "carol")
-        assert screen.find_block(app.feed.block_ids(None, carol.keys)[-1])
+        assert screen.find_block(app.screen.source.block_ids(None, carol.keys)[-1])
         assert app.screen.query_one(Tree).cursor_node.data[2].keys == carol.keys
         await pilot.press("escape")
         assert not isinstance(app.screen, TreeScreen)
@@ -126,10 +126,10 @@ async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
         tree = app.screen.trees["kv"]
-        feed = EngineFeed()
+        mirror = Mirror()
         for e in list(local):
-            feed.apply(e)
-        assert by_tokens(tree) == by_tokens(PrefixTree(feed.mirror(None).blocks))
+            mirror.apply(e)
+        assert by_tokens(tree) == by_tokens(PrefixTree(mirror.blocks))
         root = tree.roots[0]
         assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"}
         # a node's blocks are the map's slots
@@ -226,18 +226,18 @@ def test_tokenize_route(serve):
 async def test_many_branches_are_listed_eight_at_a_time_and_a_block_finds_its_node():
     from textual.app import App
 
-    feed = EngineFeed()
-    feed.apply({"kind": "BlockStored", "block_hashes": ["s0", "s1"], "token_ids": [1, 2, 3, 4], "block_size": 2,
+    mirror = Mirror()
+    mirror.apply({"kind": "BlockStored", "block_hashes": ["s0", "s1"], "token_ids": [1, 2, 3, 4], "block_size": 2,
                 "block_ids": [0, 1], "user": "alice", "ts": 1.0})
     for i in range(20):
-        feed.apply({"kind": "BlockStored", "block_hashes": [f"b{i}"], "parent_block_hash": "s1",
+        mirror.apply({"kind": "BlockStored", "block_hashes": [f"b{i}"], "parent_block_hash": "s1",
                     "token_ids": [10 + i, 0], "block_size": 2, "block_ids": [2 + i], "user": f"u{i % 3}", "ts": 2.0})
-    feed.apply({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0})
+    mirror.apply({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0})
     from kvplay.tui.blockmap import ViewsSource
     from kvplay.engine.observe import BlockView
 
     views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(32)]
-    source = FeedTrees(feed, lambda ids: "t" + "".join(map(chr, (65 + i % 26 for i in ids))), ViewsSource(views))
+    source = MirrorTrees(mirror, lambda ids: "t" + "".join(map(chr, (65 + i % 26 for i in ids))), ViewsSource(views))
     looks = {}
 
     class Host(App):
@@ -318,13 +318,13 @@ async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goe
     from kvplay.tui.blockmap import ViewsSource
     from kvplay.tui.theme import assign_looks
 
-    feed = EngineFeed()
+    feed = Mirror()
     feed.apply(_ev("BlockStored", ["s0", "s1"], "alice", [0, 1]))
     feed.apply(_ev("BlockStored", ["a0"], "alice", [2], parent="s1"))
     feed.apply(_ev("BlockStored", ["b0"], "bob", [3], parent="s1"))
     views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(16)]
     looks = assign_looks(["alice", "bob", "carol"])
-    app = _tree_host(FeedTrees(feed, None, ViewsSource(views)), looks)
+    app = _tree_host(MirrorTrees(feed, None, ViewsSource(views)), looks)
     t = [100.0]
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
@@ -375,14 +375,14 @@ async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goe
 async def test_a_recording_at_a_fixed_point_marks_what_that_step_changed_and_does_not_animate():
     from kvplay.tui.theme import assign_looks
 
-    feed = EngineFeed()
+    feed = Mirror()
     feed.apply(_ev("BlockStored", ["s0", "s1"], "alice", [0, 1]))
     feed.apply(_ev("BlockStored", ["a0"], "alice", [2], parent="s1"))
     feed.apply(_ev("BlockStored", ["b0"], "bob", [3], parent="s1"))
-    before = FeedTrees(feed).snapshot()
+    before = MirrorTrees(feed).snapshot()
     feed.apply({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0})
     feed.apply(_ev("BlockStored", ["c0"], "carol", [4], parent="s1"))
-    app = _tree_host(FeedTrees(feed, before=before), assign_looks(["alice", "bob", "carol"]), at=5.0)
+    app = _tree_host(MirrorTrees(feed, before=before), assign_looks(["alice", "bob", "carol"]), at=5.0)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
         screen = app.screen

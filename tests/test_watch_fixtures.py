@@ -51,7 +51,7 @@ def test_frames_are_vllms_wire(capture):
 
 
 def test_mirror_matches_vllms_usage_and_metrics(capture):
-    m = Mirror("vllm")
+    m = Mirror(pod="vllm")
     bs = capture["block_size"]
     per_batch = []
     for _, seq, payload in live(capture):

@@ -17,10 +17,10 @@ def batch(*events):
 
 
 def test_store_reuse_evict_counts():
-    m = Mirror("p")
+    m = Mirror(pod="p")
     sys_tokens = list(range(8))
     # alice stores a 2-block system prompt and 1 own block
-    assert m.apply(batch(st([1, 2, 3], None, sys_tokens + [50, 51, 52, 53], "alice")), 0) == (3, 0, 0)
+    assert m.apply(batch(st([1, 2, 3], None, sys_tokens + [50, 51, 52, 53], "alice")), 0)[:3] == (3, 0, 0)
     # bob reuses the system prompt (report mode "full" re-announces it with bob's session) + 1 own
     m.apply(batch(st([1, 2], None, sys_tokens, "bob"), st([4], 2, [60, 61, 62, 63], "bob")), 1)
     assert m.blocks[1].creator == "alice" and m.blocks[1].holders == ("alice", "bob")
@@ -32,11 +32,11 @@ def test_store_reuse_evict_counts():
     assert s["stored_by_session"] == {"alice": 3, "bob": 3}
     assert m.creators() == {"alice": 3, "bob": 1}
     # eviction: one BlockRemoved per block, as vLLM sends them
-    assert m.apply(batch(BlockRemoved([3], "GPU"), BlockRemoved([1], "GPU")), 2) == (0, 2, 0)
+    assert m.apply(batch(BlockRemoved([3], "GPU"), BlockRemoved([1], "GPU")), 2)[:3] == (0, 2, 0)
     assert m.summary()["by_session"] == {"alice": 1, "bob": 2} and m.removed == 2
     m.apply(batch(BlockRemoved([999], "GPU")), 3)  # never seen: tolerated, counted
     assert m.removed_unknown == 1 and m.removed == 2
-    assert m.apply(batch(AllBlocksCleared()), 4) == (0, 0, 1)
+    assert m.apply(batch(AllBlocksCleared()), 4)[:3] == (0, 0, 1)
     assert m.blocks == {} and m.summary()["by_session"] == {} and m.cleared == 1
     assert m.summary()["stored_by_session"] == {"alice": 3, "bob": 3}  # in all, kept
     assert m.last_seq == 4 and m.batches == 5
@@ -74,7 +74,7 @@ def test_deep_chain_attribution_is_iterative():
 
 
 def test_other_medium_and_groups():
-    m = Mirror("p")
+    m = Mirror(pod="p")
     m.apply(batch(st([1], None, [1, 2, 3, 4], "a", medium="CPU")), 0)
     assert m.blocks == {} and m.other_medium == 1
     m.apply(batch(st([1], None, [1, 2, 3, 4], "a", group_idx=1), st([1], None, [1, 2, 3, 4], "a")), 1)
@@ -103,7 +103,7 @@ def test_mirror_bench_runs_small():
     payloads = synthetic_stream(3000, pool_blocks=400, seed=3)
     events, blocks = count_events(payloads)
     assert events >= 3000 and blocks > events // 2
-    m = Mirror("b")
+    m = Mirror(pod="b")
     from kvplay.wire.codec import decode_batch
 
     for seq, p in enumerate(payloads):
@@ -121,3 +121,60 @@ def test_mirror_bench_app_runs_small():
     r = measure_app(rate=3000, seconds=1.0, pool_blocks=500, pods=2, record=True)
     assert r["applied"] == r["events"] >= 2900 and r["kept_up"]
     assert r["frames"] > 0 and r["frame_ms_p95"] > 0 and "blocks" in r["map"]
+
+
+# --- one Mirror: a wire-fed pod answers what the block map, the tree and the recorder ask -------------
+def test_a_wire_fed_mirror_is_the_block_map_source():
+    """Blocks named by hash only get the lowest free slot; the slot arrays answer the map's
+    questions (ranged summary, one block, counts) for the same blocks the per-hash view holds."""
+    m = Mirror(8, pod="p")
+    m.apply(batch(st([1, 2], None, range(8), "alice"), st([3], 2, [9, 9, 9, 9], "bob")), 0)
+    m.apply(batch(st([1], None, range(4), "carol")), 1)  # carol reuses block 1 (report mode "full")
+    assert {h: b.slot for h, b in m.blocks.items()} == {1: 0, 2: 1, 3: 2}
+    assert m.counts() == (5, 3, 0) and m.stats()["blocks_cached"] == 3
+    v = m.block(0)
+    assert v.state == "cached" and v.creator == "alice" and v.users == ("alice", "carol") and v.hits == 1
+    assert v.hash == "0000000000000001" and v.token_ids == (0, 1, 2, 3)
+    summ = m.summary(2)  # the block map's question: two cells of four blocks
+    assert int(summ.cached.sum()) == 3 and int(summ.free.sum()) == 5
+    assert m.block(2).creator == "bob" and m.blocks[3].parent == 2
+    m.apply(batch(BlockRemoved([2], "GPU")), 2)
+    assert m.block(1).state == "free" and m.counts() == (6, 2, 0)
+    m.apply(batch(st([7], None, [5, 5, 5, 5], "dave")), 3)
+    assert m.blocks[7].slot == 1  # the freed slot, the lowest free one
+    assert m.by_session == {"alice": 1, "carol": 1, "bob": 1, "dave": 1}
+
+
+def test_the_one_converter_gives_engine_events_that_rebuild_the_same_cache():
+    """`convert`: a wire batch also comes back as kvplay engine events (what the watch recorder
+    writes and attach's views hear); applied to a fresh Mirror they give the same blocks, creators
+    and holders, by hex hash."""
+    fleet = Fleet()
+    m = fleet.pod("p")
+    m.convert = True
+    fleet.register_prompt("pane", list(range(8)))
+    events = []
+    events += m.apply(batch(st([1, 2], None, range(8))), 0).events  # no session_id: the pane's prompt
+    events += m.apply(batch(st([3], 2, [7, 7, 7, 7], "bob"), st([1], None, range(4), "bob")), 1).events
+    events += m.apply(batch(BlockRemoved([3], "GPU")), 2).events
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["BlockStored", "BlockStored", "BlockHit", "BlockRemoved"]
+    assert events[0].user == "pane" and events[0].block_hashes == ["0000000000000001", "0000000000000002"]
+    assert events[2].user == "bob" and events[2].by_creator == {"pane": 4} and events[2].cached_tokens == 4
+    assert events[3].creators == ["bob"]
+    again = Mirror()
+    for e in events:
+        again.apply(e)
+    assert again.bad == 0
+    assert {b.hex: (b.creator, b.holders, b.tokens) for b in again.blocks.values()} == \
+        {b.hex: (b.creator, b.holders, b.tokens) for b in m.blocks.values()}
+    assert m.apply(batch(AllBlocksCleared()), 3).events[0].reason == "cleared" and len(m.blocks) == 0
+
+
+def test_a_copy_is_a_checkpoint():
+    m = Mirror(pod="p")
+    m.apply(batch(st([1, 2], None, range(8), "alice")), 0)
+    c = m.copy()
+    m.apply(batch(st([1], None, range(4), "bob"), BlockRemoved([2], "GPU")), 1)
+    assert set(c.blocks) == {1, 2} and c.blocks[1].holders == ("alice",) and c.by_session == {"alice": 2}
+    assert set(m.blocks) == {1} and m.blocks[1].holders == ("alice", "bob")

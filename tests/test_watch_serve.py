@@ -51,7 +51,7 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
                 assert r.status_code == 200, r.text
                 cached.setdefault(who, []).append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         pub = state.events.publisher
-        assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.state == "live",
+        assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
                           timeout=20.0)
         time.sleep(0.2)
         assert wait_until(lambda: m.last_seq == pub.next_seq - 1, timeout=20.0)

@@ -32,7 +32,6 @@ from textual.widgets import Header, Log, Static, Tabs
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
 from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
-from kvplay.wire.engine_feed import EngineFeed
 
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
@@ -176,7 +175,6 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
         self._inflight: dict[int, tuple[ChatPane, str]] = {}
         self._pending: list = []  # messages typed while the model was loading
         self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
-        self.feed = EngineFeed()  # the engine's events as a Mirror, for the prefix tree (ctrl+r)
         self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
         self._last_blocks: set[int] = set()  # ... of the last request that finished
         self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)

@@ -34,7 +34,6 @@ class AttachApp(KvplayApp):
         super().__init__(EngineConfig(model=backend.model_name), users, system_prompt, turns=turns, speed=speed,
                          db=db, record=record, title=title or f"attached to {backend.url}", timings=timings)
         self._remote = backend
-        self.feed = None  # the tree reads the backend's own mirrors (tree_source), not a copy fed here
 
     def open_backend(self):
         self._unsubscribe = self._remote.subscribe(self._event_queue.append)
@@ -82,7 +81,7 @@ class AttachApp(KvplayApp):
             state = stats.get("pods", {}).get(name, "waiting")
             t.append(f"\npod {name} ", style=DIM)
             t.append(state, style=POD_STYLE.get(state, "bold"))
-            t.append(f" · {len(slots.slot_of):,} blocks", style=DIM)
+            t.append(f" · {len(slots.key_slot):,} blocks", style=DIM)
             trouble = stats.get("pod_trouble", {}).get(name)
             if trouble:  # why the pod may be stale: lost batches, bad payloads or events, other tiers
                 t.append(" · " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in trouble.items()),

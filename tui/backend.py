@@ -1,7 +1,7 @@
 """The app's default ChatBackend: an in-process Engine (the interface and its Controls are
 kvplay.wire.chat_backend; `kvplay attach`'s is kvplay.wire.remote.RemoteBackend).
 
-The pool the views read is a `SlotMirror` fed by the engine's event batches, read in ranges
+The pool the views read is a `Mirror` fed by the engine's event batches, read in ranges
 (`summary`, `arrays`, `block`), never as one object per block, so a 1M-block pool costs what the
 visible cells cost. No Textual here: a backend is usable (and testable) without the app.
 """
@@ -12,7 +12,7 @@ from typing import Callable
 
 from kvplay.engine.observe import summarize
 from kvplay.wire.chat_backend import ChatBackend, Controls, Turn
-from kvplay.wire.slots import SlotMirror
+from kvplay.wire.mirror import Mirror
 
 # an in-process engine: every setting is the app's to change
 LOCAL_CONTROLS = Controls(isolation=True, eviction=True, deterministic=True, clear=True, groups=True, labs=True)
@@ -20,7 +20,7 @@ LOCAL_CONTROLS = Controls(isolation=True, eviction=True, deterministic=True, cle
 
 class LocalEngineBackend(ChatBackend):
     """A ChatBackend over an in-process Engine (the app's default). The pool the views read is a
-    `SlotMirror` fed by the engine's event batches (`subscribe_batches`): nothing here reads the
+    `Mirror` fed by the engine's event batches (`subscribe_batches`): nothing here reads the
     engine's pool, observer or stats; the engine object needs only `register_user`, `submit`,
     `subscribe`, `subscribe_batches`, `num_blocks`, `block_bytes`, `config` (the settings shown),
     `tokenizer` and `shutdown`."""
@@ -31,7 +31,7 @@ class LocalEngineBackend(ChatBackend):
         self.engine = engine
         self.model_name = engine.model_name
         self.device = str(getattr(getattr(engine, "loaded", None), "device", ""))
-        self.mirror = SlotMirror(engine.num_blocks)
+        self.mirror = Mirror(engine.num_blocks)
         self._block_bytes = engine.block_bytes
         self._lock = threading.Lock()  # batches apply on the engine thread; views read from others
         self._unsub = engine.subscribe_batches(self._on_batch)

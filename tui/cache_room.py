@@ -18,7 +18,7 @@ from .blockmap import BlockMap
 from .controls import without_labs
 from .format import block_detail, event_line, legend_text, mode_line, range_detail, stats_text
 from .timeline import Timeline
-from .tree_view import FeedTrees, TreeScreen
+from .tree_view import MirrorTrees, TreeScreen
 from .widgets import CACHE_TAB, PaneSwitcher, RequestBars, update_static
 
 EVENT_LINES = 500  # the event log (F10) keeps this many lines
@@ -77,8 +77,6 @@ class CacheRoom:
         each running request (a remote server's events name no request)."""
         self._dirty = True
         kind = ev.kind
-        if self.feed is not None:
-            self.feed.apply(ev)
         if kind == "BlockHit":
             self._hit = set(ev.block_ids)
             if self.flash_s:
@@ -196,9 +194,9 @@ class CacheRoom:
             update_static(panel, self.block_detail(block_id, blocks))
 
     def tree_source(self):
-        """What the tree view reads: the engine's events fed into a Mirror (wire/engine_feed.py)."""
+        """What the tree view reads: the backend's Mirror of the engine's events (wire/mirror.py)."""
         b = self.backend
-        return FeedTrees(self.feed, b.decode if b is not None else None, b)
+        return MirrorTrees(b.mirror, b.decode, b, lock=b._lock)
 
     def action_prefix_tree(self) -> None:
         if isinstance(self.screen, TreeScreen):

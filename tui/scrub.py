@@ -25,14 +25,13 @@ from textual.widgets import Footer, Header, Input, Static
 
 from kvplay.sessions.history import History, PoolState, Recording
 from kvplay.sessions.tokenizer import session_detokenizer
-from kvplay.wire.engine_feed import feed_events
 
 from .blockmap import BlockMap
 from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
 from .screens import SCRUB_HELP, HelpScreen
 from .theme import assign_looks
 from .timeline import Timeline, request_spans
-from .tree_view import FeedTrees, TreeScreen
+from .tree_view import MirrorTrees, TreeScreen
 
 SPEEDS = (1, 2, 4, 8)
 TICK_S = 0.05
@@ -313,14 +312,14 @@ class ScrubScreen(Screen):
         self.app.push_screen(HelpScreen(SCRUB_HELP))
 
     def action_tree(self) -> None:
-        """The prefix tree as it stood after the event under the cursor (the recorded events up to
-        it fed into a Mirror)."""
+        """The prefix tree as it stood after the event under the cursor (the History's Mirror there)."""
         st = self.state or self.history.state(self.cursor)
-        feed = feed_events(self.rec.events, self.cursor - 1)
-        before = FeedTrees(feed).snapshot() if self.cursor else None  # the tree marks what this step changed
-        if self.cursor:
-            feed.apply(self.rec.events[self.cursor - 1])
-        source = FeedTrees(feed, self._detok, st.mirror.copy(), before=before)
+        m = st.mirror.copy()
+        before = None
+        if self.cursor:  # the tree marks what this step changed: the one before it, from the History
+            before = MirrorTrees(self.history.state(self.cursor - 1).mirror.copy()).snapshot()
+            self.history.state(self.cursor)  # the History's cursor back where the screen is
+        source = MirrorTrees(m, self._detok, m, before=before)
         screen = TreeScreen(source, self.looks, title=f"Prefix tree after event {self.cursor}/{len(self.rec.events)}",
                             at=st.ts or None)
         self.app.push_screen(screen)

@@ -23,7 +23,6 @@ import time
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
 from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
-from kvplay.wire.engine_feed import feed_events
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
@@ -45,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def session_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a recorded session after --at events, its header, and detokenize."""
     # start-up time: imported when this first runs
-    from kvplay.sessions.history import session_events
+    from kvplay.sessions.history import pool_state, recorded_pool_size, session_events
     from kvplay.sessions.query import resolve_session
     from kvplay.sessions.store import open_db
 
@@ -58,12 +57,13 @@ def session_trees(args) -> tuple[dict, dict, object]:
     n = len(events) if args.at is None else args.at
     if not 0 <= n <= len(events):
         raise KvplayError(f"--at {args.at}: session {s['id']} has events 0 to {len(events)}")
-    feed = feed_events(events, n)
-    trees = {pod: PrefixTree(m.blocks, feed.hits[pod], m.version) for pod, m in feed.mirrors.items()}
+    m = pool_state(events, n, recorded_pool_size(s, events) or 1).mirror
+    hits = m.block_hits()
+    trees = {pod: PrefixTree(blocks, hits, m.version) for pod, blocks in m.pods_blocks().items()}
     head = {"session": s["id"], "model": s.get("model"), "at": n, "events": len(events),
             "at_ts": (events[n - 1].get("ts") or None) if n else None}  # ages count to event N
-    if feed.bad:
-        head["bad_events"] = feed.bad
+    if m.bad:
+        head["bad_events"] = m.bad
     detok = None if args.ids else session_detokenizer(s.get("model"))
     return trees, head, detok
 
@@ -86,8 +86,8 @@ def server_trees(args) -> tuple[dict, dict, object]:
     try:
         time.sleep(args.duration)
         with backend.fleet.lock:
-            trees = {name: PrefixTree(dict(m.blocks), None, m.version) for name, m in backend.fleet.pods.items()}
-            states = {name: m.state for name, m in backend.fleet.pods.items()}
+            trees = {name: PrefixTree(m.copy().blocks, None, m.version) for name, m in backend.fleet.pods.items()}
+            states = {name: m.pod_state for name, m in backend.fleet.pods.items()}
         detok = None
         if not args.ids:
             texts: dict = {}

@@ -17,15 +17,15 @@ otherwise): bounded work per frame at any pool size. The clock is `screen.clock`
 `screen.animate()` (tests drive both). A tree at a fixed point of a recording (`at`, the
 scrubber) does not animate: it marks what changed at that step (the source's `before`), still.
 
-The trees are built on a worker thread from copies of the mirrors' block dicts (a 1M-block pool
+The trees are built on a worker thread from copies of the mirrors (`Mirror.copy`) (a 1M-block pool
 takes seconds to build: the screen stays live meanwhile and shows the last tree).
 
 A *tree source* gives the mirrors and maps their blocks to map cells:
 `version`, `snapshot() -> [(pod, blocks, hits or None, version)]` (copies), `block_ids(pod, keys) -> [block id]`,
 `key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None), `map_source` (what
 the block map reads; None: the caller sets the map's blocks) and `before` (a snapshot of the step
-before, or None). `FeedTrees` is the local engine's
-and a recording's (wire/engine_feed.py), `FleetTrees` an attached server's mirror.
+before, or None). `MirrorTrees` is the local engine's and a recording's Mirror, `FleetTrees` an
+attached server's mirrors (wire/mirror.py both).
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Static, Tree
 
-from kvplay.wire.codec import hash_hex
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text
 
 from .blockmap import BlockMap
@@ -56,28 +55,34 @@ FLASH_IDS = 512  # blocks of one animated node flashed on the map
 
 
 # --- sources ------------------------------------------------------------------------------------
-class FeedTrees:
-    """Trees of an EngineFeed's mirrors (the local engine's events, or a recording's)."""
+class MirrorTrees:
+    """Trees of one Mirror (wire/mirror.py: the local engine's, or a recording's at the
+    scrubber's cursor); its slots are the map's block ids. `lock`: what the mirror's writer holds."""
 
-    def __init__(self, feed, detokenize=None, map_source=None, before=None):
-        self.feed = feed
+    def __init__(self, mirror, detokenize=None, map_source=None, lock=None, before=None):
+        self.mirror = mirror
         self.detokenize = detokenize
         self.map_source = map_source
+        self.lock = lock if lock is not None else threading.Lock()
         self.before = before  # snapshot() of the step before (the scrubber's): what changed at this one
 
     @property
     def version(self) -> int:
-        return self.feed.version
+        return self.mirror.version
 
     def snapshot(self) -> list:
-        """(pod, blocks, hits, version) copies, cheap, on the UI thread (the feed changes there)."""
-        return [(pod, dict(m.blocks), dict(self.feed.hits[pod]), m.version) for pod, m in self.feed.mirrors.items()]
+        """(pod, blocks, hits, version) of a copy of the mirror, taken under its writer's lock."""
+        with self.lock:
+            m = self.mirror.copy()
+        hits = m.block_hits()
+        return [(pod, blocks, hits, m.version) for pod, blocks in m.pods_blocks().items()]
 
     def block_ids(self, pod, keys) -> list[int]:
-        return self.feed.block_ids(pod, keys)
+        return [s for s in map(self.mirror.key_slot.get, keys) if s is not None]
 
     def key_of(self, block_id: int):
-        return self.feed.key_of(block_id)
+        key = self.mirror.key.get(block_id)
+        return None if key is None else (self.mirror.pod_of(key), key)
 
 
 class FleetTrees:
@@ -98,27 +103,21 @@ class FleetTrees:
     def snapshot(self) -> list:
         """Hits None: counted from the blocks' holders when the tree is built (off this thread)."""
         with self.backend.fleet.lock:  # the subscriber thread applies batches under it
-            return [(name, dict(m.blocks), None, m.version) for name, m in self.backend.fleet.pods.items()]
+            copies = [(name, m.copy()) for name, m in self.backend.fleet.pods.items()]
+        return [(name, m.blocks, None, m.version) for name, m in copies]
 
     def block_ids(self, pod, keys) -> list[int]:
-        slots = self.backend.pods.get(pod)  # the pod's SlotMirror: hash-only events get slots there
-        if slots is None:
+        m = self.backend.pods.get(pod)
+        if m is None:
             return []
-        out = []
-        for k in keys:
-            s = slots.slot_of.get((None, hash_hex(k[1] if type(k) is tuple else k)))
-            if s is not None:
-                out.append(s + slots.offset)
-        return out
+        return [s + m.offset for s in map(m.key_slot.get, keys) if s is not None]
 
     def key_of(self, block_id: int):
-        for name, slots in self.backend.pods.items():
-            s = block_id - slots.offset
-            if 0 <= s < slots.num_blocks:
-                h = slots.hash.get(s)
-                if h is None:
-                    return None
-                return name, (int(h, 16) if len(h) == 16 else bytes.fromhex(h))
+        for name, m in self.backend.pods.items():
+            s = block_id - m.offset
+            if 0 <= s < m.num_blocks:
+                key = m.key.get(s)
+                return None if key is None else (name, key)
         return None
 
 

@@ -6,19 +6,21 @@ is re-announced as events), ``stream_options.include_usage`` for ``cached_tokens
 measured here, at the client. Per turn "from whom": the re-announced blocks (``BlockHit``
 events) of that session that arrive while the turn runs, by the session that stored them.
 
-Cache: the pods' KV events (wire/subscriber.py) feed a `Fleet` of mirrors; their journal becomes
-kvplay's engine events (wire/recording.journal_events), so the app's views and recorder read
-the same events as from a local engine. Each pod's pool is a `SlotMirror` (wire/slots.py, the
-mirror every cache view reads): vLLM sends no block ids, so it gives every cached block a slot
-(the lowest free one) and the events carry those ids; pod k's slots follow pod k-1's. Every
-mirrored block is "cached": the events do not say which ones running requests hold.
+Cache: the pods' KV events (wire/subscriber.py) feed a `Fleet` of `Mirror`s (wire/mirror.py, the
+mirror every cache view reads), one per pod; each applied batch also comes back as kvplay's
+engine events (the mirror's one converter, `apply_wire` with `convert` set), so the app's views
+and recorder read the same events as from a local engine. vLLM sends no block ids, so a pod's
+mirror gives every cached block a slot (the lowest free one) and the events carry those ids;
+pod k's slots follow pod k-1's. Every mirrored block is "cached": the events do not say which
+ones running requests hold.
 
 Predicted vs delivered: before a turn is sent, its prompt's token ids (the server's `/tokenize`)
 are matched against the mirrored blocks (wire/tree.PrefixMatcher, per pod, the best pod counts):
 `RemoteStats.predicted_tokens`; after it, the server's `usage.prompt_tokens_details.cached_tokens`
 is what was delivered. `stats()` counts the turns predicted and those where the two differ (a
 stale mirror, an eviction or store the events did not show). Each pod's PrefixMatcher is kept up
-to date from the mirror's journal as batches arrive, so a prediction costs O(prompt), not O(blocks).
+to date from the mirror's converted events as batches arrive, so a prediction costs O(prompt), not
+O(blocks).
 
 Salts: a server that hashes blocks with extra keys (vLLM's and SGLang's `cache_salt`, kvplay
 serve's per-user or per-group isolation salt) lists them per block in its events (`extra_keys`);
@@ -44,18 +46,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import httpx
-import msgspec
 import numpy as np
 
 from kvplay.engine.errors import EngineError
+from kvplay.engine.events import AllBlocksCleared
 from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
 
 from kvplay.engine.observe import BlockArrays, summarize
 
 from .chat_backend import ChatBackend, Controls
-from .mirror import Fleet
-from .recording import journal_events
-from .slots import SlotMirror
+from .codec import hash_hex
+from .mirror import Fleet, Mirror
 from .subscriber import TROUBLE, PodSource, Subscriber
 from .tree import PrefixMatcher, frozen_extra
 
@@ -166,7 +167,7 @@ class RemoteBackend(ChatBackend):
         self.users: list[str] = []
         self._user_code: dict[str, int] = {}
         self._listeners: list[Callable] = []
-        self._lock = threading.RLock()
+        self._lock = self.fleet.lock  # the subscriber applies batches under it; views read under it
         self._version = 0
         self._block_size = 0
         self._query_tokens = self._hit_tokens = self._finished = 0
@@ -178,10 +179,10 @@ class RemoteBackend(ChatBackend):
         self._identity: str | None = None  # who the server says our key is (kvplay serve's kvplay.user)
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
-        self.pods: dict[str, SlotMirror] = {}
+        self.pods: dict[str, Mirror] = {}
         for k, src in enumerate(sources):
-            self.fleet.pod(src.name).journal = []
-            self.pods[src.name] = SlotMirror(capacity, offset=k * capacity)
+            m = self.pods[src.name] = self.fleet.pod(src.name, capacity, offset=k * capacity)
+            m.convert = True  # its batches come back as engine events too (views, recorder)
         self._sub = None
         self._thread = None
         if sources:
@@ -262,40 +263,40 @@ class RemoteBackend(ChatBackend):
         return c
 
     def _on_restart(self, pod: str) -> None:
-        pass  # the mirror journals the restart as AllBlocksCleared; _on_batch frees the slots
+        """The pod's publisher restarted: the subscriber cleared its mirror; views hear it."""
+        with self._lock:
+            self._matchers.pop(pod, None)
+            self._version += 1
+            listeners = list(self._listeners)
+        ev = AllBlocksCleared(ts=time.time(), reason="publisher restarted")
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:  # a view's error must not stop the mirror (it runs on our thread)
+                pass
 
-    def _on_batch(self, pod: str, seq: int, batch, counts, replayed: bool) -> None:
-        m = self.fleet.pod(pod)
-        journal, m.journal = m.journal, []
-        events = journal_events(journal, batch.ts)
-        slots = self.pods[pod]
-        off = slots.offset
+    def _on_batch(self, pod: str, seq: int, batch, applied, replayed: bool) -> None:
+        events = applied.events
         now = time.monotonic()
-        extras = self._extras(batch)
+        extras = {hash_hex(h): x for h, x in self._extras(batch).items()}  # by hex, as the events name blocks
         with self._lock:
             matcher = self._matchers.setdefault(pod, PrefixMatcher())
-            for entry in journal:  # the prediction's index, kept as the mirror changes
-                if entry[0] == "stored":
-                    matcher.add(entry[1], entry[2], entry[3], extras.get(entry[1]))
-                elif entry[0] == "removed":
-                    matcher.remove(entry[1])
-                elif entry[0] == "cleared":
-                    matcher.clear()
-            for ev in events:
+            for ev in events:  # the prediction's index, kept as the mirror changes
                 k = ev.kind
                 if k == "BlockStored":
                     self._code(ev.user)
-                    slots.apply(msgspec.structs.asdict(ev), k)
-                    ev.block_ids = [slots.slot_of[(None, h)] + off for h in ev.block_hashes]
                     self._block_size = ev.block_size or self._block_size
-                else:
-                    ids = [s + off for s in map(slots.slot_of.get, ((None, h) for h in getattr(ev, "block_hashes", ())))
-                           if s is not None]
-                    slots.apply(msgspec.structs.asdict(ev), k)
-                    if k == "BlockHit":
-                        self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
-                    if k != "AllBlocksCleared":
-                        ev.block_ids = ids
+                    parent, size, toks = ev.parent_block_hash, ev.block_size, ev.token_ids
+                    for i, h in enumerate(ev.block_hashes):
+                        matcher.add(h, parent, toks[i * size:(i + 1) * size], extras.get(h))
+                        parent = h
+                elif k == "BlockHit":
+                    self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
+                elif k == "BlockRemoved":
+                    for h in ev.block_hashes:
+                        matcher.remove(h)
+                elif k == "AllBlocksCleared":
+                    matcher.clear()
             self._version += 1
             listeners = list(self._listeners)
         for ev in events:
@@ -503,7 +504,7 @@ class RemoteBackend(ChatBackend):
 
     def stats(self, timeout: float = 0.0) -> dict:
         with self._lock:
-            cached = sum(len(m.slot_of) for m in self.pods.values())
+            cached = sum(len(m.key_slot) for m in self.pods.values())
             total = self.num_blocks
             return {"model": self.model_name, "blocks_total": total, "blocks_free": total - cached,
                     "blocks_cached": cached, "blocks_in_use": 0, "block_size": self._block_size,
@@ -513,7 +514,7 @@ class RemoteBackend(ChatBackend):
                     "preemptions": 0, "collisions_caught": 0, "requests_finished": self._finished,
                     "running": 0, "waiting": 0, "isolation": "remote", "eviction": "remote",
                     "deterministic": False, "hash": "remote", "verify_on_hit": False,
-                    "pods": {name: m.state for name, m in self.fleet.pods.items()},
+                    "pods": {name: m.pod_state for name, m in self.fleet.pods.items()},
                     "predicted_turns": self._predicted, "mispredicted_turns": self._mispredicted,
                     "unpredictable_turns": self._unpredictable,
                     "pod_trouble": self._pod_trouble()}
@@ -539,18 +540,18 @@ class RemoteBackend(ChatBackend):
         are copied (the map asks for a window of a pool of hundreds of thousands)."""
         with self._lock:
             stop = self.num_blocks if stop is None else min(stop, self.num_blocks)
-            states, creators, users = [], [], tuple(self.users)
+            states, creators = [], []
             for m in self.pods.values():
                 at = m.offset
                 lo, hi = max(start, at), min(stop, at + m.num_blocks)
                 if lo < hi:
                     part = m.arrays(lo - at, hi - at)
-                    codes = np.array([users.index(u) for u in part.users] + [-1], np.int32)
+                    codes = np.array([self._code(u) for u in part.users] + [-1], np.int32)
                     states.append(part.state)
                     creators.append(codes[part.creator])  # the pod's user codes -> the backend's
             state = np.concatenate(states) if states else np.zeros(0, np.int8)
             creator = np.concatenate(creators) if creators else np.zeros(0, np.int32)
-            return BlockArrays(self._version, start, state, creator, users)
+            return BlockArrays(self._version, start, state, creator, tuple(self.users))
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
         return summarize(self.arrays(start, stop), cells, user)

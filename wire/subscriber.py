@@ -54,7 +54,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .codec import WireError, decode_batch, parse_frames, replay_request, topic_bytes, unpack_seq
-from .mirror import Fleet, Mirror
+from .mirror import Applied, Fleet, Mirror
 
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -153,8 +153,9 @@ class _Pod:
 class Subscriber:
     """Drives the pods' sockets and applies their batches to `fleet` in seq order.
 
-    on_batch(pod, seq, batch, (stored, removed, cleared), replayed) is called after each applied
-    batch (the CLI prints it, the recorder writes it); on_state(pod, state) when a pod changes
+    on_batch(pod, seq, batch, applied, replayed) is called after each applied batch (`applied`:
+    the mirror's `Applied` — stored, removed, cleared, and the batch as engine events when the
+    pod's mirror has `convert` set) (the CLI prints it, the recorder writes it); on_state(pod, state) when a pod changes
     state; on_restart(pod) when a pod's publisher restarted (its mirror was cleared).
     """
 
@@ -368,7 +369,7 @@ class Subscriber:
 
     # --- handlers -----------------------------------------------------------------------------
     def _set_state(self, pod: _Pod, before: str) -> None:
-        after = pod.mirror.state = pod.state
+        after = pod.mirror.pod_state = pod.state
         if after != before and self.on_state is not None:
             self.on_state(pod.src.name, after)
 
@@ -433,9 +434,9 @@ class Subscriber:
         pod.last_payload = payload
         with self.fleet.lock:
             try:
-                counts = m.apply(batch, seq)
+                counts = m.apply_wire(batch, seq)
             except Exception:  # decode typed every field, so this is a bug: never the loop's death
-                counts = (0, 0, 0)
+                counts = Applied(0, 0, 0, [])
                 pod.bad_events += len(batch.events)
                 pod.incomplete = True
             if replayed:

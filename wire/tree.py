@@ -1,4 +1,4 @@
-"""The cached prefixes as a radix tree: a view on a Mirror's blocks (wire/mirror.py).
+"""The cached prefixes as a radix tree: a view on a Mirror's blocks (wire/mirror.py `Mirror.blocks`).
 
 A **node** is a run of blocks that the same set of cached sequences share: a chain of blocks,
 each the only cached child of the one before, is one node; a node ends where its last block has
@@ -24,6 +24,7 @@ Pure: no Textual, no SQLite, no network.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter, OrderedDict
 from typing import Callable, Iterable
@@ -67,6 +68,18 @@ class Node:
 _NO_CHILD = object()
 
 
+def _columns(blocks) -> tuple:
+    """(key -> slot, slot -> parent hash, slot -> tokens, slot -> creator, slot -> holders,
+    slot -> time stored) of a Mirror's `blocks` view (its `columns`), or of a dict of its `Block`s."""
+    columns = getattr(blocks, "columns", None)
+    if columns is not None:
+        return columns()
+    slot_of = {k: i for i, k in enumerate(blocks)}
+    rows = list(blocks.values())
+    return (slot_of, {i: b.parent for i, b in enumerate(rows)}, {i: b.tokens for i, b in enumerate(rows)},
+            [b.creator for b in rows], {i: b.holders for i, b in enumerate(rows)}, [b.ts for b in rows])
+
+
 def _parent_key(key, parent):
     """A block's parent's mirror key: hybrid models' groups other than 0 key by (group, hash)."""
     if parent is None:
@@ -81,7 +94,20 @@ class PrefixTree:
 
     def __init__(self, blocks: dict, hits: dict | None = None, version: int = 0):
         t0 = time.perf_counter()
+        was = gc.isenabled()
+        gc.disable()  # builds a million small objects: the collector would walk the heap many times
+        try:
+            self._build(blocks, hits, version)
+        finally:
+            if was:
+                gc.enable()
+        self.build_s = time.perf_counter() - t0
+
+    def _build(self, blocks: dict, hits: dict | None, version: int) -> None:
+        """The hot loop of a million-block tree reads the blocks' columns (`_columns`): no
+        object per block."""
         self.blocks = blocks
+        slot_of, parent_of, tokens_of, creator_of, holders_of, ts_of = _columns(blocks)
         self.version = version
         self.roots: list[Node] = []
         self.nodes: list[Node] = []
@@ -89,9 +115,9 @@ class PrefixTree:
         self._index: PrefixMatcher | None = None  # built for match()
         children: dict = {}
         roots = []
-        for key, b in blocks.items():
-            pk = _parent_key(key, b.parent)
-            if pk is None or pk not in blocks:
+        for key, s in slot_of.items():
+            pk = _parent_key(key, parent_of.get(s))
+            if pk is None or pk not in slot_of:
                 roots.append((key, pk is not None))
             else:  # one child: the key itself; a list only where a branch starts (no million lists)
                 kids = children.get(pk, _NO_CHILD)
@@ -110,24 +136,27 @@ class PrefixTree:
             (self.roots if parent is None else parent.children).append(node)
             holders: dict = {}
             while True:
-                b = blocks[key]
+                s = slot_of[key]
                 node.keys.append(key)
-                node.tokens += b.size
-                node.creators[b.creator] += 1
-                holders.setdefault(b.creator, None)
-                for h in b.holders:
+                node.tokens += len(tokens_of.get(s, ()))
+                creator = creator_of[s]
+                node.creators[creator] += 1
+                holders.setdefault(creator, None)
+                held = holders_of.get(s, ())
+                for h in held:
                     holders.setdefault(h, None)
-                node.hits += hits.get(key, 0) if hits is not None else len(b.holders) - 1
+                node.hits += hits.get(key, 0) if hits is not None else len(held) - 1
+                ts = ts_of[s]
                 if len(node.keys) == 1:
-                    node.first_ts = node.last_ts = b.ts
+                    node.first_ts = node.last_ts = ts
                 else:
-                    node.first_ts = min(node.first_ts, b.ts)
-                    node.last_ts = max(node.last_ts, b.ts)
+                    node.first_ts = min(node.first_ts, ts)
+                    node.last_ts = max(node.last_ts, ts)
                 kids = children.get(key, _NO_CHILD)
                 if kids is _NO_CHILD or type(kids) is list:
                     break
                 key = kids
-            node.creator = blocks[node.keys[0]].creator
+            node.creator = creator_of[slot_of[node.keys[0]]]
             node.holders = tuple(holders)
             if type(kids) is list:
                 for k in reversed(kids):
@@ -141,7 +170,6 @@ class PrefixTree:
                 p.blocks_below += node.blocks_below
                 p.sequences += node.sequences
         self.roots.sort(key=lambda n: (-n.blocks_below, n.first_ts, n.id))
-        self.build_s = time.perf_counter() - t0
 
     # --- reading ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -216,8 +244,16 @@ class PrefixMatcher:
         self._entry: dict = {}  # key -> its index entry
         self._extra: dict = {}  # key -> its extra keys (salted blocks only)
         self.sizes: list[int] = []
-        for key, b in (blocks or {}).items():
-            self.add(key, _parent_key(key, b.parent), b.tokens)
+        if blocks:
+            was = gc.isenabled()
+            gc.disable()  # a million index entries: see PrefixTree
+            try:
+                slot_of, parent_of, tokens_of = _columns(blocks)[:3]
+                for key, s in slot_of.items():
+                    self.add(key, _parent_key(key, parent_of.get(s)), tokens_of.get(s, ()))
+            finally:
+                if was:
+                    gc.enable()
 
     def add(self, key, parent_key, tokens, extra=None) -> None:
         """Block `key` under `parent_key` with `tokens` and (hashable) `extra` keys; a block seen
