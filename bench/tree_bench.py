@@ -4,8 +4,8 @@ then the tree built, the prediction's index built and one prompt matched (attach
 and the tree printed as text
 (8 children a node, as `kvplay tree` does); then 64 conversations stored and 64 evicted and what
 changed found (`diff_s`: tui/tree_anim.diff_trees, what the tree view animates; on its build
-thread, like the build) and the UI thread's share of a refresh (`snapshot_ms`: the block dict
-copied for the build thread).
+thread, like the build) and the UI thread's share of a refresh (`snapshot_ms`: the mirror
+copied for the build thread, `Mirror.copy`, as the tree views' snapshot does).
 
     python -m kvplay.bench.tree_bench [--blocks 1000000] [--json]
 """
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m, prompt = fill(args.blocks)
     t_fill = time.perf_counter() - t0
-    before = dict(m.blocks)  # the tree keeps its dict: a copy, as the view's snapshot is
+    before = m.copy()  # the tree keeps what it was built from: a copy, as the view's snapshot is
     t0 = time.perf_counter()
-    tree = PrefixTree(before)
+    tree = PrefixTree(before.blocks)
     t_build = time.perf_counter() - t0
     t0 = time.perf_counter()
     matcher = PrefixMatcher(m.blocks)
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     m.apply(EventBatch(1e9, [BlockStored([top + i], 32, [rng.randrange(50_000) for _ in range(BLOCK_SIZE)],
                                          BLOCK_SIZE, session_id="new") for i in range(64)]))
     t0 = time.perf_counter()
-    snap = dict(m.blocks)
+    snap = m.copy()
     t_snap = time.perf_counter() - t0
-    after = PrefixTree(snap)
+    after = PrefixTree(snap.blocks)
     t0 = time.perf_counter()
     changes, more = diff_trees(tree, after, {}, {})
     t_diff = time.perf_counter() - t0

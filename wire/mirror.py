@@ -196,7 +196,7 @@ class Mirror:
         self.parent: dict = {}     # slot -> its parent's hash (as the source sent it)
         self.tokens: dict[int, tuple] = {}
         self.request: dict[int, str] = {}
-        self.users_of: dict[int, dict] = {}  # slot -> {creator, then users that reused it: None}, in order
+        self.users_of: dict[int, tuple] = {}  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
         self._chain: dict[int, int] = {}  # slot -> token-chain id (attribution by registered prompts)
         self.by_session: Counter = Counter()  # blocks each user holds now
         self.stored_by_session: Counter = Counter()  # wire: blocks each session stored, in all
@@ -291,7 +291,7 @@ class Mirror:
             setattr(m, name, getattr(self, name)[:cap].copy())
         for name in self._DICTS:
             setattr(m, name, dict(getattr(self, name)))
-        m.users_of = {b: dict(u) for b, u in self.users_of.items()}
+        m.users_of = dict(self.users_of)
         m.by_session, m.stored_by_session = Counter(self.by_session), Counter(self.stored_by_session)
         m.users = list(self.users)
         m.held = {r: list(b) for r, b in self.held.items()}
@@ -361,11 +361,11 @@ class Mirror:
     def _add_user(self, b: int, user: str) -> bool:
         users = self.users_of.get(b)
         if users is None:
-            self.users_of[b] = {user: None}
+            self.users_of[b] = (user,)
         elif user in users:
             return False
         else:
-            users[user] = None
+            self.users_of[b] = users + (user,)
             self.extra_users += 1
         self.by_session[user] += 1
         return True
@@ -705,7 +705,7 @@ class Mirror:
                 cr[s] = self.code(who) if c is None else c
                 st[s] = CACHED  # `indexed` is the engine's ref-count bookkeeping: a server's block is just cached
                 ca[s] = lu[s] = ts
-                users_of[s] = {who: None}
+                users_of[s] = (who,)
                 by_session[who] += 1
                 new += 1
                 if out is not None:
@@ -727,7 +727,7 @@ class Mirror:
                     who = creator
                 users = users_of[s]
                 if who not in users:
-                    users[who] = None
+                    users_of[s] = users + (who,)
                     self.extra_users += 1
                     by_session[who] += 1
                 hi[s] += 1
