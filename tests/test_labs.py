@@ -100,7 +100,10 @@ def test_leak_auc_high_when_shared_and_chance_when_isolated(make_engine):
     assert by["shared"]["ks_p"] < 0.01
     assert by["shared"]["call"] == "leak" and by["shared"]["auc_lo"] > 0.5
     assert abs(by["user"]["auc"] - 0.5) <= 0.3, by["user"]
-    assert by["user"]["call"] != "leak" or by["user"]["auc_lo"] > 0.5  # words follow the interval
+    # words follow the interval: "leak" exactly when it excludes 0.5, on either side (stats.leak_call);
+    # 25 probes a side under a loaded machine can land a 2-3 sigma interval off chance now and then
+    user_off = by["user"]["auc_lo"] > 0.5 or by["user"]["auc_hi"] < 0.5
+    assert (by["user"]["call"] == "leak") == user_off, by["user"]
     assert "shared isolation — LEAK" in r.verdict
     assert eng.config.isolation == "shared"
 
