@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .packed import packed_linear
+
 TILE = 256  # rows per GEMM for layer weights (a prefill chunk's worth)
 BIG_TILE = 64  # rows per GEMM for very wide weights (the LM head: one row per request)
 BIG_WEIGHT = 1 << 24  # elements
@@ -51,19 +53,28 @@ def _buckets(tile: int) -> list[int]:
     return out + [tile]
 
 
-def calibrate_shape(w: torch.Tensor, threads: int) -> ShapePlan:
-    """Measure which row counts give the same per-row bits as a full tile, for weight w."""
+def _gemm(w: torch.Tensor, packed: torch.Tensor | None):
+    """The GEMM a tile runs: F.linear on the weight, or oneDNN on its packed copy (packed.py)."""
+    if packed is None:
+        return lambda x, b=None: F.linear(x, w, b)
+    return lambda x, b=None: packed_linear(x, packed, b)
+
+
+def calibrate_shape(w: torch.Tensor, threads: int, packed: torch.Tensor | None = None) -> ShapePlan:
+    """Measure which row counts give the same per-row bits as a full tile, for weight w (its
+    packed copy's GEMM when `packed` is given: each kernel is measured for itself)."""
+    gemm = _gemm(w, packed)
     g = torch.Generator(device="cpu").manual_seed(0)
     tile = TILE if w.numel() < BIG_WEIGHT else BIG_TILE
     while tile > 1:
         x = torch.randn((tile, w.shape[1]), generator=g).to(device=w.device, dtype=w.dtype)
-        ref = F.linear(x, w)
-        if all(torch.equal(F.linear(x.roll(s, 0), w), ref.roll(s, 0)) for s in (1, tile // 2 + 1)):
+        ref = gemm(x)
+        if all(torch.equal(gemm(x.roll(s, 0)), ref.roll(s, 0)) for s in (1, tile // 2 + 1)):
             break
         tile //= 2
     if tile == 1:
         return ShapePlan(1, (1, 1), threads)
-    good = [m for m in _buckets(tile) if m == tile or torch.equal(F.linear(x[:m], w), ref[:m])]
+    good = [m for m in _buckets(tile) if m == tile or torch.equal(gemm(x[:m]), ref[:m])]
     pad_to = [0] + [min(b for b in good if b >= m) for m in range(1, tile + 1)]
     return ShapePlan(tile, tuple(pad_to), threads)
 
@@ -73,29 +84,29 @@ class LinearPlan:
     """Calibrated shapes, keyed by (weight shape, dtype, device, torch threads)."""
     shapes: dict = field(default_factory=dict)
 
-    def for_weight(self, w: torch.Tensor) -> ShapePlan:
+    def for_weight(self, w: torch.Tensor, packed: torch.Tensor | None = None) -> ShapePlan:
         threads = torch.get_num_threads()
-        key = (tuple(w.shape), w.dtype, str(w.device), threads)
+        key = (tuple(w.shape), w.dtype, str(w.device), threads, packed is not None)
         plan = self.shapes.get(key)
         if plan is None:
-            plan = self.shapes[key] = calibrate_shape(w.detach(), threads)
+            plan = self.shapes[key] = calibrate_shape(w.detach(), threads, packed)
         return plan
 
 
 def tiled_linear(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed in the calibrated tiles and buckets of `weight`'s shape."""
-    shape = plan.for_weight(weight)
+                 bias: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed in the calibrated tiles and buckets of `weight`'s shape
+    (on oneDNN's packed copy of the weight when `packed` is given, calibrated for that kernel)."""
+    shape = plan.for_weight(weight, packed)
+    gemm = _gemm(weight, packed)
     flat = x.reshape(-1, x.shape[-1])
     m = flat.shape[0]
-    if m == shape.tile:
-        return F.linear(x, weight, bias)
     parts = []
     for i, n, rows in shape.pieces(m):
         part = flat[i:i + n]
         if rows > n:
             part = torch.cat([part, part.new_zeros((rows - n, part.shape[1]))])
-        parts.append(F.linear(part, weight, bias)[:n])
+        parts.append(gemm(part, bias)[:n])
     y = parts[0] if len(parts) == 1 else torch.cat(parts)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -136,7 +136,7 @@ class LlamaStep:
         mode's tiles; one row on one thread F.linear's GEMV; else oneDNN's packed weights
         (packed.py) where they exist, `skinny_mm` for few rows, F.linear."""
         if det is not None:
-            return lambda x, w, b, p: tiled_linear(det, x, w, b)
+            return lambda x, w, b, p: tiled_linear(det, x, w, b, p if self.packed else None)
         if n == 1 and threads == 1:
             return lambda x, w, b, p: F.linear(x, w, b)
         if self.packed:

@@ -9,12 +9,13 @@ several rows — a serving step: several users' decode rows and a prompt chunk �
 of 5, on the 2-core AVX2 machine while other jobs shared it (load 4): 8 decode rows 130 → 83 ms,
 8 decode rows + a 48-token chunk 284 → 213 ms, 32 decode rows 312 → 231 ms; one row is level.
 
-The packed copy is oneDNN's own (opaque) tensor beside the weight, which the module path,
-transformers' forward and deterministic mode still read: the weights are held twice (measured
+The packed copy is oneDNN's own (opaque) tensor beside the weight, which the module path and
+transformers' forward still read: the weights are held twice (measured
 for SmolLM2-135M: +0.76 GB RSS, its parameters being 0.5 GB). `--no-packed-weights`
-(EngineConfig.packed_weights) turns it off. The sums run in oneDNN's order: logits differ from
-F.linear's in the last bits, as they do between any two batch shapes in the default mode;
-deterministic mode never takes this path.
+(EngineConfig.packed_weights) turns it off. The sums run in oneDNN's order: logits differ
+from F.linear's in the last bits, as they do
+between any two batch shapes in the default mode. Deterministic mode runs its calibrated tiles
+(invariance.py) on this kernel too, measuring its row counts for it.
 """
 from __future__ import annotations
 
