@@ -2,6 +2,7 @@
 attack, run for real on loopback (tiny model, real ZMQ, real HTTP)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -40,6 +41,24 @@ def publish_until(pub, sock, timeout=5.0):
         if sock.poll(100):
             return sock.recv_multipart()
     return None
+
+
+@contextlib.contextmanager
+def live_publisher():
+    """A publisher on loopback and a subscriber already receiving its live batches."""
+    from kvplay.wire.publisher import ZmqEventPublisher
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
+    ctx = zmq.Context()
+    try:
+        good = ctx.socket(zmq.SUB)
+        good.setsockopt(zmq.SUBSCRIBE, b"kv")
+        good.connect(pub.endpoint)
+        assert publish_until(pub, good) is not None
+        yield pub, ctx, good
+    finally:
+        pub.shutdown()
+        ctx.destroy(linger=0)
 
 
 # --- 1. events are private: CURVE on both sockets -------------------------------------------------
@@ -400,15 +419,7 @@ def stored_batch(n_tokens: int):
 def test_subscription_flood_peer_is_cut_and_its_memory_returned():
     """libzmq keeps every subscription a peer sends until it leaves (300k: ~60 MB held with the
     old XPUB_MANUAL socket): the flooding connection is cut, the live subscriber keeps its feed."""
-    from kvplay.wire.publisher import ZmqEventPublisher
-
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
-    ctx = zmq.Context()
-    try:
-        good = ctx.socket(zmq.SUB)
-        good.setsockopt(zmq.SUBSCRIBE, b"kv")
-        good.connect(pub.endpoint)
-        assert publish_until(pub, good) is not None
+    with live_publisher() as (pub, ctx, good):
         before = rss_mb()
         flood = subprocess.Popen([sys.executable, "-c", FLOODER, pub.endpoint, "300000"],
                                  stdout=subprocess.PIPE, text=True)
@@ -423,21 +434,10 @@ def test_subscription_flood_peer_is_cut_and_its_memory_returned():
         finally:
             flood.kill()
             flood.wait()
-    finally:
-        pub.shutdown()
-        ctx.destroy(linger=0)
 
 
 def test_replay_hammer_is_cut_and_live_batches_keep_flowing():
-    from kvplay.wire.publisher import ZmqEventPublisher
-
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv")
-    ctx = zmq.Context()
-    try:
-        good = ctx.socket(zmq.SUB)
-        good.setsockopt(zmq.SUBSCRIBE, b"kv")
-        good.connect(pub.endpoint)
-        assert publish_until(pub, good) is not None
+    with live_publisher() as (pub, ctx, good):
         hammers = []
         for _ in range(4):
             h = ctx.socket(zmq.DEALER)
@@ -459,9 +459,6 @@ def test_replay_hammer_is_cut_and_live_batches_keep_flowing():
         assert live == 50  # every live batch arrived, in the middle of the hammer
         assert wait_until(lambda: pub.peers_cut >= 4, 10)  # 10k requests is over any peer's budget
         assert pub.replay_refused > 0
-    finally:
-        pub.shutdown()
-        ctx.destroy(linger=0)
 
 
 def test_replay_waits_for_a_slow_reader_instead_of_dropping_frames():
