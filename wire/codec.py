@@ -180,8 +180,17 @@ class _BatchMap(msgspec.Struct):
     data_parallel_rank: _Rank = None
 
 
+class _TypedBatch(msgspec.Struct, array_like=True):
+    """The usual payload, decoded in one call: an array batch whose events are all map-tagged
+    events of known types, every field valid (anything else falls back to one event at a time)."""
+    ts: float
+    events: Annotated[list[WireEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
+    data_parallel_rank: _Rank = None
+
+
 _BATCH_ARRAY = msgspec.msgpack.Decoder(_BatchArray)
 _BATCH_MAP = msgspec.msgpack.Decoder(_BatchMap)
+_BATCH_TYPED = msgspec.msgpack.Decoder(_TypedBatch)
 _EVENT_MAP = msgspec.msgpack.Decoder(WireEvent)
 _ANY = msgspec.msgpack.Decoder()
 
@@ -261,6 +270,16 @@ def decode_batch(payload: bytes) -> EventBatch:
     unknown event is skipped and counted on the batch. Raises WireError (one line) when the
     payload is not an EventBatch at all."""
     first = payload[0] if payload else 0xC1
+    if _is_array(first):
+        try:  # the usual case, in one call: every event map-tagged, known and valid
+            t = _BATCH_TYPED.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass  # some event is legacy, unknown or bad (or the payload is no batch): one at a time
+        else:
+            for ev in t.events:
+                if type(ev) is BlockStored and ev.metadata is not None:
+                    _lift_session(ev)
+            return EventBatch(t.ts, t.events, t.data_parallel_rank)
     try:
         if _is_array(first):
             b = _BATCH_ARRAY.decode(payload)
@@ -286,10 +305,12 @@ def decode_batch(payload: bytes) -> EventBatch:
 # --- hashes ---------------------------------------------------------------------------------
 def hash_hex(h: WireHash | str | None) -> str | None:
     """A wire hash as lowercase hex (ints as 16 hex digits: vLLM's uint64 form)."""
+    if type(h) is int:  # the usual case first: a mirror converts one per block
+        return "%016x" % (h & 0xFFFFFFFFFFFFFFFF)
     if h is None:
         return None
     if isinstance(h, int):
-        return format(h & 0xFFFFFFFFFFFFFFFF, "016x")
+        return "%016x" % (h & 0xFFFFFFFFFFFFFFFF)
     if isinstance(h, (bytes, bytearray)):
         return bytes(h).hex()
     return str(h)
