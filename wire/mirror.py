@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from itertools import groupby
 from collections import Counter
 from collections.abc import Mapping
 from operator import itemgetter
@@ -623,23 +624,24 @@ class Mirror:
 
     # --- a server's wire batches: the one converter ---------------------------------------------------
     def apply_wire(self, batch: EventBatch, seq: int = -1) -> Applied:
-        """Apply one decoded wire batch in order (see the module docstring)."""
+        """Apply one decoded wire batch in order (see the module docstring). Consecutive events
+        of one type are applied by one call (vLLM sends an event per evicted block)."""
         out = [] if self.convert else None
         self._last = None  # the engine event the next change may extend (convert)
         stored = removed = cleared = 0
         ts = batch.ts
-        for ev in batch.events:
-            cls = type(ev)
+        for cls, run in groupby(batch.events, type):
             if cls is BlockStored:
-                stored += self._wire_stored(ev, seq, ts, out)
+                stored += self._wire_stored(run, ts, out)
             elif cls is BlockRemoved:
-                removed += self._wire_removed(ev, ts, out)
+                removed += self._wire_removed(run, ts, out)
             elif cls is AllBlocksCleared:
-                self.clear()
-                if out is not None:
-                    out.append(ev_.AllBlocksCleared(ts=ts, reason="cleared"))
-                    self._last = None
-                cleared += 1
+                for _ in run:
+                    self.clear()
+                    if out is not None:
+                        out.append(ev_.AllBlocksCleared(ts=ts, reason="cleared"))
+                        self._last = None
+                    cleared += 1
         self.batches += 1
         self.events += len(batch.events)
         if seq >= 0:
@@ -657,142 +659,181 @@ class Mirror:
                                   ("state", "creator", "indexed", "created_at", "last_used", "hits"))
         return v
 
-    def _wire_stored(self, ev: BlockStored, seq: int, ts: float, out) -> int:
-        if _elsewhere(ev):
-            self.other_medium += len(ev.block_hashes)
-            return 0
+    def _wire_stored(self, events, ts: float, out) -> int:
+        """Consecutive BlockStored events of one batch. Per block only what the block map needs
+        is written; a session's counters are added once per event (`finally`: even when a block
+        fails, what was stored is counted)."""
         key_slot, keys, parents, tokens = self.key_slot, self.key, self.parent, self.tokens
         stored_by, by_session, users_of, codes = self.stored_by_session, self.by_session, self.users_of, self._code
+        users = self.users
         free = self._free_slots
+        heappop = heapq.heappop
         st, cr, ix, ca, lu, hi = self._views()
-        g = ev.group_idx
-        sid = ev.session_id
-        parent = ev.parent_block_hash
-        size = ev.block_size
-        tok = ev.token_ids
-        off = 0
-        new = 0
+        offset = self.offset
+        Stored, Hit = ev_.BlockStored, ev_.BlockHit
         last = self._last
-        prev = hash_hex(parent) if out is not None else None  # the hex of the block before this one
-        for h in ev.block_hashes:
-            key = (g, h) if g else h
-            s = key_slot.get(key)
-            who = sid
-            if s is None:
-                if who is None:
-                    who = self._attribute(parent, tok, off, size, g)
-                if free:
-                    s = heapq.heappop(free)
-                else:
-                    s = self._next_slot
-                    if s >= MAX_BLOCKS:
-                        raise ValueError("too many blocks")
-                    self._next_slot = s + 1
-                    if s >= self.hw:
-                        if s < len(st):
-                            self.hw = s + 1
-                            if s >= self.num_blocks:
-                                self.num_blocks = s + 1
+        total = new = extra = 0
+        try:
+            for ev in events:
+                if _elsewhere(ev):
+                    self.other_medium += len(ev.block_hashes)
+                    continue
+                g = ev.group_idx
+                sid = ev.session_id
+                parent = ev.parent_block_hash
+                size = ev.block_size
+                tok = tuple(ev.token_ids)  # blocks' tokens are tuples: the GC stops tracking them
+                off = 0
+                sid_new = sid_all = 0  # blocks of this event stored / announced by `sid`
+                code = codes.get(sid)  # None: named when it first stores a block
+                only = (sid,)  # its holders when `sid` stored it (one tuple for the event's blocks)
+                prev = hash_hex(parent) if out is not None else None  # the hex of the block before this one
+                try:
+                    for h in ev.block_hashes:
+                        key = (g, h) if g else h
+                        s = key_slot.get(key)
+                        if s is None:
+                            if sid is None:
+                                who = self._attribute(parent, tok, off, size, g)
+                                c = codes.get(who)
+                                cr_code = self.code(who) if c is None else c
+                            else:
+                                if code is None:
+                                    code = self.code(sid)
+                                who, cr_code = sid, code
+                            if free:
+                                s = heappop(free)
+                            else:
+                                s = self._next_slot
+                                if s >= MAX_BLOCKS:
+                                    raise ValueError("too many blocks")
+                                self._next_slot = s + 1
+                                if s >= self.hw:
+                                    if s < len(st):
+                                        self.hw = s + 1
+                                        if s >= self.num_blocks:
+                                            self.num_blocks = s + 1
+                                    else:
+                                        self._room(s + 1)
+                                        st, cr, ix, ca, lu, hi = self._views()
+                            key_slot[key] = s
+                            keys[s] = key
+                            if parent is not None:
+                                parents[s] = parent
+                            toks = tokens[s] = tok[off:off + size]
+                            cr[s] = cr_code
+                            st[s] = CACHED  # `indexed` is the engine's ref-count bookkeeping: a server's block is just cached
+                            ca[s] = lu[s] = ts
+                            users_of[s] = only if who is sid else (who,)
+                            new += 1
+                            if sid is None:
+                                by_session[who] += 1
+                            else:
+                                sid_new += 1
+                            if out is not None:
+                                hx = hash_hex(h)
+                                if type(last) is Stored and last.user == who and last.block_size == size \
+                                        and last.block_hashes[-1] == prev:  # the chain goes on: one event, like vLLM's
+                                    last.block_hashes.append(hx)
+                                    last.block_ids.append(s + offset)
+                                    last.token_ids.extend(toks)
+                                else:
+                                    last = Stored(ts=ts, block_hashes=[hx], parent_block_hash=prev,
+                                                  token_ids=list(toks), block_size=size, block_ids=[s + offset],
+                                                  user=who)
+                                    out.append(last)
+                                prev = hx
                         else:
-                            self._room(s + 1)
-                            st, cr, ix, ca, lu, hi = self._views()
-                key_slot[key] = s
-                keys[s] = key
-                if parent is not None:
-                    parents[s] = parent
-                toks = tokens[s] = tok[off:off + size]  # a list here, a tuple from engine events
-                c = codes.get(who)
-                cr[s] = self.code(who) if c is None else c
-                st[s] = CACHED  # `indexed` is the engine's ref-count bookkeeping: a server's block is just cached
-                ca[s] = lu[s] = ts
-                users_of[s] = (who,)
-                by_session[who] += 1
-                new += 1
-                if out is not None:
-                    hx = hash_hex(h)
-                    if type(last) is ev_.BlockStored and last.user == who and last.block_size == size \
-                            and last.block_hashes[-1] == prev:  # the chain goes on: one event, like vLLM's
-                        last.block_hashes.append(hx)
-                        last.block_ids.append(s + self.offset)
-                        last.token_ids.extend(toks)
-                    else:
-                        last = ev_.BlockStored(ts=ts, block_hashes=[hx], parent_block_hash=prev,
-                                               token_ids=list(toks), block_size=size, block_ids=[s + self.offset],
-                                               user=who)
-                        out.append(last)
-                    prev = hx
-            else:
-                creator = self.users[cr[s]]
-                if who is None:
-                    who = creator
-                users = users_of[s]
-                if who not in users:
-                    users_of[s] = users + (who,)
-                    self.extra_users += 1
-                    by_session[who] += 1
-                hi[s] += 1
-                lu[s] = ts
-                if out is not None:
-                    if type(last) is not ev_.BlockHit or last.user != who:
-                        last = ev_.BlockHit(ts=ts, user=who, block_hashes=[], block_ids=[], cached_tokens=0,
-                                            by_creator={})
-                        out.append(last)
-                    prev = hash_hex(h)
-                    last.block_hashes.append(prev)
-                    last.block_ids.append(s + self.offset)
-                    last.cached_tokens += size
-                    last.by_creator[creator] = last.by_creator.get(creator, 0) + size
-            stored_by[who] += 1
-            parent = h
-            off += size
-        self._last = last
-        n = len(ev.block_hashes)
-        self.new_blocks += new
-        self.reannounced += n - new
-        self.stored += n
-        return n
+                            creator = users[cr[s]]
+                            who = creator if sid is None else sid
+                            held = users_of[s]
+                            if who not in held:
+                                users_of[s] = held + (who,)
+                                extra += 1
+                                by_session[who] += 1
+                            hi[s] += 1
+                            lu[s] = ts
+                            if out is not None:
+                                if type(last) is not Hit or last.user != who:
+                                    last = Hit(ts=ts, user=who, block_hashes=[], block_ids=[], cached_tokens=0,
+                                               by_creator={})
+                                    out.append(last)
+                                prev = hash_hex(h)
+                                last.block_hashes.append(prev)
+                                last.block_ids.append(s + offset)
+                                last.cached_tokens += size
+                                last.by_creator[creator] = last.by_creator.get(creator, 0) + size
+                        if sid is None:
+                            stored_by[who] += 1
+                        else:
+                            sid_all += 1
+                        total += 1
+                        parent = h
+                        off += size
+                finally:
+                    if sid_all:
+                        stored_by[sid] += sid_all
+                        if sid_new:
+                            by_session[sid] += sid_new
+        finally:
+            self._last = last
+            self.extra_users += extra
+            self.new_blocks += new
+            self.reannounced += total - new
+            self.stored += total
+        return total
 
-    def _wire_removed(self, ev: BlockRemoved, ts: float, out) -> int:
-        if _elsewhere(ev):
-            self.other_medium += len(ev.block_hashes)
-            return 0
-        key_slot, keys, by_session = self.key_slot, self.key, self.by_session
+    def _wire_removed(self, events, ts: float, out) -> int:
+        """Consecutive BlockRemoved events of one batch."""
+        key_slot, keys, parents, tokens, chains = self.key_slot, self.key, self.parent, self.tokens, self._chain
+        by_session, users_of, users = self.by_session, self.users_of, self.users
+        free = self._free_slots
+        heappush = heapq.heappush
         st, cr, ix, ca, lu, hi = self._views()
-        g = ev.group_idx
-        n = 0
+        offset = self.offset
         rm = self._last if type(self._last) is ev_.BlockRemoved else None
-        for h in ev.block_hashes:
-            key = (g, h) if g else h
-            s = key_slot.pop(key, None)
-            if s is None:
-                self.removed_unknown += 1
-                continue
-            if out is not None:
-                if rm is None:
-                    rm = self._last = ev_.BlockRemoved(ts=ts, block_hashes=[], block_ids=[], creators=[])
-                    out.append(rm)
-                c = cr[s]
-                rm.block_hashes.append(hash_hex(h))
-                rm.block_ids.append(s + self.offset)
-                rm.creators.append(self.users[c] if c >= 0 else "")
-            del keys[s]
-            heapq.heappush(self._free_slots, s)
-            self.parent.pop(s, None)
-            del self.tokens[s]
-            self._chain.pop(s, None)
-            users = self.users_of.pop(s)
-            self.extra_users -= len(users) - 1
-            for u in users:
-                c = by_session[u] - 1
-                if c > 0:
-                    by_session[u] = c
-                else:
-                    del by_session[u]
-            cr[s] = -1
-            hi[s] = st[s] = 0
-            n += 1
-        self.evictions += n
-        self.removed += n
+        n = unknown = extra = 0
+        try:
+            for ev in events:
+                if _elsewhere(ev):
+                    self.other_medium += len(ev.block_hashes)
+                    continue
+                g = ev.group_idx
+                for h in ev.block_hashes:
+                    s = key_slot.pop((g, h) if g else h, None)
+                    if s is None:
+                        unknown += 1
+                        continue
+                    if out is not None:
+                        if rm is None:
+                            rm = self._last = ev_.BlockRemoved(ts=ts, block_hashes=[], block_ids=[], creators=[])
+                            out.append(rm)
+                        c = cr[s]
+                        rm.block_hashes.append(hash_hex(h))
+                        rm.block_ids.append(s + offset)
+                        rm.creators.append(users[c] if c >= 0 else "")
+                    del keys[s]
+                    heappush(free, s)
+                    parents.pop(s, None)
+                    del tokens[s]
+                    if chains:
+                        chains.pop(s, None)
+                    held = users_of.pop(s)
+                    extra += len(held) - 1
+                    for u in held:
+                        c = by_session[u] - 1
+                        if c > 0:
+                            by_session[u] = c
+                        else:
+                            del by_session[u]
+                    cr[s] = -1
+                    hi[s] = st[s] = 0
+                    n += 1
+        finally:
+            self.extra_users -= extra
+            self.removed_unknown += unknown
+            self.evictions += n
+            self.removed += n
         return n
 
     def clear(self) -> None:
