@@ -87,9 +87,10 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> flo
     return time.perf_counter() - t0
 
 
-def measure_recording(payloads: list[bytes], db_path: str) -> float:
-    """Seconds to decode, apply and record (the mirror's engine events -> SQLite, flushed every
-    1,000 batches as `kvplay watch` flushes about once a second) every payload."""
+def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
+    """(seconds, events dropped) to decode, apply and record (the mirror's engine events ->
+    SQLite, flushed every 1,000 batches as `kvplay watch` flushes about once a second) every
+    payload, until the recording is closed (everything written)."""
     # start-up time: imported when this first runs
     from kvplay.sessions.watch_recording import WatchRecording
 
@@ -103,7 +104,7 @@ def measure_recording(payloads: list[bytes], db_path: str) -> float:
         if seq % 1000 == 999:
             rec.flush()
     rec.close()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, rec.rec.dropped_events
 
 
 def _engine_events(payloads: list[bytes]) -> list[tuple[list, float]]:
@@ -360,13 +361,13 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
     if record:
         with tempfile.TemporaryDirectory() as tmp:
-            dr = measure_recording(payloads, os.path.join(tmp, "bench.db"))
+            dr, dropped = measure_recording(payloads, os.path.join(tmp, "bench.db"))
             dw, engine_events = measure_recorder(payloads, os.path.join(tmp, "alone.db"))
             eng = measure_engine_recorder(payloads, os.path.join(tmp, "engine.db"))
         if eng is not None:
             out.update(engine_recorder_s=round(eng[0], 4), engine_recorder_events_per_s=round(eng[1] / eng[0]),
                        engine_recorder_dropped=eng[2])
-        out.update(record_s=round(dr, 4), record_events_per_s=round(events / dr),
+        out.update(record_s=round(dr, 4), record_events_per_s=round(events / dr), record_dropped=dropped,
                    recorder_s=round(dw, 4), recorder_events_per_s=round(events / dw),
                    recorder_engine_events=engine_events, recorder_engine_events_per_s=round(engine_events / dw))
     return out
@@ -407,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:
-            print(f"decode + apply + record to SQLite: {r['record_events_per_s']:,} events/s")
+            print(f"decode + apply + record to SQLite: {r['record_events_per_s']:,} events/s "
+                  f"({r['record_dropped']:,} engine events dropped)")
             print(f"the recorder alone (write to SQLite, the wire events as {r['recorder_engine_events']:,} engine "
                   f"events): {r['recorder_events_per_s']:,} events/s ({r['recorder_engine_events_per_s']:,} engine events/s)")
         if "engine_recorder_s" in r:

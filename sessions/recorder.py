@@ -291,13 +291,18 @@ class Recorder:
             if i == len(events) or (columns[i] is not cur and columns[i] != cur):
                 rows.append(batch_row(self.session_id, events[start:i], pod=cur.get("pod"), wire_seq=cur.get("wire_seq")))
                 start = i
+        self.write_rows(rows, len(events))
+
+    def write_rows(self, rows: list[tuple], events: int = 0) -> None:
+        """Write `event_batches` rows (`event_log.batch_row`, `events` events in all) now, in one
+        transaction."""
         if rows:
             with self._lock:
                 try:
                     with write_txn(self.db):
                         insert_batch_rows(self.db, rows)
                 except sqlite3.Error as exc:
-                    raise StoreError(f"cannot record {len(events)} events in {self.path}: {exc}") from None
+                    raise StoreError(f"cannot record {events} events in {self.path}: {exc}") from None
 
     def flush(self) -> None:
         """Write every queued batch now."""

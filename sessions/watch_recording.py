@@ -1,9 +1,12 @@
 """Record a watched server into the sessions DB, like any other session (source "watch"): each
 applied batch as kvplay engine events — what the pod's `Mirror.apply_wire` converted it to (the
-one converter, wire/mirror.py) — written with the batch's `pod` and `wire_seq` in one transaction
-per `flush()` (the watch loop flushes about once a second and at the end), so a busy server costs
-one commit a second, not one per batch. Hashes are hex; block ids are left out (each pod numbers
-its own slots: the recording names blocks by pod and hash)."""
+one converter, wire/mirror.py) — one `event_batches` row per batch with its `pod` and `wire_seq`.
+A batch is encoded as it arrives (its events die young: holding a second's worth of event objects
+for the writer made the garbage collector the biggest cost of recording) and the rows are written
+in one transaction per `flush()` (the watch loop flushes about once a second and at the end), or
+as soon as `FLUSH_EVENTS` events wait, so memory stays bounded and nothing is dropped. Hashes are
+hex; block ids are left out (each pod numbers its own slots: the recording names blocks by pod
+and hash)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +14,10 @@ import time
 from kvplay.engine.events import AllBlocksCleared
 from kvplay.wire.mirror import Fleet
 
+from .event_log import batch_row
 from .recorder import Recorder
+
+FLUSH_EVENTS = 65_536  # events waiting beyond this are written at once (bounded memory)
 
 
 class WatchRecording:
@@ -21,8 +27,8 @@ class WatchRecording:
         self.path = self.rec.path
         self.fleet = fleet
         self._seq = 0
-        self._events: list = []
-        self._cols: list = []
+        self._rows: list[tuple] = []  # encoded batches waiting for `flush`
+        self._pending = 0             # their events
         self.recorded = 0
 
     def watch(self, pod: str) -> None:
@@ -30,27 +36,33 @@ class WatchRecording:
         self.fleet.pod(pod).convert = True
 
     def on_batch(self, pod: str, wire_seq: int, events: list) -> None:
-        """Queue one applied batch's engine events (its `Applied.events`)."""
-        cols = {"pod": pod, "wire_seq": wire_seq}
+        """Encode one applied batch's engine events (its `Applied.events`) as a row to write."""
+        if not events:
+            return
+        seq = self._seq
         for ev in events:
-            self._seq += 1
-            ev.seq = self._seq
+            seq += 1
+            ev.seq = seq
             if hasattr(ev, "block_ids"):
                 ev.block_ids = []
-            self._events.append(ev)
-            self._cols.append(cols)
+        self._seq = seq
+        self._rows.append(batch_row(self.session_id, events, pod=pod, wire_seq=wire_seq))
+        self._pending += len(events)
+        if self._pending >= FLUSH_EVENTS:
+            self.flush()
 
     def on_restart(self, pod: str) -> None:
         """The pod's publisher restarted: its cache is gone (an AllBlocksCleared)."""
         self.on_batch(pod, -1, [AllBlocksCleared(ts=time.time(), reason="publisher restarted")])
 
     def flush(self) -> None:
-        if not self._events:
+        """Write the rows waiting, in one transaction."""
+        if not self._rows:
             return
-        events, cols = self._events, self._cols
-        self._events, self._cols = [], []
-        self.rec.record_events(events, cols)
-        self.recorded += len(events)
+        rows, n = self._rows, self._pending
+        self._rows, self._pending = [], 0
+        self.rec.write_rows(rows, n)
+        self.recorded += n
 
     def close(self) -> None:
         try:
