@@ -661,8 +661,8 @@ class Mirror:
 
     def _wire_stored(self, events, ts: float, out) -> int:
         """Consecutive BlockStored events of one batch. Per block only what the block map needs
-        is written; a session's counters are added once per event (`finally`: even when a block
-        fails, what was stored is counted)."""
+        is written; a session's counters are added once per event (the blocks it holds even when
+        a later block of the event fails)."""
         key_slot, keys, parents, tokens = self.key_slot, self.key, self.parent, self.tokens
         stored_by, by_session, users_of, codes = self.stored_by_session, self.by_session, self.users_of, self._code
         users = self.users
@@ -684,12 +684,20 @@ class Mirror:
                 size = ev.block_size
                 tok = tuple(ev.token_ids)  # blocks' tokens are tuples: the GC stops tracking them
                 off = 0
-                sid_new = sid_all = 0  # blocks of this event stored / announced by `sid`
+                sid_new = 0  # blocks of this event `sid` stored
                 code = codes.get(sid)  # None: named when it first stores a block
                 only = (sid,)  # its holders when `sid` stored it (one tuple for the event's blocks)
                 prev = hash_hex(parent) if out is not None else None  # the hex of the block before this one
+                hashes = ev.block_hashes
+                n = len(hashes)
+                if n > len(free) + MAX_BLOCKS - self._next_slot and \
+                        sum(((g, h) if g else h) not in key_slot for h in hashes) > len(free) + MAX_BLOCKS - self._next_slot:
+                    raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
+                total += n  # announced
+                if sid is not None and n:
+                    stored_by[sid] += n
                 try:
-                    for h in ev.block_hashes:
+                    for h in hashes:
                         key = (g, h) if g else h
                         s = key_slot.get(key)
                         if s is None:
@@ -704,9 +712,7 @@ class Mirror:
                             if free:
                                 s = heappop(free)
                             else:
-                                s = self._next_slot
-                                if s >= MAX_BLOCKS:
-                                    raise ValueError("too many blocks")
+                                s = self._next_slot  # below MAX_BLOCKS: checked above
                                 self._next_slot = s + 1
                                 if s >= self.hw:
                                     if s < len(st):
@@ -744,7 +750,8 @@ class Mirror:
                                     out.append(last)
                                 prev = hx
                         else:
-                            creator = users[cr[s]]
+                            c = cr[s]
+                            creator = users[c] if c >= 0 else ""  # "": stored with an empty session id
                             who = creator if sid is None else sid
                             held = users_of[s]
                             if who not in held:
@@ -765,16 +772,11 @@ class Mirror:
                                 last.by_creator[creator] = last.by_creator.get(creator, 0) + size
                         if sid is None:
                             stored_by[who] += 1
-                        else:
-                            sid_all += 1
-                        total += 1
                         parent = h
                         off += size
                 finally:
-                    if sid_all:
-                        stored_by[sid] += sid_all
-                        if sid_new:
-                            by_session[sid] += sid_new
+                    if sid_new:
+                        by_session[sid] += sid_new
         finally:
             self._last = last
             self.extra_users += extra
