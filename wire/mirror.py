@@ -80,6 +80,16 @@ def _elsewhere(ev) -> bool:
     return (ev.medium is not None and ev.medium != MEDIUM_GPU) or ev.locality == "REMOTE"
 
 
+def _let_go(by_session: Counter, holders) -> None:
+    """A block's holders no longer hold it (a count at 0 leaves the counter)."""
+    for u in holders:
+        c = by_session[u] - 1
+        if c > 0:
+            by_session[u] = c
+        else:
+            del by_session[u]
+
+
 class Applied(NamedTuple):
     """What one wire batch did: block entries stored, removed, caches cleared; and the engine
     events saying so (empty unless the mirror's `convert` is set)."""
@@ -347,13 +357,7 @@ class Mirror:
         users = self.users_of.pop(b, None)
         if users:
             self.extra_users -= len(users) - 1
-            by_session = self.by_session
-            for u in users:
-                c = by_session[u] - 1
-                if c > 0:
-                    by_session[u] = c
-                else:
-                    del by_session[u]
+            _let_go(self.by_session, users)
         self.creator[b] = -1
         self.hits[b] = 0
         self.indexed[b] = 0
@@ -659,6 +663,14 @@ class Mirror:
                                   ("state", "creator", "indexed", "created_at", "last_used", "hits"))
         return v
 
+    def _mirrored(self, events):
+        """The events of the device tier (the others are counted in `other_medium`)."""
+        for ev in events:
+            if _elsewhere(ev):
+                self.other_medium += len(ev.block_hashes)
+            else:
+                yield ev
+
     def _wire_stored(self, events, ts: float, out) -> int:
         """Consecutive BlockStored events of one batch. Per block only what the block map needs
         is written; a session's counters are added once per event (the blocks it holds even when
@@ -674,10 +686,7 @@ class Mirror:
         last = self._last
         total = new = extra = 0
         try:
-            for ev in events:
-                if _elsewhere(ev):
-                    self.other_medium += len(ev.block_hashes)
-                    continue
+            for ev in self._mirrored(events):
                 g = ev.group_idx
                 sid = ev.session_id
                 parent = ev.parent_block_hash
@@ -796,10 +805,7 @@ class Mirror:
         rm = self._last if type(self._last) is ev_.BlockRemoved else None
         n = unknown = extra = 0
         try:
-            for ev in events:
-                if _elsewhere(ev):
-                    self.other_medium += len(ev.block_hashes)
-                    continue
+            for ev in self._mirrored(events):
                 g = ev.group_idx
                 for h in ev.block_hashes:
                     s = key_slot.pop((g, h) if g else h, None)
@@ -822,12 +828,7 @@ class Mirror:
                         chains.pop(s, None)
                     held = users_of.pop(s)
                     extra += len(held) - 1
-                    for u in held:
-                        c = by_session[u] - 1
-                        if c > 0:
-                            by_session[u] = c
-                        else:
-                            del by_session[u]
+                    _let_go(by_session, held)
                     cr[s] = -1
                     hi[s] = st[s] = 0
                     n += 1
