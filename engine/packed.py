@@ -22,9 +22,14 @@ from __future__ import annotations
 import torch
 
 
+# Below this many elements a oneDNN call's fixed cost outweighs what packing saves (the tiny test
+# models, hidden size 64: 3 decode rows 0.87 ms a step plain, 1.09 ms packed).
+MIN_ELEMENTS = 1 << 16
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype is torch.float32 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+            and weight.numel() >= MIN_ELEMENTS and torch.backends.mkldnn.is_available())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

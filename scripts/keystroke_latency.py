@@ -39,7 +39,7 @@ async def main():
                     p = app.pane(u)
                     if not p.busy:
                         k += 1
-                        p.history = p.history[-2:]  # stay inside the tiny model's context
+                        del p.history[:-2]  # stay inside the tiny model's context
                         app.send(p, f"Tell me a long story, part {k}")
                 await asyncio.sleep(0.01)
         feeder = asyncio.create_task(keep_streaming())

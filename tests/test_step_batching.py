@@ -7,6 +7,7 @@ import torch
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.model import LoadedModel
+from kvplay.engine import packed as packed_mod
 from kvplay.engine.packed import pack
 from kvplay.engine.runner import ModelRunner, Row
 from kvplay.engine.sampling import SamplingParams
@@ -37,9 +38,15 @@ def test_a_mixed_step_equals_its_decode_and_prefill_rows_apart():
     torch.testing.assert_close(mixed, apart, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(pack(torch.ones(4, 4)) is None, reason="this torch has no oneDNN linear")
+@pytest.fixture
+def pack_small(monkeypatch):
+    """The tiny models' weights are below packed.MIN_ELEMENTS: pack them anyway."""
+    monkeypatch.setattr(packed_mod, "MIN_ELEMENTS", 0)
+
+
+@pytest.mark.skipif(pack(torch.ones(512, 512)) is None, reason="this torch has no oneDNN linear")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_weights_give_the_plain_weights_logits(threads):
+def test_packed_weights_give_the_plain_weights_logits(threads, pack_small):
     loaded = _loaded("qwen2", 8)  # q/k/v biases too
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -59,6 +66,10 @@ def test_packed_weights_give_the_plain_weights_logits(threads):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
     finally:
         torch.set_num_threads(old)
+
+
+def test_small_weights_are_not_packed():
+    assert pack(torch.ones(64, 64)) is None
 
 
 def test_packed_weights_follow_the_engine_config(tiny_llama):
