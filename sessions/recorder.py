@@ -175,9 +175,7 @@ class Recorder:
                     if self._closed:
                         return
                     rows = self._take_rows()
-                    if rows:
-                        with write_txn(self.db):
-                            insert_batch_rows(self.db, rows)
+                    self._insert(rows)
             except Exception as exc:  # a locked or broken DB: the rows count as dropped (in the
                 self.write_error = f"{type(exc).__name__}: {exc}"  # session's dropped_events)
                 self._dropped(sum(r[2] for r in rows), len(rows))
@@ -299,8 +297,7 @@ class Recorder:
         if rows:
             with self._lock:
                 try:
-                    with write_txn(self.db):
-                        insert_batch_rows(self.db, rows)
+                    self._insert(rows)
                 except sqlite3.Error as exc:
                     raise StoreError(f"cannot record {events} events in {self.path}: {exc}") from None
 
@@ -309,10 +306,13 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
-            rows = self._take_rows()
-            if rows:
-                with write_txn(self.db):
-                    insert_batch_rows(self.db, rows)
+            self._insert(self._take_rows())
+
+    def _insert(self, rows: list[tuple]) -> None:
+        """`event_batches` rows in one transaction (under _lock)."""
+        if rows:
+            with write_txn(self.db):
+                insert_batch_rows(self.db, rows)
 
     def close(self) -> None:
         if self._closed:
