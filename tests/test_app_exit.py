@@ -126,10 +126,13 @@ def test_a_worker_that_never_ends_does_not_hold_the_exit():
     """The cause of the old `os._exit`: asyncio.run joins its default executor's threads with no
     limit (and Python joins them again at exit), so one stuck worker (a load on a stuck file
     system) held the process for ever. On the lifecycle loop it is a daemon thread, waited for at
-    most QUIT_WAIT_S."""
+    most QUIT_WAIT_S when the loop closes and EXIT_WAIT_S at exit (a load in native code must not
+    run while the process tears down: see test_quitting_while_the_model_loads...)."""
     code = textwrap.dedent('''
         import asyncio, threading
+        from kvplay.tui import lifecycle
         from kvplay.tui.lifecycle import run_until_done
+        lifecycle.EXIT_WAIT_S = 1.0  # at exit, a worker still running is waited for this long
 
         async def main():
             asyncio.get_running_loop().run_in_executor(None, threading.Event().wait)  # never ends
@@ -140,3 +143,4 @@ def test_a_worker_that_never_ends_does_not_hold_the_exit():
     ''')
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=EXIT_BOUND_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "returned", proc.stderr[-2000:]
+    assert "waiting for 1 background job" in proc.stderr  # said, then the stuck one is left

@@ -10,19 +10,31 @@ kept `kvplay` alive after ctrl+q. That is why the app used to end with `os._exit
 Here the loop's default executor is a `DaemonExecutor`: one daemon thread per job, and a
 shutdown that waits at most `QUIT_WAIT_S` for them. The app's `on_unmount` shuts the engine
 down first, which ends every request a worker waits on, so in practice they have ended by then;
-one that has not (a model load) no longer holds the process.
+one that has not (a model load) no longer holds the app: the UI closes at once.
+
+The process itself still waits for such a worker before the interpreter finalises (at most
+`EXIT_WAIT_S`, saying so on stderr): a daemon thread still inside native code (torch converting
+or loading weights) while C++ static objects are destroyed at exit aborts the process
+("terminate called without an active exception", seen in CI when quitting during the first
+model conversion).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
+import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
 QUIT_WAIT_S = 2.0  # how long closing the loop waits for workers still running
+EXIT_WAIT_S = 120.0  # how long the process waits at exit for a worker still running (a first
+# model conversion takes 21-73 s here); one stuck for ever is then left to the OS
+_executors: "weakref.WeakSet[DaemonExecutor]" = weakref.WeakSet()
 
 
 class DaemonExecutor(ThreadPoolExecutor):
@@ -37,6 +49,7 @@ class DaemonExecutor(ThreadPoolExecutor):
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._closed = False
+        _executors.add(self)
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
@@ -75,6 +88,20 @@ class DaemonExecutor(ThreadPoolExecutor):
     def running(self) -> list[threading.Thread]:
         with self._lock:
             return [t for t in self._threads if t.is_alive()]
+
+
+@atexit.register
+def _wait_for_workers() -> None:
+    """At interpreter exit (before finalisation): let a worker still running (a model load) end,
+    so no thread is inside torch's native code while the process tears down."""
+    running = [t for ex in list(_executors) for t in ex.running]
+    if not running:
+        return
+    print(f"kvplay: waiting for {len(running)} background job(s) (a model load) to finish before "
+          "exiting…", file=sys.stderr, flush=True)
+    end = time.monotonic() + EXIT_WAIT_S
+    for t in running:
+        t.join(max(0.0, end - time.monotonic()))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
