@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .invariance import LinearPlan, tiled_linear
-from .packed import pack, packed_linear
+from .packed import can_pack, pack, packed_linear
 from .paged import StepPlan, paged_attention
 from .skinny import skinny_mm, written_out_rows
 
@@ -96,17 +96,16 @@ class LlamaStep:
                 a.o_proj.weight, layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.variance_epsilon, gate_up, m.down_proj.weight,
                 m.act_fn, a, window))
-        # oneDNN's packed copies of every layer weight (packed.py); none where it cannot pack
-        self.packed = packed and all(
-            self._pack_layer(L) for L in self.layers)
-
-    @staticmethod
-    def _pack_layer(L: _Layer) -> bool:
-        got = tuple(pack(w) for w in (L.qkv, L.o, L.gate_up, L.down))
-        if any(p is None for p in got):
-            return False
-        L.packed = got
-        return True
+        # oneDNN's packed copies of every layer weight (packed.py): all of them, or none held
+        # (checked before any copy is made: `pack` keeps each copy on its weight)
+        weights = [(L.qkv, L.o, L.gate_up, L.down) for L in self.layers]
+        self.packed = packed and all(can_pack(w) for ws in weights for w in ws)
+        if self.packed:
+            got = [tuple(pack(w) for w in ws) for ws in weights]
+            self.packed = all(p is not None for layer in got for p in layer)  # oneDNN may refuse
+            if self.packed:
+                for L, layer in zip(self.layers, got):
+                    L.packed = layer
 
     @classmethod
     def for_model(cls, model, packed: bool = True) -> "LlamaStep | None":
@@ -136,7 +135,7 @@ class LlamaStep:
         mode's tiles; one row on one thread F.linear's GEMV; else oneDNN's packed weights
         (packed.py) where they exist, `skinny_mm` for few rows, F.linear."""
         if det is not None:
-            return lambda x, w, b, p: tiled_linear(det, x, w, b, p if self.packed else None)
+            return lambda x, w, b, p: tiled_linear(det, x, w, b, p)  # p: None where not packed
         if n == 1 and threads == 1:
             return lambda x, w, b, p: F.linear(x, w, b)
         if self.packed:
