@@ -19,6 +19,7 @@ import torch
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.threads import on_fresh_thread
 
 from .metrics import PeerResult, RequestRecord, union_seconds
 from .workloads import Turn, Workload, shared_prefix_len
@@ -373,11 +374,15 @@ def decode_probe(loaded_kv, hf_model, workload: Workload, base: EngineConfig, us
     finally:
         engine.shutdown()
     progress("decode probe: HF generate + DynamicCache, 1 user")
-    with torch.inference_mode():
-        cache = _new_cache(hf_model)
-        _hf_generate_one(hf_model, turns[0].prompt_ids, 1, cache)  # prefill, like the engine's cached prefix
-        cache.crop(-(cache.get_seq_length() - (len(turns[0].prompt_ids) - 1)))
-        out, first, end = _hf_generate_one(hf_model, turns[0].prompt_ids, workload.new_tokens, cache)
+
+    def hf_decode():
+        with torch.inference_mode():
+            cache = _new_cache(hf_model)
+            _hf_generate_one(hf_model, turns[0].prompt_ids, 1, cache)  # prefill, like the engine's cached prefix
+            cache.crop(-(cache.get_seq_length() - (len(turns[0].prompt_ids) - 1)))
+            return _hf_generate_one(hf_model, turns[0].prompt_ids, workload.new_tokens, cache)
+
+    out, first, end = on_fresh_thread(hf_decode)  # a thread that ends: no OpenMP pool left behind
     hf_one = agg([(first, end, len(out) - len(turns[0].prompt_ids))])
     return {"users": users, "kvplay_alone_cold_ttft_ms": cold, "kvplay_alone_warm_ttft_ms": warm,
             "kvplay_1_user_tok_s": one, "kvplay_n_users_tok_s": many, "hf_1_user_tok_s": hf_one}

@@ -10,6 +10,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import pool_blocks
 from kvplay.engine.errors import EngineError
 from kvplay.engine.model import load_model
+from kvplay.engine.threads import on_fresh_thread, set_cpu_threads
 
 from . import peers as P
 from .metrics import Target, ratio, ratios, speedup, summarize
@@ -51,16 +52,17 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
         http = HttpPeer(peer_url, peer_model).connect()  # one clear line when it cannot be reached
     load_avg_start = _load_avg()
     # Every peer runs with the engine's thread count (set once, process-wide, before any timing).
-    from kvplay.engine.engine import set_cpu_threads
-
     set_cpu_threads(config.threads)
     hf_needed = bool(set(peers) & set(BASELINES)) or (probe and "kvplay" in peers)
     progress(f"loading {config.model}" + (" twice (kvplay's copy, and the Hugging Face peers' copy)"
                                           if hf_needed else ""))
-    loaded_kv = load_model(config.model, config.device, config.dtype, progress=progress)
+    # Torch's parallel work runs only on threads that end (engine/threads.py): the loads and the
+    # Hugging Face peers here, kvplay on its engine thread. An OpenMP pool left on this thread
+    # would slow whichever peer runs on another one (libgomp's throttled waits).
+    loaded_kv = on_fresh_thread(lambda: load_model(config.model, config.device, config.dtype, progress=progress))
     hf_model = None
     if hf_needed:
-        hf_model = load_model(config.model, config.device, config.dtype, progress=progress).model
+        hf_model = on_fresh_thread(lambda: load_model(config.model, config.device, config.dtype, progress=progress).model)
         if hf_model.config._attn_implementation not in ("sdpa", "eager"):
             hf_model.set_attn_implementation("sdpa")
     extra = {} if system_prompt is None else {"system_prompt": system_prompt}
@@ -82,7 +84,7 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
     if hf_model is not None:
         # warm the HF copy once so first-call costs land on nobody's figures
         progress("warming up the Hugging Face copy")
-        P._hf_generate_one(hf_model, workload(workloads[0]).turns[0].prompt_ids[:24], 2)
+        on_fresh_thread(P._hf_generate_one, hf_model, workload(workloads[0]).turns[0].prompt_ids[:24], 2)
     run_peers = tuple(peers) + ((HTTP_KEY,) if http is not None else ())
     for name in workloads:
         wl = workload(name)
@@ -99,10 +101,10 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
             elif peer in ("kvplay", "kvplay-det"):
                 r = P.run_kvplay(loaded_kv, wl, config, peer == "kvplay-det", progress)
             elif peer in ("hf-generate", "hf-cache-per-user"):
-                r = P.run_hf_generate(hf_model, wl, peer == "hf-cache-per-user", progress)
+                r = on_fresh_thread(P.run_hf_generate, hf_model, wl, peer == "hf-cache-per-user", progress)
             else:  # hf-cb
-                r = P.run_hf_cb(hf_model, wl, cfg_kv.block_size, pool_blocks(loaded_kv, cfg_kv),
-                                cfg_kv.prefill_budget + cfg_kv.max_running, progress)
+                r = on_fresh_thread(P.run_hf_cb, hf_model, wl, cfg_kv.block_size, pool_blocks(loaded_kv, cfg_kv),
+                                    cfg_kv.prefill_budget + cfg_kv.max_running, progress)
             # the machine's 1-minute load around this peer: on a shared machine, ratios between
             # peers that ran under different loads mean little
             if load_before is not None:

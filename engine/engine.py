@@ -16,7 +16,6 @@ handed to batch subscribers as one EngineBatch (every cache view mirrors them: w
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 import time
@@ -37,24 +36,12 @@ from .pool import BlockPool
 from .prefix import BlockHasher
 from .registry import UserRegistry, check_user
 from .request import Request, RequestHandle
+from .threads import on_fresh_thread, set_cpu_threads
 from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
 
 Listener = Callable[[Event], None]
-
-
-def set_cpu_threads(threads: int | None) -> int:
-    """torch's intra-op threads (process-wide). Default: one less than the cores, so the UI,
-    recorder and tokenizer keep a core; with every core busy, OpenMP threads spin-wait on each
-    other and a 1 ms GEMM was measured at 6-27 ms on this 2-core machine."""
-    # start-up time: imported when this first runs
-    import torch
-
-    n = threads or max(1, (os.cpu_count() or 2) - 1)
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n
 
 
 def pool_blocks(loaded: LoadedModel, cfg: EngineConfig) -> int:
@@ -80,7 +67,10 @@ class Engine:
                  progress: Callable[[str], None] | None = None):
         self.config = (config or EngineConfig()).validate()
         kwargs = {"progress": progress} if progress else {}
-        self.loaded = loaded or load_model(self.config.model, self.config.device, self.config.dtype, **kwargs)
+        # The load and the runner's build run on a thread that ends (engine/threads.py): only
+        # the engine thread keeps an OpenMP pool.
+        self.loaded = loaded or on_fresh_thread(
+            lambda: load_model(self.config.model, self.config.device, self.config.dtype, **kwargs))
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         self._listeners: list[Listener] = []
@@ -98,7 +88,7 @@ class Engine:
         self.users = UserRegistry()
         self._observer = Observer(self)  # the published stats (engine/observe.py)
         self.failure: str | None = None
-        self._build()
+        on_fresh_thread(self._build)
 
     # --- construction -------------------------------------------------------------------------
     def _build(self) -> None:
@@ -223,6 +213,7 @@ class Engine:
         self.shutdown()
 
     def _loop(self) -> None:
+        set_cpu_threads(self.config.threads)  # libgomp reads the count per thread
         try:
             while not self._stop.is_set():
                 # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
