@@ -10,7 +10,12 @@ ITL p50, output tok/s, p95 TTFT and completed requests, plus kvplay's speed as a
 (≥ 1 = kvplay faster: vLLM ms ÷ kvplay ms for latencies, kvplay ÷ vLLM for throughput).
 
     .venv/bin/python scripts/serve_compare.py [--concurrency 1,8,32] [--threads 1,2]
-        [--num-prompts 32] [--max-num-seqs 8] [--json out.json]
+        [--num-prompts 32] [--max-num-seqs 8] [--repeat 3] [--json out.json]
+
+With `--repeat N` both servers run at once (idle while the other is measured) and each client
+run alternates between them, N times over, the order flipping each round: a shared or noisy
+machine then weighs on both alike. The table gives each figure's median over the N runs and the
+ratios' range (min–max of the per-round ratios).
 
 Workload (the issue's): `--dataset-name prefix_repetition`, prefix 384 tokens, suffix 32,
 4 prefixes, 16 output tokens, `--ignore-eos`, `--backend openai` on `/v1/completions`.
@@ -22,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,10 +88,10 @@ def stop_vllm(port: int) -> None:
     subprocess.run([str(ROOT / "scripts/vllm-cpu.sh"), "stop", "--port", str(port)], check=False)
 
 
-def start_kvplay(port: int, threads: int, max_seqs: int) -> subprocess.Popen:
+def start_kvplay(port: int, threads: int, max_seqs: int, extra: list[str] = ()) -> subprocess.Popen:
     kv = Path(sys.executable).parent / "kvplay"
     cmd = [str(kv), "serve", "--port", str(port), "--threads", str(threads),
-           "--max-running", str(max_seqs), "--served-model-name", MODEL_NAME, "--no-record"]
+           "--max-running", str(max_seqs), "--served-model-name", MODEL_NAME, "--no-record", *extra]
     log(" ".join(cmd))
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -136,7 +143,9 @@ def ratios(v: dict, k: dict) -> dict:
 
 
 def table(threads: int, rows: list[dict]) -> str:
-    out = [f"\n{threads} thread(s) each; at most {rows[0]['max_num_seqs']} requests at once on both",
+    rep = rows[0].get("repeat", 1)
+    out = [f"\n{threads} thread(s) each; at most {rows[0]['max_num_seqs']} requests at once on both"
+           + (f"; medians of {rep} interleaved runs, ratio ranges in brackets" if rep > 1 else ""),
            "| concurrency | TTFT p50 vLLM / kvplay | ITL p50 vLLM / kvplay | output tok/s vLLM / kvplay "
            "| TTFT p95 vLLM / kvplay | completed | kvplay ÷ vLLM speed (TTFT, ITL, tok/s) |",
            "|---|---|---|---|---|---|---|"]
@@ -147,8 +156,53 @@ def table(threads: int, rows: list[dict]) -> str:
                    f"| {v['output_tok_s']:.1f} / {k['output_tok_s']:.1f} "
                    f"| {v['ttft_p95_ms']:.0f} / {k['ttft_p95_ms']:.0f} ms "
                    f"| {v['completed']} / {k['completed']} of {r['num_prompts']} "
-                   f"| {q['ttft']} / {q['itl']} / {q['tok_s']} |")
+                   f"| {q['ttft']} / {q['itl']} / {q['tok_s']}"
+                   + (" [{}–{} / {}–{} / {}–{}]".format(*r["ratio_range"]["ttft"], *r["ratio_range"]["itl"],
+                                                        *r["ratio_range"]["tok_s"]) if rep > 1 else "")
+                   + " |")
     return "\n".join(out)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (completed: the fewest)."""
+    keys = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "output_tok_s")
+    out = {k: statistics.median(r[k] for r in runs) for k in keys}
+    out["completed"] = min(r["completed"] for r in runs)
+    out["num_prompts"] = runs[0]["num_prompts"]
+    return out
+
+
+def measure(threads: int, concs: list[int], args, tokenizer: str, out_dir: str) -> list[dict]:
+    """Start both servers, run the client against each at every concurrency, `--repeat` times
+    (interleaved, the order flipping each round), and give one row per concurrency."""
+    vurl, kurl = f"http://127.0.0.1:{args.vllm_port}", f"http://127.0.0.1:{args.kvplay_port}"
+    got: dict[str, dict[int, list]] = {"vllm": {c: [] for c in concs}, "kvplay": {c: [] for c in concs}}
+    start_vllm(args.vllm_port, threads, args.max_num_seqs)
+    proc = None
+    try:
+        warm(vurl)
+        proc = start_kvplay(args.kvplay_port, threads, args.max_num_seqs, shlex.split(args.kvplay_args))
+        wait_healthy(kurl, proc, 300)
+        warm(kurl)
+        for rnd in range(args.repeat):
+            for c in concs:
+                order = [("vllm", vurl), ("kvplay", kurl)]
+                for name, url in (order if rnd % 2 == 0 else order[::-1]):
+                    got[name][c].append(run_client(url, tokenizer, c, args, out_dir, f"{name}-t{threads}-r{rnd}"))
+    finally:
+        if proc is not None:
+            stop_kvplay(proc)
+        stop_vllm(args.vllm_port)
+    rows = []
+    for c in concs:
+        v, k = median_run(got["vllm"][c]), median_run(got["kvplay"][c])
+        per_round = [ratios(a, b) for a, b in zip(got["vllm"][c], got["kvplay"][c])]
+        spread = {m: (min(r[m] for r in per_round), max(r[m] for r in per_round)) for m in ("ttft", "itl", "tok_s")}
+        rows.append({"threads": threads, "concurrency": c, "max_num_seqs": args.max_num_seqs,
+                     "num_prompts": args.num_prompts, "repeat": args.repeat, "vllm": v, "kvplay": k,
+                     "ratio": ratios(v, k), "ratio_range": spread,
+                     "runs": {"vllm": got["vllm"][c], "kvplay": got["kvplay"][c]}})
+    return rows
 
 
 def main() -> int:
@@ -164,6 +218,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-port", type=int, default=8102)
     ap.add_argument("--kvplay-port", type=int, default=8101)
+    ap.add_argument("--repeat", type=int, default=1, help="client runs per server and concurrency, interleaved")
+    ap.add_argument("--kvplay-args", default="", help="more `kvplay serve` flags, e.g. \"--no-packed-weights\"")
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args()
     try:
@@ -171,6 +227,9 @@ def main() -> int:
         thread_counts = [int(t) for t in args.threads.split(",")]
     except ValueError:
         print("serve_compare: --concurrency and --threads take comma-separated integers", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print("serve_compare: --repeat takes a positive integer", file=sys.stderr)
         return 2
     if not (VLLM_VENV / "bin/python").exists():
         print(f"serve_compare: no vLLM venv at {VLLM_VENV}: run `scripts/vllm-cpu.sh setup` first",
@@ -181,25 +240,7 @@ def main() -> int:
                "loadavg_start": os.getloadavg(), "args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory() as out_dir:
         for threads in thread_counts:
-            got: dict[str, dict[int, dict]] = {}
-            vurl = f"http://127.0.0.1:{args.vllm_port}"
-            start_vllm(args.vllm_port, threads, args.max_num_seqs)
-            try:
-                warm(vurl)
-                got["vllm"] = {c: run_client(vurl, tokenizer, c, args, out_dir, f"vllm-t{threads}") for c in concs}
-            finally:
-                stop_vllm(args.vllm_port)
-            kurl = f"http://127.0.0.1:{args.kvplay_port}"
-            proc = start_kvplay(args.kvplay_port, threads, args.max_num_seqs)
-            try:
-                wait_healthy(kurl, proc, 300)
-                warm(kurl)
-                got["kvplay"] = {c: run_client(kurl, tokenizer, c, args, out_dir, f"kvplay-t{threads}") for c in concs}
-            finally:
-                stop_kvplay(proc)
-            rows = [{"threads": threads, "concurrency": c, "max_num_seqs": args.max_num_seqs,
-                     "num_prompts": args.num_prompts, "vllm": got["vllm"][c], "kvplay": got["kvplay"][c],
-                     "ratio": ratios(got["vllm"][c], got["kvplay"][c])} for c in concs]
+            rows = measure(threads, concs, args, tokenizer, out_dir)
             results["runs"].extend(rows)
             print(table(threads, rows), flush=True)
     results["loadavg_end"] = os.getloadavg()
