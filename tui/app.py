@@ -20,7 +20,6 @@ import os
 import sys
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from rich.text import Text
 from textual import on, work
@@ -98,7 +97,7 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
+class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
     """kvplay: many users, one model, one shared KV block pool."""
 
     CSS_PATH = "app.tcss"
@@ -184,12 +183,17 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
         self._open_lock = threading.Lock()
         self._opened = None  # the backend open_backend returned (closed at unmount, ready or not)
         self._closing = False
-        self._rec_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplay-recorder")
-        self.recorder = None
-        self._recording_paused = False  # a lab runs: the app's session takes no engine events
-        self._recorder_opened = None  # the future of the recorder's opening (first turn)
-        self.recorder_error: str | None = None
+        self.recording = RecordingRoom(db, replay_of, title)  # the session in SQLite, on its own thread
         self._recorder_error_shown = False
+
+    @property
+    def recorder(self):
+        """The app's session recorder, once the first turn opened it (None before, or unrecorded)."""
+        return self.recording.recorder
+
+    @property
+    def recorder_error(self) -> str | None:
+        return self.recording.error
 
     # --- layout -------------------------------------------------------------------------------
     def compose(self):
@@ -432,9 +436,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, RecordingRoom, App):
             self._closing, opened = True, self._opened
         if opened is not None:  # in-flight replies end now ("engine shut down"), not when done
             opened.close(timeout=1.0)
-        if self.recorder is not None:
-            self._recorder_call(self.recorder.close)
-        self._rec_pool.shutdown(wait=True)  # every finished turn is written before we go
+        self.recording.close()  # every finished turn is written before we go
 
 
 def run_app(config: EngineConfig, users: list[UserSpec], system_prompt: str,

@@ -47,7 +47,9 @@ class ChatRoom:
         pane.start_reply(turn_id)
         pane.set_busy(True)
         self._inflight[turn_id] = (pane, text)
-        opened = self._start_recording() if self.record else None
+        opened = (self.recording.start(self.backend, self.system_prompt,
+                                       [(u, self.looks[u.name].colour) for u in self.users])
+                  if self.record else None)
         self._stream(opened, turn_id, spec.name, text, messages, sampling)
         return turn_id
 
@@ -68,7 +70,7 @@ class ChatRoom:
         result = consume(handle, lambda out: self.post_message(ReplyDelta(turn_id, user, out)))
         self.post_message(ReplyDone(turn_id, user, result))
         if self.record:
-            self._recorder_call(self._record_turn, user, text, messages, sampling, result, started)
+            self.recording.record_turn(user, text, messages, sampling, result, started)
 
     def on_reply_delta(self, msg: ReplyDelta) -> None:
         entry = self._inflight.get(msg.turn_id)

@@ -262,7 +262,7 @@ class ControlsRoom:
         if self.backend is not None and self.backend.controls.groups:
             self.backend.set_group(pane.spec.name, group)
         pane.refresh_subtitle()
-        self._recorder_call(self._record_user, pane.spec)
+        self.recording.add_user(pane.spec, self.looks[pane.spec.name].colour)
 
     def action_user_settings(self) -> None:
         pane = self.current_pane()
@@ -326,7 +326,7 @@ class ControlsRoom:
                 self.backend.set_group(spec.name, spec.group)
             pane.call_after_refresh(pane.set_ready, True)
         if self.record:
-            self._recorder_call(self._record_user, spec)
+            self.recording.add_user(spec, self.looks[spec.name].colour)
         return pane
 
     def action_remove_user(self) -> None:
@@ -377,7 +377,7 @@ class ControlsRoom:
         module, params_cls, sizes = APP_LABS[name]
         mod = importlib.import_module(module)
         before = self.engine.stats(timeout=60)
-        self._pause_recording(True)  # the app's session keeps the app's requests only
+        self.recording.pause(True)  # the app's session keeps the app's requests only
         rec = None
         progress = LabProgress(self, name)
         try:
@@ -398,7 +398,7 @@ class ControlsRoom:
                     rec.close()
                 except Exception as exc:
                     self.call_from_thread(self.notify, f"The {name} lab's session: {exc}", severity="warning")
-            self._pause_recording(False)
+            self.recording.pause(False)
             self.engine.clear_cache()
             after = self.engine.stats(timeout=60)
             for k in LAB_COUNTERS:
@@ -418,19 +418,6 @@ class ControlsRoom:
                             system_prompt="", title=APP_LAB_TITLE)
         rec.attach(self.engine)
         return rec
-
-    def _pause_recording(self, paused: bool) -> None:
-        """Stop (or resume) taking the engine's events into the app's session; on the recorder's
-        thread, and waited for, so no lab event lands in the app's session."""
-        def apply() -> None:
-            self._recording_paused = paused
-            if self.recorder is not None:
-                if paused:
-                    self.recorder.detach()
-                else:
-                    self.recorder.attach(self.engine or self.backend)
-
-        self._rec_pool.submit(self._guarded, apply).result()
 
     def show_lab_progress(self, text: str | None) -> None:
         box = self.query_one("#lab-progress", Static)
