@@ -92,7 +92,7 @@ async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
     app = make_app(tiny_llama)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
-        app.set_isolation("user")
+        app.controls.set_isolation("user")
         await wait_until(pilot, lambda: app.engine.config.isolation == "user")
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         await say(app, pilot, "bob", "What is a KV cache in a transformer?")
@@ -369,7 +369,7 @@ async def test_a_lab_leaves_no_blocks_and_none_of_its_requests_in_the_apps_numbe
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         own = app._requests[-1]
-        app._run_lab("response-cache")
+        app.controls.start_lab("response-cache")
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
         app._dirty = True
         await wait_until(pilot, lambda: app.settled)

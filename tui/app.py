@@ -23,7 +23,7 @@ from collections import deque
 
 from rich.text import Text
 from textual import on, work
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Header, Log, Static, Tabs
@@ -36,12 +36,12 @@ from .backend import LocalEngineBackend
 from .blockmap import BlockMap
 from .cache_room import EVENT_LINES, CacheRoom
 from .chat_room import ChatRoom
-from .controls import ControlsRoom
+from .controls import ControlsRoom, screenshot_dir
 from .lifecycle import run_app as run_until_quit
 from .messages import EngineFailed, EngineLoading, EngineReady
 from .panes import ChatPane, safe_id
 from .recording_room import RecordingRoom
-from .screens import ErrorScreen
+from .screens import ErrorScreen, HelpScreen
 from .theme import assign_looks
 from .timeline import Timeline
 from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
@@ -97,7 +97,7 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
+class KvplayApp(ChatRoom, CacheRoom, App):
     """kvplay: many users, one model, one shared KV block pool."""
 
     CSS_PATH = "app.tcss"
@@ -184,6 +184,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
         self._opened = None  # the backend open_backend returned (closed at unmount, ready or not)
         self._closing = False
         self.recording = RecordingRoom(db, replay_of, title)  # the session in SQLite, on its own thread
+        self.controls = ControlsRoom(self, config, self.recording, cache=self, record=record)
         self._recorder_error_shown = False
 
     @property
@@ -284,7 +285,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
         """The footer's keys that fit in `width` columns, FOOTER_ORDER first (None: all fit);
         a control the backend does not support is not offered (its key still says why)."""
         offered = [b for b in self.BINDINGS if isinstance(b, Binding) and b.show]
-        shown = [b for b in offered if self.offers(b.action)]
+        shown = [b for b in offered if self.controls.offers(b.action)]
         shown.sort(key=lambda b: FOOTER_ORDER.index(b.action) if b.action in FOOTER_ORDER else len(FOOTER_ORDER))
         room, keep = width - PALETTE_KEY_W, set()
         for b in shown:  # a key is drawn as " f5 Determ. " (ctrl+x as ^x)
@@ -390,6 +391,7 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
     def on_engine_ready(self, msg: EngineReady) -> None:
         self.backend = msg.engine  # the backend open_backend returned
         self.engine = getattr(self.backend, "engine", None)  # None on a remote server
+        self.controls.bind(self.backend)
         self.query_one(BlockMap).set_source(self.backend, self.looks)
         self._layout_panes()  # the footer offers the controls this backend supports
         self._maps_ready()
@@ -412,7 +414,64 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
             self.notify(f"Type as {first.name}, then as {second.name}, and watch the block map. "
                         "F1 explains every colour and number.", title="Model ready", timeout=8)
 
-    # --- palette ------------------------------------------------------------------------------
+    # --- focus, views, help ------------------------------------------------------------------
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def current_pane(self) -> ChatPane:
+        node = self.focused
+        while node is not None:
+            if isinstance(node, ChatPane):
+                return node
+            node = node.parent
+        return getattr(self, "_last_pane", None) or self.panes[0]
+
+    def on_descendant_focus(self, event) -> None:
+        node = event.widget
+        while node is not None and not isinstance(node, ChatPane):
+            node = node.parent
+        if node is not None:
+            self._last_pane = node
+            self.show_pane(node)  # compact: the focused pane is the one shown
+
+    def action_focus_pane(self, step: int) -> None:
+        panes = self.panes
+        i = panes.index(self.current_pane()) if self.current_pane() in panes else 0
+        panes[(i + step) % len(panes)].input.focus()
+
+    def action_focus_map(self) -> None:
+        self.query_one(BlockMap).focus()
+
+    def action_toggle_events(self) -> None:
+        self.show_events(not self.query_one("#events", Log).has_class("shown"))
+
+    def action_screenshot(self) -> None:
+        folder = screenshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)  # our own data dir, never the cwd
+            path = self.save_screenshot(path=str(folder))
+        except OSError as exc:
+            self.notify(f"Could not save the screenshot in {folder}: {exc.strerror or exc}", severity="error")
+            return
+        self.notify(f"Saved {path}", title="Screenshot", timeout=8)
+
+    # --- keys that change the backend's engine: the controls room does them ---------------------
+    def action_cycle_isolation(self) -> None:
+        self.controls.cycle_isolation()
+
+    def action_cycle_eviction(self) -> None:
+        self.controls.cycle_eviction()
+
+    def action_toggle_deterministic(self) -> None:
+        self.controls.toggle_deterministic()
+
+    def action_clear_cache(self) -> None:
+        self.controls.clear_cache()
+
+    def action_run_lab(self, name: str) -> None:
+        self.controls.run_lab(name)
+
+    # --- command palette: "category: action" ---------------------------------------------------
     def action_scrub(self) -> None:
         # start-up time: imported when this first runs
         from .scrub import open_in_app
@@ -420,13 +479,32 @@ class KvplayApp(ChatRoom, CacheRoom, ControlsRoom, App):
         open_in_app(self)
 
     def get_system_commands(self, screen):
-        # start-up time: imported when this first runs
-        from textual.app import SystemCommand
-
-        yield SystemCommand("session: scrub", "Step back and forth through this session's cache history", self.action_scrub)
-        yield SystemCommand("cache: prefix tree", "The cached prefixes as a tree of text, who made and reused them "
-                            "(ctrl+r)", self.action_prefix_tree)
-        yield from super().get_system_commands(screen)
+        cmds = [
+            ("session: scrub", "Step back and forth through this session's cache history", self.action_scrub),
+            ("cache: prefix tree", "The cached prefixes as a tree of text, who made and reused them (ctrl+r)",
+             self.action_prefix_tree),
+            ("pane: focus next", "Move to the next user's pane", lambda: self.action_focus_pane(1)),
+            ("pane: focus previous", "Move to the previous user's pane", lambda: self.action_focus_pane(-1)),
+            ("user: add", "Add a user with a new pane", self.action_add_user),
+            ("user: remove", "Remove the current user's pane", self.action_remove_user),
+            ("user: settings", "Seed, temperature, max tokens, group of the current user", self.action_user_settings),
+            ("prompt: edit system prompt", "Change the shared system prompt", self.action_edit_system),
+            ("view: toggle event log", "Show or hide the engine's event log", self.action_toggle_events),
+            ("view: block map", "Focus the block map (arrows move, details below it)", self.action_focus_map),
+            ("app: save screenshot", "Save an SVG of the screen in kvplay's data folder (screenshots/)",
+             self.action_screenshot),
+            ("app: help", "What the colours, glyphs and numbers mean", self.action_help),
+            ("app: quit", "Quit kvplay", self.action_quit),
+            *self.controls.commands(),
+        ]
+        if self.turns:
+            cmds += [("replay: pause or resume", "Pause or resume the script", self.action_replay_pause),
+                     ("replay: step", "Play the next turn", self.action_replay_step)]
+        for title, help_, cb in cmds:
+            yield SystemCommand(title, help_, cb)
+        for c in super().get_system_commands(screen):
+            if c.title.lower() not in ("quit", "screenshot"):
+                yield c
 
     # --- shutdown -------------------------------------------------------------------------------
     def on_unmount(self) -> None:

@@ -206,3 +206,17 @@ class CacheRoom:
             self.notify("The model is still loading: no cache yet.", severity="warning")
             return
         self.push_screen(TreeScreen(self.tree_source(), self.looks))
+
+    def mark_dirty(self) -> None:
+        """The pool changed (a control or a lab): the next tick re-reads the counters and the map."""
+        self._dirty = True
+
+    def exclude(self, counts: dict[str, int]) -> None:
+        """Counters a lab's requests added to the engine's: the app's numbers leave them out."""
+        for k, v in counts.items():
+            self._excluded[k] = self._excluded.get(k, 0) + v
+
+    def show_lab_progress(self, text: str | None) -> None:
+        box = self.query_one("#lab-progress", Static)
+        box.update(text or "")
+        box.set_class(bool(text), "shown")

@@ -12,14 +12,18 @@ import asyncio
 import time
 
 from textual import work
+from textual.widgets import Tab
 
 from kvplay.engine.errors import EngineError
 from kvplay.sessions.conversation import Pacing, consume
-from kvplay.sessions.script import TurnSpec, sampling_for
+from kvplay.sessions.script import TurnSpec, UserSpec, sampling_for
 
 from .messages import ReplyDelta, ReplyDone, ReplyFailed
 from .panes import ChatPane
+from .screens import ConfirmScreen, FormScreen, TextScreen
+from .theme import assign_looks
 from .timeline import Timeline, result_span
+from .widgets import CACHE_TAB
 
 
 class ChatRoom:
@@ -174,3 +178,109 @@ class ChatRoom:
         if self.turns:
             self.paused = True
             self._step += 1
+
+    # --- users and the shared prompt ------------------------------------------------------------
+    def action_edit_system(self) -> None:
+        def done(text: str | None) -> None:
+            if text is not None and text.strip() and text != self.system_prompt:
+                self.system_prompt = text
+                self.notify("New system prompt: the next turns start a new shared prefix.")
+
+        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
+                                    self.system_prompt), done)
+
+    def set_user_group(self, pane, group: str | None) -> None:
+        """Move the pane's user to `group`: the engine's registry decides (recorded as
+        UserGroupChanged, applied from the user's next request); the users table keeps the
+        latest settings."""
+        pane.spec.group = group
+        if self.backend is not None and self.backend.controls.groups:
+            self.backend.set_group(pane.spec.name, group)
+        pane.refresh_subtitle()
+        self.recording.add_user(pane.spec, self.looks[pane.spec.name].colour)
+
+    def action_user_settings(self) -> None:
+        pane = self.current_pane()
+        s = pane.spec
+
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            try:
+                seed = int(values["seed"])
+                temp = float(values["temperature"])
+                max_tokens = int(values["max_tokens"])
+                if temp < 0 or max_tokens < 1:
+                    raise ValueError
+            except ValueError:
+                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
+                            severity="error")
+                return
+            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
+            group = values["group"].strip() or None
+            if group != s.group and not self.controls.allowed("groups"):
+                group = s.group  # the backend binds groups itself: the rest still applies
+            self.set_user_group(pane, group)  # records the user too
+            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
+
+        self.push_screen(FormScreen(f"Settings for {s.name}", [
+            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
+            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
+            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
+            ("group", "group (for isolation = group)", s.group or ""),
+        ]), done)
+
+    def action_add_user(self) -> None:
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            name = values["name"].strip()
+            if not name or any(p.user == name for p in self.panes):
+                self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
+                            severity="error")
+                return
+            pane = self.add_user(UserSpec(name, group=values["group"].strip() or None))
+            pane.call_after_refresh(lambda: pane.input.focus())  # the next message is the new user's
+
+        self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
+
+    def add_user(self, spec: UserSpec) -> ChatPane:
+        self.users.append(spec)
+        self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
+        pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
+        self._panes[spec.name] = pane
+        self.query_one("#panes").mount(pane)
+        self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
+                                                id=self._tab_id(spec.name)), before=CACHE_TAB)
+        self._layout_panes()
+        self._update_legend()
+        if self.backend is not None:
+            try:
+                self.backend.register_user(spec.name, spec.group)
+            except EngineError:  # a removed pane's user comes back in another group (local engine)
+                self.backend.set_group(spec.name, spec.group)
+            pane.call_after_refresh(pane.set_ready, True)
+        if self.record:
+            self.recording.add_user(spec, self.looks[spec.name].colour)
+        return pane
+
+    def action_remove_user(self) -> None:
+        if len(self.panes) <= 1:
+            self.notify("The last user stays.", severity="warning")
+            return
+        pane = self.current_pane()
+        if pane.busy:
+            self.notify(f"{pane.user} is generating; remove after the reply.", severity="warning")
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.users = [u for u in self.users if u.name != pane.user]
+                self._panes.pop(pane.user, None)
+                pane.remove()
+                self.query_one("#switcher").remove_tab(self._tab_id(pane.user))
+                self.call_after_refresh(self._layout_panes)
+                self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
+
+        self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
+
