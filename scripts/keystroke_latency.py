@@ -40,7 +40,7 @@ async def main():
                     if not p.busy:
                         k += 1
                         del p.history[:-2]  # stay inside the tiny model's context
-                        app.send(p, f"Tell me a long story, part {k}")
+                        app.chat.send(p, f"Tell me a long story, part {k}")
                 await asyncio.sleep(0.01)
         feeder = asyncio.create_task(keep_streaming())
         await pilot.pause(0.3)
@@ -66,8 +66,8 @@ async def main():
               f"p90 {lat[int(len(lat) * 0.9) - 1]:.1f} ms, max {lat[-1]:.1f} ms; map 1 cell = {app.query_one('#map').bpc} blocks")
         while app.busy:
             await pilot.pause(0.1)
-        toks = [r.decode_tok_s for r in app._requests if r.decode_tok_s]
+        toks = [r.decode_tok_s for r in app.cache.requests if r.decode_tok_s]
         failed = sum(len(p.chat.texts("error")) for p in app.panes)
-        print(f"{len(app._requests)} replies while typing ({failed} failed), decode tok/s median "
-              f"{statistics.median(toks):.0f}; output tokens {sum(r.output_tokens for r in app._requests)}")
+        print(f"{len(app.cache.requests)} replies while typing ({failed} failed), decode tok/s median "
+              f"{statistics.median(toks):.0f}; output tokens {sum(r.output_tokens for r in app.cache.requests)}")
 asyncio.run(main())

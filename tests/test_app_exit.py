@@ -39,7 +39,7 @@ DRIVER = textwrap.dedent('''
         pane.input.focus()
         pane.input.value = "Are you open on Mondays?"
         await pilot.press("enter")
-        await until(pilot, lambda: app.busy or app._requests)  # in flight (or, over HTTP, maybe done)
+        await until(pilot, lambda: app.busy or app.cache.requests)  # in flight (or, over HTTP, maybe done)
         await pilot.press("ctrl+q")
 
     async def scenario():

@@ -31,13 +31,13 @@ def make_app(backend, tmp_path, record=True):
 
 
 async def say(app, pilot, user, text):
-    n = len(app._requests)
+    n = len(app.cache.requests)
     pane = app.pane(user)
     pane.input.focus()
     pane.input.value = text
     await pilot.press("enter")
-    await wait_until(pilot, lambda: len(app._requests) > n and not app.busy)
-    return app._requests[-1]
+    await wait_until(pilot, lambda: len(app.cache.requests) > n and not app.busy)
+    return app.cache.requests[-1]
 
 
 @contextlib.asynccontextmanager

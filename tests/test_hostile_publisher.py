@@ -354,7 +354,7 @@ def test_watch_summary_says_state_and_why_and_sigterm_prints_it(hostile, tmp_pat
 def test_attach_status_shows_why_a_pod_is_stale(hostile):
     """In `kvplay attach` (RemoteBackend's subscriber thread) a bad event leaves the thread alive
     and the status panel names the counts behind the stale pod."""
-    from kvplay.tui.attach import AttachApp
+    from kvplay.tui.attach import AttachCacheRoom
     from kvplay.wire.remote import RemoteBackend
 
     h = hostile(replay=False)
@@ -373,7 +373,7 @@ def test_attach_status_shows_why_a_pod_is_stale(hostile):
             time.sleep(0.05)
         stats = backend.stats()
         assert stats["pods"]["p"] == "stale" and stats["pod_trouble"]["p"] == {"bad_events": 1}
-        app = AttachApp.__new__(AttachApp)  # status_view reads only the backend
+        app = AttachCacheRoom.__new__(AttachCacheRoom)  # status_view reads only the backend
         app.backend = backend
         text = app.status_view(stats).plain
         assert "pod p stale" in text and "bad events 1" in text

@@ -54,7 +54,7 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
     app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), list(USERS), SYSTEM, turns=list(TURNS),
                     db=str(tmp_path / "s.db"), loaded=tiny_llama, timings=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
+        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set(), timeout=120)
         await pilot.pause(0.3)
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
@@ -116,8 +116,8 @@ async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
     app = AttachApp(backend, list(USERS), SYSTEM, turns=list(TURNS) + [TurnSpec("alice", "And rye rolls?")],
                     record=False, timings=False)
     async with app.run_test(size=(120, 36)) as pilot:
-        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
-        stats = list(app._requests)
+        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set(), timeout=120)
+        stats = list(app.cache.requests)
         assert len(stats) == 4 and all(s.predicted_tokens == s.cached_tokens for s in stats)
         assert stats[0].cached_tokens == 0 and all(s.cached_tokens >= 16 for s in stats[1:])
         assert all(badges(app, u)[-1].count("as predicted") == 1 for u in ("alice", "bob", "carol"))
@@ -149,8 +149,8 @@ async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path)
     app = AttachApp(backend, [UserSpec("alice", max_tokens=4)], SYSTEM,
                     turns=[TurnSpec("alice", "Do you sell rye bread?")], record=False, timings=False)
     async with app.run_test(size=(120, 36)) as pilot:
-        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
-        s = app._requests[-1]
+        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set(), timeout=120)
+        s = app.cache.requests[-1]
         assert s.predicted_tokens == 0 and s.cached_tokens >= 16
         assert "predicted 0 ≠" in badges(app, "alice")[-1]
         await wait_until(pilot, lambda: "1 differ" in str(app.query_one("#stats").render()))
@@ -177,8 +177,8 @@ async def test_attach_predicts_with_the_servers_salt_under_user_isolation(serve,
              TurnSpec("cat", "Is anything nut free?"), TurnSpec("ann", "And rye rolls?")]
     app = AttachApp(backend, panes, SYSTEM, turns=turns, record=False, timings=False)
     async with app.run_test(size=(120, 36)) as pilot:
-        await wait_until(pilot, lambda: app.autoplay_done.is_set(), timeout=120)
-        first, *rest = list(app._requests)
+        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set(), timeout=120)
+        first, *rest = list(app.cache.requests)
         assert first.cached_tokens == 0 and first.predicted_tokens is None and first.unpredictable
         assert "salted: no prediction" in badges(app, "ann")[0]
         assert len(rest) == 3 and all(s.predicted_tokens == s.cached_tokens for s in rest)

@@ -52,7 +52,7 @@ async def test_second_user_reuses_first_users_blocks(tiny_llama):
         assert "cached 0" in badges(app, "alice")[-1]
         await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
         badge = badges(app, "bob")[-1]
-        stats = app._requests[-1]
+        stats = app.cache.requests[-1]
         assert stats.user == "bob" and stats.cached_from.get("alice", 0) >= 16
         assert f"cached {stats.cached_tokens} (alice {stats.cached_from['alice']})" in badge
         bm = app.query_one(BlockMap)
@@ -74,7 +74,7 @@ async def test_map_marks_exactly_the_reused_blocks(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         await say(app, pilot, "bob", "What is a KV cache in a transformer, and why?")
-        stats = app._requests[-1]
+        stats = app.cache.requests[-1]
         bm = app.query_one(BlockMap)
         banded = 0
         for y in range(bm.size.height):
@@ -96,7 +96,7 @@ async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
         await wait_until(pilot, lambda: app.engine.config.isolation == "user")
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         await say(app, pilot, "bob", "What is a KV cache in a transformer?")
-        stats = app._requests[-1]
+        stats = app.cache.requests[-1]
         assert stats.user == "bob" and "alice" not in stats.cached_from
         assert "alice" not in badges(app, "bob")[-1]
         assert not app.query_one(BlockMap).hit
@@ -134,7 +134,7 @@ async def test_block_details_decode_tokens(tiny_llama):
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "Hello there")
-        app.select_block(0)
+        app.cache.select_block(0)
         await pilot.pause(0.1)
         detail = str(app.query_one("#detail").render())
         assert "block #0" in detail and "creator alice" in detail and "<|im_start|>system" in detail
@@ -246,18 +246,18 @@ async def test_replay_pause_and_step(tiny_llama):
     app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4),
                     UserSpec("bob", max_tokens=4)], SYSTEM, turns=[TurnSpec("alice", "one"), TurnSpec("bob", "two")],
                     speed=0, loaded=tiny_llama, record=False, timings=False)
-    app.paused = True
+    app.chat.paused = True
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await pilot.pause(0.3)
-        assert not app._requests and not app.busy  # paused: nothing was sent
+        assert not app.cache.requests and not app.busy  # paused: nothing was sent
         await pilot.press("f12")  # step: exactly one turn
-        await wait_until(pilot, lambda: len(app._requests) == 1 and not app.busy)
+        await wait_until(pilot, lambda: len(app.cache.requests) == 1 and not app.busy)
         await pilot.pause(0.3)
-        assert len(app._requests) == 1 and app._requests[0].user == "alice"
+        assert len(app.cache.requests) == 1 and app.cache.requests[0].user == "alice"
         await pilot.press("f11")  # resume
-        await wait_until(pilot, app.autoplay_done.is_set)
-        assert [r.user for r in app._requests] == ["alice", "bob"]
+        await wait_until(pilot, app.chat.autoplay_done.is_set)
+        assert [r.user for r in app.cache.requests] == ["alice", "bob"]
 
 
 async def test_a_scripted_group_change_moves_the_user_before_that_turn(tiny_llama):
@@ -275,8 +275,8 @@ async def test_a_scripted_group_change_moves_the_user_before_that_turn(tiny_llam
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         app.engine.subscribe(lambda ev: seen.append(ev) if isinstance(ev, UserGroupChanged) else None)
-        await wait_until(pilot, app.autoplay_done.is_set)
-        stats = list(app._requests)
+        await wait_until(pilot, app.chat.autoplay_done.is_set)
+        stats = list(app.cache.requests)
         assert [s.user for s in stats] == ["alice", "mallory", "mallory"]
         assert stats[1].cached_tokens == 0 and set(stats[2].cached_from) == {"alice"}
         assert app.pane("mallory").spec.group == "a"
@@ -329,7 +329,7 @@ async def test_system_prompt_edit_changes_the_next_prompt(tiny_llama):
         app.screen.query_one("TextArea").text = "Be terse."
         await pilot.press("ctrl+s")
         await pilot.pause(0.1)
-        assert app.system_prompt == "Be terse."
+        assert app.chat.system_prompt == "Be terse."
 
 
 async def test_a_broken_database_does_not_break_the_playground(tiny_llama, tmp_path):
@@ -368,13 +368,13 @@ async def test_a_lab_leaves_no_blocks_and_none_of_its_requests_in_the_apps_numbe
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
-        own = app._requests[-1]
+        own = app.cache.requests[-1]
         app.controls.start_lab("response-cache")
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
-        app._dirty = True
+        app.cache.mark_dirty()
         await wait_until(pilot, lambda: app.settled)
         await pilot.pause(0.2)
-        st = app._stats
+        st = app.cache.stats
         assert app.engine.stats()["query_tokens"] > own.prompt_tokens  # the lab did run requests
         assert (st["query_tokens"], st["hit_tokens"]) == (own.prompt_tokens, own.cached_tokens)
         assert st["blocks_free"] == st["blocks_total"]  # its blocks went with it
@@ -423,7 +423,7 @@ async def test_map_of_a_big_pool_shows_its_scale_zooms_jumps_and_filters(tiny_ll
         assert bm.bpc == bm.overview_bpc // 4 and bm.zoomed
         await pilot.press("j")  # the last request's blocks, one cell each
         await wait_until(pilot, lambda: bm.bpc == 1)
-        first = min(app._last_blocks)
+        first = min(app.cache.last_blocks)
         assert bm.cursor == first and "1 cell = 1 block ·" in str(app.query_one("#map-title").render())
         assert f"block #{first} " in str(app.query_one("#detail").render())
         await pilot.press("slash")  # alice's blocks only
@@ -472,7 +472,7 @@ async def test_live_timeline_shows_each_request_and_each_users_ttft(tiny_llama):
         tl = app.query_one(Timeline)
         assert [s["user"] for s in tl.spans] == ["alice", "bob"]
         alice, bob = tl.spans
-        assert alice["cached"] == 0 and bob["cached"] == app._requests[-1].cached_tokens > 0
+        assert alice["cached"] == 0 and bob["cached"] == app.cache.requests[-1].cached_tokens > 0
         assert bob["cached_from"].get("alice", 0) > 0
         assert alice["queued"] < bob["queued"] and all(s["ttft_ms"] is not None for s in tl.spans)
         assert tl.users == ["alice", "bob"]
@@ -665,13 +665,13 @@ async def test_a_lab_from_the_palette_records_its_own_session_not_into_the_apps(
                     [UserSpec(u, max_tokens=8) for u in ("alice", "bob")], SYSTEM,
                     loaded=tiny_llama, record=True, db=db, timings=False)
     seen = []
-    real_show = app.show_lab_progress
+    real_show = app.cache.show_lab_progress
 
     def spy(text):
         seen.append(text)
         real_show(text)
 
-    app.show_lab_progress = spy
+    app.cache.show_lab_progress = spy
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")

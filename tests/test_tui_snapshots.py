@@ -32,7 +32,7 @@ def demo_app(loaded, **cfg):
 
 async def played(pilot):
     app = pilot.app
-    await app.autoplay_done.wait()
+    await app.chat.autoplay_done.wait()
     app.set_focus(None)
     await pilot.pause(0.2)
     bm = app.query_one("#map")
@@ -65,7 +65,7 @@ def test_block_details_and_event_log(snap_compare, tiny_llama):
     async def run_before(pilot):
         await played(pilot)
         pilot.app.action_toggle_events()
-        pilot.app.select_block(2)
+        pilot.app.cache.select_block(2)
         await pilot.pause(0.2)
         # the log is brought into view after a refresh; under a loaded machine the block details
         # could lay out after that scroll (a snapshot one line off): scroll once more, settled

@@ -1,11 +1,14 @@
 """The multi-user playground's layout: chat panes on the left, the views of the shared block
 pool on the right, and what routes between them.
 
-KvplayApp composes rooms, each a module of its own: the chat room (tui/chat_room.py: panes,
-sending, streaming, autoplay), the cache room (tui/cache_room.py: block map, details, bars,
-timeline, stats, event log, tree), the controls room (tui/controls.py: keys and palette, gated by
-the backend's Controls) and the recording room (tui/recording_room.py). The app itself owns the
-layout, the backend's start (a ChatBackend, kvplay.wire.chat_backend) and the shutdown.
+KvplayApp lays out rooms, each an object of its own that owns its state and handlers: the chat
+room (tui/chat_room.py, a widget: users, panes, sending, streaming, autoplay), the cache room
+(tui/cache_room.py, a widget: block map, details, bars, timeline, stats, event log, tree; it
+takes the backend's events itself), the controls room (tui/controls.py: what the keys change in
+the backend's engine, gated by its Controls) and the recording room (tui/recording_room.py: the
+session in SQLite). The app itself owns the layout (wide, compact, too small), focus, the
+dialogs, the backend's start (a ChatBackend, kvplay.wire.chat_backend) and the shutdown; its key
+bindings are one-line delegations to the room that does the work.
 
 Threads: the engine runs on its own thread (Engine.start()); the model loads in a thread worker;
 every reply streams in its own thread worker; recorder writes go to one recorder thread. None of
@@ -14,19 +17,15 @@ them touch widgets: they `post_message` (see tui/messages.py). Workers are daemo
 """
 from __future__ import annotations
 
-import asyncio
-import itertools
 import os
 import sys
 import threading
-from collections import deque
 
-from rich.text import Text
 from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Header, Log, Static, Tabs
+from textual.containers import Horizontal
+from textual.widgets import Header, Static, Tab, Tabs
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
@@ -34,17 +33,16 @@ from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
 
 from .backend import LocalEngineBackend
 from .blockmap import BlockMap
-from .cache_room import EVENT_LINES, CacheRoom
+from .cache_room import REFRESH_HZ, CacheRoom
 from .chat_room import ChatRoom
 from .controls import ControlsRoom, screenshot_dir
 from .lifecycle import run_app as run_until_quit
 from .messages import EngineFailed, EngineLoading, EngineReady
 from .panes import ChatPane, safe_id
 from .recording_room import RecordingRoom
-from .screens import ErrorScreen, HelpScreen
+from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen, TextScreen
 from .theme import assign_looks
-from .timeline import Timeline
-from .widgets import CACHE_TAB, KvFooter, PaneSwitcher, RequestBars
+from .widgets import CACHE_TAB, KvFooter, PaneSwitcher
 
 MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
@@ -55,15 +53,6 @@ FOOTER_ORDER = ["help", "quit", "prefix_tree", "cycle_isolation", "cycle_evictio
                 "add_user", "remove_user", "toggle_events", "user_settings", "edit_system", "toggle_cache",
                 "focus_map", "screenshot"]
 PALETTE_KEY_W = 14  # the footer's ctrl+p entry
-REFRESH_HZ = 15
-HINTS = [
-    "① Start here: type a question as {name} and press Enter.",
-    "② Then ask {name} something. The prompt starts with the same system prompt, so those "
-    "blocks come from the first user's cache: see the badge under the reply and the + cells "
-    "in the map on the right.",
-    "③ Ask {name} the same question as someone else to see a bigger hit. F1 explains every colour "
-    "and number.",
-]
 
 
 def fix_for(error: str, config: EngineConfig) -> str:
@@ -97,10 +86,11 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-class KvplayApp(ChatRoom, CacheRoom, App):
+class KvplayApp(App):
     """kvplay: many users, one model, one shared KV block pool."""
 
     CSS_PATH = "app.tcss"
+    CACHE_ROOM = CacheRoom  # the side panel's class (kvplay attach: one that shows a server)
     TITLE = "kvplay"
     SUB_TITLE = "one model · one shared KV cache"
     ENABLE_COMMAND_PALETTE = True
@@ -135,57 +125,26 @@ class KvplayApp(ChatRoom, CacheRoom, App):
                  record: bool = True, title: str | None = None, loaded=None, timings: bool = True,
                  flash_s: float = 0.8, replay_of: str | None = None) -> None:
         super().__init__()
-        self.replay_of = replay_of
         if not users:
             raise EngineError("the playground needs at least one user")
         self.config = config
-        self.users = list(users)
-        self._panes: dict[str, ChatPane] = {}
-        self._event_lines: deque[str] = deque(maxlen=EVENT_LINES)  # the event log, drawn when shown
-        self.system_prompt = system_prompt
-        self.turns = list(turns or [])
-        self.speed = speed
-        self.db, self.record = db, record
         self._loaded = loaded
-        self.timings = timings
-        self.flash_s = flash_s if timings else 0.0
-        self._title = title
         if title:
             self.sub_title = title
-        self.looks = assign_looks([u.name for u in self.users], {u.name: u.colour for u in self.users})
+        # the users' looks, one dict the rooms share (the chat room adds to it in place)
+        self.looks = assign_looks([u.name for u in users], {u.name: u.colour for u in users})
         self.engine = None
         self.backend = None  # the ChatBackend the panes and the map use (tui/backend.py)
-        self.ready = asyncio.Event()
-        self.autoplay_done = asyncio.Event()
-        self.paused = False
-        self._step = 0
-        self._turn_ids = itertools.count(1)
-        self._finished_turns: set[int] = set()  # turns whose reply is done or failed (autoplay's pacing)
-        self._dirty = False
-        self._refreshing = False
-        self._hit: set[int] = set()
-        self._flash: set[int] = set()
-        self._flash_until = 0.0
-        self._requests: deque = deque(maxlen=200)
-        self._spans: deque = deque(maxlen=500)  # the timeline's requests (tui/timeline.py)
-        self._started: dict[int, float] = {}  # turn id -> wall time it was submitted
-        self._timeline_at = 0.0
-        self._ttft: dict[str, list[float]] = {}
-        self._inflight: dict[int, tuple[ChatPane, str]] = {}
-        self._pending: list = []  # messages typed while the model was loading
-        self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
-        self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
-        self._last_blocks: set[int] = set()  # ... of the last request that finished
-        self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)
-        self._stats: dict | None = None
-        self._detail_block: int | None = None
-        self._unsubscribe = None
         self._open_lock = threading.Lock()
         self._opened = None  # the backend open_backend returned (closed at unmount, ready or not)
         self._closing = False
-        self.recording = RecordingRoom(db, replay_of, title)  # the session in SQLite, on its own thread
-        self.controls = ControlsRoom(self, config, self.recording, cache=self, record=record)
         self._recorder_error_shown = False
+        # the rooms: each owns its state and handlers; they know each other only as passed here
+        self.recording = RecordingRoom(db, replay_of, title)  # the session in SQLite, on its own thread
+        self.cache = self.CACHE_ROOM(config.model, self.looks, timings=timings, flash_s=flash_s, id="side")
+        self.chat = ChatRoom(users, self.looks, system_prompt, self.cache, self.recording, turns=turns, speed=speed,
+                             record=record, timings=timings, id="panes")
+        self.controls = ControlsRoom(self, config, self.recording, self.cache, record=record)
 
     @property
     def recorder(self):
@@ -196,31 +155,31 @@ class KvplayApp(ChatRoom, CacheRoom, App):
     def recorder_error(self) -> str | None:
         return self.recording.error
 
+    @property
+    def panes(self) -> list[ChatPane]:
+        return self.chat.panes
+
+    def pane(self, user: str) -> ChatPane:
+        return self.chat.pane(user)
+
+    @property
+    def busy(self) -> bool:
+        """A reply is streaming."""
+        return self.chat.busy
+
+    @property
+    def settled(self) -> bool:
+        """Every engine event taken in and the counters and map redrawn (tests, screenshots)."""
+        return self.cache.settled
+
     # --- layout -------------------------------------------------------------------------------
     def compose(self):
         yield Header(show_clock=False)
-        yield PaneSwitcher([(self._tab_id(u.name), f"{self.looks[u.name].glyph} {u.name}") for u in self.users],
+        yield PaneSwitcher([(self._tab_id(u.name), f"{self.looks[u.name].glyph} {u.name}") for u in self.chat.users],
                            id="switcher")
         with Horizontal(id="main"):
-            with Vertical(id="panes"):
-                for i, u in enumerate(self.users):
-                    self._panes[u.name] = ChatPane(u, self.looks[u.name], self._hint(i, u.name))
-                    yield self._panes[u.name]
-            with VerticalScroll(id="side"):
-                yield Static(Text(f"loading the model ({self.config.model}) …", style="bold"), id="status")
-                yield Static(id="lab-progress")  # a lab run from the palette: its phase and steps
-                yield Static("Block pool", classes="section", id="map-title")
-                yield BlockMap(id="map")
-                yield Static(id="legend")
-                yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
-                yield Static("Requests · cached █ vs computed ░", classes="section")
-                yield RequestBars(id="bars")
-                yield Static("Timeline · cached █ computed ░" + (" · TTFT" if self.timings else ""),
-                             classes="section", id="timeline-title")
-                yield Timeline(live=True, timings=self.timings, id="timeline")
-                yield Static("Cache", classes="section")
-                yield Static(id="stats")
-                yield Log(id="events", max_lines=EVENT_LINES)
+            yield self.chat
+            yield self.cache
         yield Static(id="too-small")
         yield KvFooter()
 
@@ -228,28 +187,21 @@ class KvplayApp(ChatRoom, CacheRoom, App):
     def _tab_id(user: str) -> str:
         return f"tab-{safe_id(user)}"
 
-    def _hint(self, i: int, name: str) -> str:
-        return HINTS[min(i, len(HINTS) - 1)].format(name=name)
-
-    @property
-    def panes(self) -> list[ChatPane]:
-        return list(self._panes.values())
-
-    def pane(self, user: str) -> ChatPane:
-        return self._panes[user]
-
     def on_mount(self) -> None:
         keymap = parse_keymap(os.environ.get("KVPLAY_KEYMAP", ""))
         if keymap:
             self.set_keymap(keymap)
         self._layout_panes()
-        self._update_legend()
         self._check_size()
-        self.set_interval(1 / REFRESH_HZ, self._tick)
+        self.set_interval(1 / REFRESH_HZ, self._check_recorder)
         self._load_engine()
-        if self.turns:
-            self._autoplay()
         self.panes[0].input.focus()
+
+    def _check_recorder(self) -> None:
+        if self.recorder_error and not self._recorder_error_shown:
+            self._recorder_error_shown = True
+            self.notify(f"Recording stopped working: {self.recorder_error}. The playground carries on; "
+                        "use --no-record to silence this.", severity="warning", timeout=10)
 
     @property
     def compact(self) -> bool:
@@ -275,7 +227,7 @@ class KvplayApp(ChatRoom, CacheRoom, App):
         if switcher.active == CACHE_TAB:
             switcher.active = self._tab_id(self.current_pane().user)
         cols = n if n <= 3 else 2 if n == 4 else 3
-        room = self.size.width - self.query_one("#side").outer_size.width
+        room = self.size.width - self.cache.outer_size.width
         if room > 0:  # stack panes rather than squeeze them under ~30 columns
             cols = max(1, min(cols, room // 30))
         grid.styles.grid_size_columns = cols
@@ -308,7 +260,7 @@ class KvplayApp(ChatRoom, CacheRoom, App):
 
     def action_toggle_cache(self) -> None:
         if not self.compact:
-            self.query_one("#side").toggle_class("hidden")
+            self.cache.toggle_class("hidden")
             return
         switcher = self.query_one(PaneSwitcher)
         if self.screen.has_class("show-cache"):
@@ -322,7 +274,7 @@ class KvplayApp(ChatRoom, CacheRoom, App):
             return
         if event.tab.id == CACHE_TAB:
             self.screen.add_class("show-cache")
-            self.query_one(BlockMap).focus()  # arrows move in the map; the hidden input keeps no focus
+            self.cache.focus_map()  # arrows move in the map; the hidden input keeps no focus
             return
         for p in self.panes:
             if self._tab_id(p.user) == event.tab.id:
@@ -372,18 +324,13 @@ class KvplayApp(ChatRoom, CacheRoom, App):
         from kvplay.engine.engine import Engine
 
         eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
-        # Events queue up here (deque.append is thread-safe) and the 15 Hz tick takes them in one
-        # go: one message per event (dozens per engine step) would crowd out keystrokes.
-        self._unsubscribe = eng.subscribe(self._event_queue.append)
+        self.cache.listen(eng)  # the cache room takes the engine's events from the first one
         backend = LocalEngineBackend(eng)  # before the engine runs: its mirror sees every batch
         eng.start()
         return backend
 
-    def _maps_ready(self) -> None:
-        """The map has its source; an attached fleet adds one map per pod here (attach.py)."""
-
     def on_engine_loading(self, msg: EngineLoading) -> None:
-        self.query_one("#status", Static).update(Text(msg.text.replace("kvplay: ", ""), style="bold"))
+        self.cache.show_loading(msg.text.replace("kvplay: ", ""))
 
     def on_engine_failed(self, msg: EngineFailed) -> None:
         self.push_screen(ErrorScreen(msg.error, msg.fix))
@@ -392,25 +339,14 @@ class KvplayApp(ChatRoom, CacheRoom, App):
         self.backend = msg.engine  # the backend open_backend returned
         self.engine = getattr(self.backend, "engine", None)  # None on a remote server
         self.controls.bind(self.backend)
-        self.query_one(BlockMap).set_source(self.backend, self.looks)
+        self.cache.bind(self.backend)
         self._layout_panes()  # the footer offers the controls this backend supports
-        self._maps_ready()
-        for u in self.users:  # each pane's identity is bound in the engine, not per message
-            self.backend.register_user(u.name, u.group)
-        for p in self.panes:
-            p.set_ready(True)
-        self._dirty = True
-        self.ready.set()
-        pending, self._pending = self._pending, []
-        for pane, text, turn, note in pending:
-            pane.set_busy(False)
-            if pane.is_attached:
-                pane.chat.remove(note)  # sent now: the message and its answer take the note's place
-                self.send(pane, text, turn)
+        self.cache.maps_ready()
+        self.chat.bind(self.backend)
         if self.focused is None:
             self.current_pane().input.focus()
-        if not self.turns:
-            first, second = (self.users + self.users)[:2]
+        if not self.chat.turns:
+            first, second = (self.chat.users + self.chat.users)[:2]
             self.notify(f"Type as {first.name}, then as {second.name}, and watch the block map. "
                         "F1 explains every colour and number.", title="Model ready", timeout=8)
 
@@ -440,10 +376,106 @@ class KvplayApp(ChatRoom, CacheRoom, App):
         panes[(i + step) % len(panes)].input.focus()
 
     def action_focus_map(self) -> None:
-        self.query_one(BlockMap).focus()
+        self.cache.focus_map()
 
     def action_toggle_events(self) -> None:
-        self.show_events(not self.query_one("#events", Log).has_class("shown"))
+        shown = not self.cache.events_shown
+        if shown and self.compact and not self.screen.has_class("show-cache"):
+            self.query_one(PaneSwitcher).active = CACHE_TAB  # compact: the log is on the cache tab
+        self.cache.show_events(shown)
+
+    def action_prefix_tree(self) -> None:
+        self.cache.toggle_tree()
+
+    def on_block_map_jump_requested(self, msg: BlockMap.JumpRequested) -> None:
+        self.cache.jump(msg.blockmap)  # any map's jump key: the last request's blocks
+
+    # --- users and the shared prompt: dialogs here, the chat room keeps them ----------------------
+    def action_edit_system(self) -> None:
+        def done(text: str | None) -> None:
+            if text is not None and self.chat.set_system_prompt(text):
+                self.notify("New system prompt: the next turns start a new shared prefix.")
+
+        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
+                                    self.chat.system_prompt), done)
+
+    def action_user_settings(self) -> None:
+        pane = self.current_pane()
+        s = pane.spec
+
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            try:
+                seed = int(values["seed"])
+                temp = float(values["temperature"])
+                max_tokens = int(values["max_tokens"])
+                if temp < 0 or max_tokens < 1:
+                    raise ValueError
+            except ValueError:
+                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
+                            severity="error")
+                return
+            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
+            group = values["group"].strip() or None
+            if group != s.group and not self.controls.allowed("groups"):
+                group = s.group  # the backend binds groups itself: the rest still applies
+            self.chat.set_user_group(pane, group)  # records the user too
+            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
+
+        self.push_screen(FormScreen(f"Settings for {s.name}", [
+            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
+            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
+            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
+            ("group", "group (for isolation = group)", s.group or ""),
+        ]), done)
+
+    def action_add_user(self) -> None:
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            name = values["name"].strip()
+            if not name or any(p.user == name for p in self.panes):
+                self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
+                            severity="error")
+                return
+            pane = self.add_user(UserSpec(name, group=values["group"].strip() or None))
+            pane.call_after_refresh(lambda: pane.input.focus())  # the next message is the new user's
+
+        self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
+
+    def add_user(self, spec: UserSpec) -> ChatPane:
+        """A new user: its pane (the chat room's), its tab, the layout and the legend."""
+        pane = self.chat.add_user(spec)
+        self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
+                                                id=self._tab_id(spec.name)), before=CACHE_TAB)
+        self._layout_panes()
+        self.cache.update_legend()
+        return pane
+
+    def action_remove_user(self) -> None:
+        if len(self.panes) <= 1:
+            self.notify("The last user stays.", severity="warning")
+            return
+        pane = self.current_pane()
+        if pane.busy:
+            self.notify(f"{pane.user} is generating; remove after the reply.", severity="warning")
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.chat.remove_user(pane)
+                self.query_one("#switcher").remove_tab(self._tab_id(pane.user))
+                self.call_after_refresh(self._layout_panes)
+                self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
+
+        self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
+
+    def action_replay_pause(self) -> None:
+        self.chat.replay_pause()
+
+    def action_replay_step(self) -> None:
+        self.chat.replay_step()
 
     def action_screenshot(self) -> None:
         folder = screenshot_dir()
@@ -497,7 +529,7 @@ class KvplayApp(ChatRoom, CacheRoom, App):
             ("app: quit", "Quit kvplay", self.action_quit),
             *self.controls.commands(),
         ]
-        if self.turns:
+        if self.chat.turns:
             cmds += [("replay: pause or resume", "Pause or resume the script", self.action_replay_pause),
                      ("replay: step", "Play the next turn", self.action_replay_step)]
         for title, help_, cb in cmds:
@@ -508,8 +540,7 @@ class KvplayApp(ChatRoom, CacheRoom, App):
 
     # --- shutdown -------------------------------------------------------------------------------
     def on_unmount(self) -> None:
-        if self._unsubscribe:
-            self._unsubscribe()
+        self.cache.unsubscribe()
         with self._open_lock:  # a backend opened after this is closed by its loader (_load_engine)
             self._closing, opened = True, self._opened
         if opened is not None:  # in-flight replies end now ("engine shut down"), not when done

@@ -3,9 +3,10 @@ backend is a `RemoteBackend` (wire/remote.py) instead of an in-process engine.
 
 What a remote server decides for itself (isolation, eviction, determinism, groups; labs run on
 kvplay's own engine) its backend's `Controls` say (wire/remote.remote_controls): the app's keys
-answer those with one line, and F4 asks the server to reset its prefix cache. The status panel shows each pod's state (waiting / live / replaying / stale) and its blocks, and the
-stats panel what the server's `usage` and KV events tell (no memory figures: the server's pool
-is not ours to weigh).
+answer those with one line, and F4 asks the server to reset its prefix cache. The cache room
+(`AttachCacheRoom`) shows each pod's state (waiting / live / replaying / stale) and its blocks in
+the status panel, one map per pod, and in the stats panel what the server's `usage` and KV events
+tell (no memory figures: the server's pool is not ours to weigh).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvplay.engine.config import EngineConfig
 
 from .app import KvplayApp
 from .blockmap import BlockMap
+from .cache_room import CacheRoom
 from .panes import safe_id
 from .tree_view import FleetTrees
 
@@ -23,48 +25,35 @@ DIM = "dim"
 POD_STYLE = {"live": "bold green", "replaying": "bold yellow", "stale": "bold red", "waiting": "bold"}
 
 
-class AttachApp(KvplayApp):
-    """KvplayApp over an open RemoteBackend (opened by the CLI, so a bad URL never opens the app)."""
+class AttachCacheRoom(CacheRoom):
+    """The cache room over a RemoteBackend: a map per pod, the pods' states, the server's counters."""
 
-    SUB_TITLE = "attached to a server's shared KV cache"
-
-    def __init__(self, backend, users, system_prompt: str, turns=None, speed: float = 1.0,
-                 db: str | None = None, record: bool = True, title: str | None = None,
-                 timings: bool = True) -> None:
-        super().__init__(EngineConfig(model=backend.model_name), users, system_prompt, turns=turns, speed=speed,
-                         db=db, record=record, title=title or f"attached to {backend.url}", timings=timings)
-        self._remote = backend
-
-    def open_backend(self):
-        self._unsubscribe = self._remote.subscribe(self._event_queue.append)
-        return self._remote
-
-    def _maps_ready(self) -> None:
+    def maps_ready(self) -> None:
         """A fleet: one map per pod (each its own scale, zoom and filter), titled by the pod; the
         status panel gives each pod's state and blocks, the stats panel the totals."""
         # start-up time: imported when this first runs
         from kvplay.wire.remote import PodRange
 
-        pods = list(self._remote.pods)
+        pods = list(self.backend.pods)
         if len(pods) < 2:
             return
         first = self.query_one("#map", BlockMap)
         first.label = f"pod {pods[0]}"
-        first.set_source(PodRange(self._remote, pods[0]), self.looks)
+        first.set_source(PodRange(self.backend, pods[0]), self.looks)
         after = first
         for name in pods[1:]:
             pid = f"map-pod-{safe_id(name)}"
             title = Static(Text(f"pod {name}", style="bold"), classes="section", id=f"{pid}-title")
             bm = BlockMap(label=f"pod {name}", id=pid, classes="podmap")
-            self.query_one("#side").mount(title, bm, after=after)
-            bm.set_source(PodRange(self._remote, name), self.looks)
+            self.mount(title, bm, after=after)
+            bm.set_source(PodRange(self.backend, name), self.looks)
             after = bm
 
     def tree_source(self):
         """The tree of the server's mirrored cache (the backend's Fleet), text from /detokenize."""
-        return FleetTrees(self._remote)
+        return FleetTrees(self.backend)
 
-    # --- what the panels say --------------------------------------------------------------------
+    # --- what the panels say --------------------------------------------------------------
     def status_view(self, stats: dict) -> Text:
         b = self.backend
         t = Text()
@@ -114,3 +103,21 @@ class AttachApp(KvplayApp):
         if stats.get("unpredictable_turns"):  # the server's salt decided, before we had learned it
             t.append(f"\n{stats['unpredictable_turns']:,} salted turns not predicted (salt not learned yet)", style=DIM)
         return t
+
+
+class AttachApp(KvplayApp):
+    """KvplayApp over an open RemoteBackend (opened by the CLI, so a bad URL never opens the app)."""
+
+    CACHE_ROOM = AttachCacheRoom
+    SUB_TITLE = "attached to a server's shared KV cache"
+
+    def __init__(self, backend, users, system_prompt: str, turns=None, speed: float = 1.0,
+                 db: str | None = None, record: bool = True, title: str | None = None,
+                 timings: bool = True) -> None:
+        super().__init__(EngineConfig(model=backend.model_name), users, system_prompt, turns=turns, speed=speed,
+                         db=db, record=record, title=title or f"attached to {backend.url}", timings=timings)
+        self._remote = backend
+
+    def open_backend(self):
+        self.cache.listen(self._remote)
+        return self._remote

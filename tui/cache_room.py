@@ -1,36 +1,116 @@
-"""The cache room: the views of the pool (block map, block details, request bars, timeline,
-stats, the event log, the prefix tree) and their coalesced redraw.
+"""The cache room: the side panel of the pool's views (block map, block details, request bars,
+timeline, stats, the event log, the prefix tree) and their coalesced redraw.
 
-The views read the backend's mirror of the pool, fed by the engine's event batches (or a
-server's KV events): the map reads it in ranges, the stats panel its counters, the tree a Mirror
-of the same events. Events queue up as they come (deque.append is thread-safe) and a 15 Hz tick
-takes them in one go and redraws only what they marked dirty.
+`CacheRoom` is the panel itself (a widget): it subscribes to the backend's event stream, keeps
+what its views need (hit and flash sets, each request's blocks, the finished requests, the
+counters) and redraws at most 15 times a second. The views read the backend's mirror of the
+pool, fed by the engine's event batches (or a server's KV events): the map reads it in ranges,
+the stats panel its counters, the tree a Mirror of the same events. Events queue up as they
+come (deque.append is thread-safe) and the tick takes them in one go and redraws only what
+they marked dirty.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from rich.text import Text
 from textual import work
+from textual.containers import VerticalScroll
 from textual.widgets import Log, Static
 
 from .blockmap import BlockMap
 from .controls import without_labs
 from .format import block_detail, event_line, legend_text, mode_line, range_detail, stats_text
-from .timeline import Timeline
+from .timeline import Timeline, result_span
 from .tree_view import MirrorTrees, TreeScreen
-from .widgets import CACHE_TAB, PaneSwitcher, RequestBars, update_static
+from .widgets import RequestBars, update_static
 
 EVENT_LINES = 500  # the event log (F10) keeps this many lines
+REFRESH_HZ = 15
 
 
-class CacheRoom:
-    """Events in, views redrawn (a part of KvplayApp: it reads the app's backend and looks)."""
+class CacheRoom(VerticalScroll):
+    """The views of the shared pool, fed by the backend's events (`listen`, then `bind`).
+    `looks` is the app's dict of users' looks, shared (updated in place as users come)."""
+
+    def __init__(self, model: str, looks: dict, timings: bool = True, flash_s: float = 0.8, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model, self.looks, self.timings = model, looks, timings
+        self.flash_s = flash_s if timings else 0.0
+        self.backend = None  # the ChatBackend whose pool this panel shows, once ready
+        self._unsubscribe = None
+        self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
+        self._event_lines: deque[str] = deque(maxlen=EVENT_LINES)  # the event log, drawn when shown
+        self._dirty = False
+        self._refreshing = False
+        self._hit: set[int] = set()
+        self._flash: set[int] = set()
+        self._flash_until = 0.0
+        self._request_blocks: dict[str, set[int]] = {}  # blocks each running request hit or stored
+        self.last_blocks: set[int] = set()  # ... of the last request that finished
+        self.requests: deque = deque(maxlen=200)  # the finished requests' stats (the bars)
+        self._spans: deque = deque(maxlen=500)  # the timeline's requests (tui/timeline.py)
+        self._ttft: dict[str, list[float]] = {}
+        self._timeline_at = 0.0
+        self._excluded: dict[str, int] = {}  # counters of lab runs, not the app's own (controls.py)
+        self.stats: dict | None = None  # the counters last shown
+        self._detail_block: tuple[int, int] | None = None
+
+    def compose(self):
+        yield Static(Text(f"loading the model ({self.model}) …", style="bold"), id="status")
+        yield Static(id="lab-progress")  # a lab run from the palette: its phase and steps
+        yield Static("Block pool", classes="section", id="map-title")
+        yield BlockMap(id="map")
+        yield Static(id="legend")
+        yield Static(Text("hover or click a block (ctrl+b, arrows) to see what it holds"), id="detail")
+        yield Static("Requests · cached █ vs computed ░", classes="section")
+        yield RequestBars(id="bars")
+        yield Static("Timeline · cached █ computed ░" + (" · TTFT" if self.timings else ""),
+                     classes="section", id="timeline-title")
+        yield Timeline(live=True, timings=self.timings, id="timeline")
+        yield Static("Cache", classes="section")
+        yield Static(id="stats")
+        yield Log(id="events", max_lines=EVENT_LINES)
+
+    def on_mount(self) -> None:
+        self.update_legend()
+        self.set_interval(1 / REFRESH_HZ, self._tick)
+
+    # --- the event stream -------------------------------------------------------------------
+    def listen(self, source) -> None:
+        """Take `source`'s events (an Engine or a backend: `subscribe(listener)`); any thread.
+        One message per event (dozens per engine step) would crowd out keystrokes: they queue
+        here and the tick takes them in one go."""
+        self._unsubscribe = source.subscribe(self._event_queue.append)
+
+    def unsubscribe(self) -> None:
+        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        if unsubscribe:
+            unsubscribe()
+
+    def bind(self, backend) -> None:
+        """The backend is ready: the map reads its pool."""
+        self.backend = backend
+        self.query_one("#map", BlockMap).set_source(backend, self.looks)
+        self._dirty = True
+
+    def show_loading(self, text: str) -> None:
+        """The model's loading progress, where the status line will be."""
+        self.query_one("#status", Static).update(Text(text, style="bold"))
+
+    def maps_ready(self) -> None:
+        """The map has its source; an attached fleet adds one map per pod here (attach.py)."""
 
     @property
     def settled(self) -> bool:
         """Every engine event taken in and the counters and map redrawn (tests, screenshots)."""
         return not self._event_queue and not self._dirty and not self._refreshing
+
+    def mark_dirty(self) -> None:
+        """The pool changed (a control, a lab, a turn): the next tick re-reads the counters and
+        the map. Any thread."""
+        self._dirty = True
 
     def _take_events(self) -> None:
         q = self._event_queue
@@ -60,17 +140,19 @@ class CacheRoom:
         if log is not None and log.has_class("shown"):
             log.write_lines(lines)
 
+    @property
+    def events_shown(self) -> bool:
+        return self.query_one("#events", Log).has_class("shown")
+
     def show_events(self, shown: bool) -> None:
-        """Show or hide the event log: shown, it is brought into view (the panel's last item, below
-        the fold with four users; compact: on the cache tab)."""
+        """Show or hide the event log: shown, it is brought into view (the panel's last item,
+        below the fold with four users)."""
         log = self.query_one("#events", Log)
         log.set_class(shown, "shown")
         log.clear()
         if shown:
             log.write_lines(list(self._event_lines))
-            if self.compact and not self.screen.has_class("show-cache"):
-                self.query_one(PaneSwitcher).active = CACHE_TAB
-            self.call_after_refresh(self.query_one("#side").scroll_end, animate=False)  # the log is last
+            self.call_after_refresh(self.scroll_end, animate=False)  # the log is last
 
     def _note_event(self, ev) -> None:
         """What the map and the jump key need from an event: hit and flash sets, the blocks of
@@ -86,20 +168,17 @@ class CacheRoom:
             self._hit = set()
         elif kind == "AllBlocksCleared":
             self._hit = set()
-            self._last_blocks = set()
+            self.last_blocks = set()
         rid = getattr(ev, "request_id", None)
         if rid is None:
             return
         if kind in ("BlockHit", "BlockStored"):
             self._request_blocks.setdefault(rid, set()).update(ev.block_ids)
         elif kind == "RequestFinished":
-            self._last_blocks = self._request_blocks.pop(rid, set()) or self._last_blocks
+            self.last_blocks = self._request_blocks.pop(rid, set()) or self.last_blocks
 
+    # --- the coalesced redraw ---------------------------------------------------------------
     def _tick(self) -> None:
-        if self.recorder_error and not self._recorder_error_shown:
-            self._recorder_error_shown = True
-            self.notify(f"Recording stopped working: {self.recorder_error}. The playground carries on; "
-                        "use --no-record to silence this.", severity="warning", timeout=10)
         if self.backend is None:
             return
         self._take_events()
@@ -122,13 +201,13 @@ class CacheRoom:
             stats = self.backend.stats(timeout=0.2)
         except Exception:
             stats = None
-        self.call_from_thread(self._apply_state, stats)
+        self.app.call_from_thread(self._apply_state, stats)
 
     def _apply_state(self, stats) -> None:
         self._refreshing = False
         if stats is not None:
             stats = without_labs(stats, self._excluded)
-            self._stats = stats
+            self.stats = stats
             update_static(self.query_one("#stats", Static), self.stats_view(stats))
             update_static(self.query_one("#status", Static), self.status_view(stats))
         self._redraw_map()
@@ -142,29 +221,55 @@ class CacheRoom:
         return mode_line(stats, self.backend.model_name, self.backend.device)
 
     def _redraw_map(self) -> None:
-        for bm in self.query(BlockMap):  # one map, or one per pod of an attached fleet
+        # the maps on screen: this panel's (one, or one per pod of an attached fleet), or the
+        # map of a screen opened over it (the prefix tree's)
+        for bm in self.app.screen.query(BlockMap):
             if not getattr(bm, "own_marks", False):  # the tree view's map marks its node's blocks
                 bm.looks, bm.hit, bm.flash = self.looks, bm.local(self._hit), bm.local(self._flash)
             bm._rebuild()
 
+    def exclude(self, counts: dict[str, int]) -> None:
+        """Counters a lab's requests added to the engine's: the panel's numbers leave them out."""
+        for k, v in counts.items():
+            self._excluded[k] = self._excluded.get(k, 0) + v
+
+    def show_lab_progress(self, text: str | None) -> None:
+        box = self.query_one("#lab-progress", Static)
+        box.update(text or "")
+        box.set_class(bool(text), "shown")
+
+    # --- requests, the timeline ---------------------------------------------------------------
+    def turn_finished(self, user: str, turn_id: int, stats, started: float | None) -> None:
+        """A turn's reply is done: its bar, its span on the timeline, its TTFT."""
+        self.requests.append(stats)
+        if started is not None and stats.prompt_tokens:
+            self._spans.append(result_span(stats, started, turn_id))
+            self.query_one(Timeline).set_spans(list(self._spans), self.looks, time.time())
+        if stats.ttft_ms is not None:
+            self._ttft.setdefault(user, []).append(stats.ttft_ms)
+        self.update_requests()
+        self._dirty = True
+
+    def update_requests(self) -> None:
+        self.query_one(RequestBars).show(list(self.requests)[-6:], self._ttft, self.looks, self.timings)
+
+    def update_legend(self) -> None:
+        self.query_one("#legend", Static).update(legend_text(self.looks))
+
+    # --- the map and its details --------------------------------------------------------------
     def on_block_map_view_changed(self, msg: BlockMap.ViewChanged) -> None:
         bm = msg.blockmap
         for title in self.query(f"#{bm.id}-title"):
             update_static(title, Text.assemble((bm.label, "bold"), ("  " + bm.scale_text(), "")))
 
-    def on_block_map_jump_requested(self, msg: BlockMap.JumpRequested) -> None:
-        if not self._last_blocks:
-            self.notify("No request has finished yet: nothing to jump to.")
-        elif not msg.blockmap.local(self._last_blocks):
-            self.notify(f"The last request's blocks are not in {msg.blockmap.label}.")
+    def jump(self, bm: BlockMap) -> None:
+        """Show the blocks of the last request that finished on map `bm` (its jump key)."""
+        if not self.last_blocks:
+            self.app.notify("No request has finished yet: nothing to jump to.")
+        elif not bm.local(self.last_blocks):
+            self.app.notify(f"The last request's blocks are not in {bm.label}.")
         else:
-            msg.blockmap.show_blocks(msg.blockmap.local(self._last_blocks))
-
-    def _update_legend(self) -> None:
-        self.query_one("#legend", Static).update(legend_text(self.looks))
-
-    def _update_requests(self) -> None:
-        self.query_one(RequestBars).show(list(self._requests)[-6:], self._ttft, self.looks, self.timings)
+            bm.show_blocks(bm.local(self.last_blocks))
 
     def on_block_map_cell_selected(self, msg: BlockMap.CellSelected) -> None:
         first = msg.block_id + (msg.blockmap.offset if msg.blockmap is not None else 0)
@@ -181,6 +286,9 @@ class CacheRoom:
             return Text("")
         return block_detail(view, self.looks, self.backend, self.timings)
 
+    def focus_map(self) -> None:
+        self.query_one(BlockMap).focus()
+
     def select_block(self, block_id: int) -> None:
         """Show single blocks with the map's cursor on `block_id`, and its details."""
         bm = self.query_one(BlockMap)
@@ -193,30 +301,18 @@ class CacheRoom:
         for panel in self.query("#detail"):  # none while the app is tearing down (a late CellSelected)
             update_static(panel, self.block_detail(block_id, blocks))
 
+    # --- the prefix tree ----------------------------------------------------------------------
     def tree_source(self):
         """What the tree view reads: the backend's Mirror of the engine's events (wire/mirror.py)."""
         b = self.backend
         return MirrorTrees(b.mirror, b.decode, b, lock=b._lock)
 
-    def action_prefix_tree(self) -> None:
-        if isinstance(self.screen, TreeScreen):
-            self.pop_screen()
+    def toggle_tree(self) -> None:
+        """Open the prefix tree over the app's screen (or close it)."""
+        if isinstance(self.app.screen, TreeScreen):
+            self.app.pop_screen()
             return
         if self.backend is None:
-            self.notify("The model is still loading: no cache yet.", severity="warning")
+            self.app.notify("The model is still loading: no cache yet.", severity="warning")
             return
-        self.push_screen(TreeScreen(self.tree_source(), self.looks))
-
-    def mark_dirty(self) -> None:
-        """The pool changed (a control or a lab): the next tick re-reads the counters and the map."""
-        self._dirty = True
-
-    def exclude(self, counts: dict[str, int]) -> None:
-        """Counters a lab's requests added to the engine's: the app's numbers leave them out."""
-        for k, v in counts.items():
-            self._excluded[k] = self._excluded.get(k, 0) + v
-
-    def show_lab_progress(self, text: str | None) -> None:
-        box = self.query_one("#lab-progress", Static)
-        box.update(text or "")
-        box.set_class(bool(text), "shown")
+        self.app.push_screen(TreeScreen(self.tree_source(), self.looks))

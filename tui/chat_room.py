@@ -1,18 +1,21 @@
 """The chat room: the users' panes send turns through the backend and stream the replies back;
 a script or a replay plays its turns through the same panes.
 
-What a conversation is, when a scripted turn may start and how a turn's stream is consumed are
-sessions/conversation.py's (`kvplay run` and headless replay use the same). Every reply streams
-in a thread worker of its own that only posts messages (tui/messages.py); the handlers here
-update the panes, the request bars and the timeline.
+`ChatRoom` is the grid of panes (a widget): it owns the users, their panes, the shared system
+prompt, the turns in flight and the script's pacing. What a conversation is, when a scripted
+turn may start and how a turn's stream is consumed are sessions/conversation.py's (`kvplay run`
+and headless replay use the same). Every reply streams in a thread worker of its own that only
+posts messages (tui/messages.py) to this room; a finished turn goes to the cache room's bars and
+timeline (`cache.turn_finished`) and to the recording room.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 from textual import work
-from textual.widgets import Tab
+from textual.containers import Vertical
 
 from kvplay.engine.errors import EngineError
 from kvplay.sessions.conversation import Pacing, consume
@@ -20,17 +23,86 @@ from kvplay.sessions.script import TurnSpec, UserSpec, sampling_for
 
 from .messages import ReplyDelta, ReplyDone, ReplyFailed
 from .panes import ChatPane
-from .screens import ConfirmScreen, FormScreen, TextScreen
+from .recording_room import RecordingRoom
 from .theme import assign_looks
-from .timeline import Timeline, result_span
-from .widgets import CACHE_TAB
+
+HINTS = [
+    "① Start here: type a question as {name} and press Enter.",
+    "② Then ask {name} something. The prompt starts with the same system prompt, so those "
+    "blocks come from the first user's cache: see the badge under the reply and the + cells "
+    "in the map on the right.",
+    "③ Ask {name} the same question as someone else to see a bigger hit. F1 explains every colour "
+    "and number.",
+]
 
 
-class ChatRoom:
-    """Sending, streaming and autoplay (a part of KvplayApp: it reads the app's backend, panes,
-    recorder and counters)."""
+def hint(i: int, name: str) -> str:
+    return HINTS[min(i, len(HINTS) - 1)].format(name=name)
 
+
+class ChatRoom(Vertical):
+    """Sending, streaming and autoplay for the users' panes. `looks` is the app's dict of users'
+    looks (updated in place as users come); `cache` is the cache room, told of each finished
+    turn (`turn_finished`), of a change a script made (`mark_dirty`), and asked whether its views
+    have caught up (`settled`); `recording` records users and turns."""
+
+    def __init__(self, users: list[UserSpec], looks: dict, system_prompt: str, cache, recording: RecordingRoom,
+                 turns: list[TurnSpec] | None = None, speed: float = 1.0, record: bool = True,
+                 timings: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.users = list(users)
+        self.looks, self.system_prompt, self.cache, self.recording = looks, system_prompt, cache, recording
+        self.turns = list(turns or [])
+        self.speed, self.record, self.timings = speed, record, timings
+        self.backend = None  # the ChatBackend turns go to, once ready
+        self._panes = {u.name: ChatPane(u, looks[u.name], hint(i, u.name)) for i, u in enumerate(self.users)}
+        self.ready = asyncio.Event()
+        self.autoplay_done = asyncio.Event()
+        self.paused = False
+        self._step = 0
+        self._turn_ids = itertools.count(1)
+        self._finished_turns: set[int] = set()  # turns whose reply is done or failed (autoplay's pacing)
+        self._started: dict[int, float] = {}  # turn id -> wall time it was submitted
+        self._inflight: dict[int, tuple[ChatPane, str]] = {}
+        self._pending: list = []  # messages typed while the model was loading
+
+    def compose(self):
+        yield from self._panes.values()
+
+    def on_mount(self) -> None:
+        if self.turns:
+            self._autoplay()
+
+    @property
+    def panes(self) -> list[ChatPane]:
+        return list(self._panes.values())
+
+    def pane(self, user: str) -> ChatPane:
+        return self._panes[user]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def bind(self, backend) -> None:
+        """The backend is ready: each pane's identity is bound in the engine (not per message),
+        the panes take input, and what was typed while loading is sent."""
+        self.backend = backend
+        for u in self.users:
+            backend.register_user(u.name, u.group)
+        for p in self.panes:
+            p.set_ready(True)
+        self.ready.set()
+        pending, self._pending = self._pending, []
+        for pane, text, turn, note in pending:
+            pane.set_busy(False)
+            if pane.is_attached:
+                pane.chat.remove(note)  # sent now: the message and its answer take the note's place
+                self.send(pane, text, turn)
+
+    # --- sending and streaming ----------------------------------------------------------------
     def on_chat_pane_submitted(self, msg: ChatPane.Submitted) -> None:
+        msg.stop()
         self.send(msg.pane, msg.text)
 
     def send(self, pane: ChatPane, text: str, turn: TurnSpec | None = None) -> int | None:
@@ -77,11 +149,13 @@ class ChatRoom:
             self.recording.record_turn(user, text, messages, sampling, result, started)
 
     def on_reply_delta(self, msg: ReplyDelta) -> None:
+        msg.stop()
         entry = self._inflight.get(msg.turn_id)
         if entry is not None:
             entry[0].update_reply(msg.turn_id, msg.text)
 
     def on_reply_done(self, msg: ReplyDone) -> None:
+        msg.stop()
         entry = self._inflight.pop(msg.turn_id, None)
         res = msg.result
         self._finished_turns.add(msg.turn_id)
@@ -92,17 +166,10 @@ class ChatRoom:
         pane.set_busy(False)
         if res.error is None:
             pane.conversation.add(text, res.text)
-        self._requests.append(res.stats)
-        started = self._started.pop(msg.turn_id, None)
-        if started is not None and res.stats.prompt_tokens:
-            self._spans.append(result_span(res.stats, started, msg.turn_id))
-            self.query_one(Timeline).set_spans(list(self._spans), self.looks, time.time())
-        if res.stats.ttft_ms is not None:
-            self._ttft.setdefault(msg.user, []).append(res.stats.ttft_ms)
-        self._update_requests()
-        self._dirty = True
+        self.cache.turn_finished(msg.user, msg.turn_id, res.stats, self._started.pop(msg.turn_id, None))
 
     def on_reply_failed(self, msg: ReplyFailed) -> None:
+        msg.stop()
         self._finished_turns.add(msg.turn_id)
         pane, _ = self._inflight.pop(msg.turn_id, (None, None))
         self._started.pop(msg.turn_id, None)
@@ -110,10 +177,7 @@ class ChatRoom:
             pane.fail_reply(msg.turn_id, msg.error)
             pane.set_busy(False)
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._inflight)
-
+    # --- a script or a replay -----------------------------------------------------------------
     @work(exclusive=True, group="autoplay", exit_on_error=False, description="Playing the script")
     async def _autoplay(self) -> None:
         await self.ready.wait()
@@ -148,48 +212,46 @@ class ChatRoom:
             controls = self.backend.controls
             if turn.clear and controls.clear:
                 await asyncio.to_thread(self.backend.clear_cache)
-                self._dirty = True
+                self.cache.mark_dirty()
             if turn.engine and all(controls.supports(k) for k in turn.engine):
                 await asyncio.to_thread(self.backend.reconfigure, **turn.engine)
-                self._dirty = True
+                self.cache.mark_dirty()
             if turn.group is not None and (turn.group or None) != pane.spec.group:
                 self.set_user_group(pane, turn.group or None)  # a recorded or scripted change
             sent[i] = self.send(pane, turn.text, turn)
         while self.busy:
             await asyncio.sleep(0.02)
         # let the last events and state refresh land
-        self._dirty = True
+        self.cache.mark_dirty()
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if self.settled:
+            if self.cache.settled:
                 break
         for p in self.panes:
             p.set_ready(True)
         self.autoplay_done.set()
 
-    def action_replay_pause(self) -> None:
+    def replay_pause(self) -> None:
         if not self.turns:
-            self.notify("Pause and step work while a script or replay plays.")
+            self.app.notify("Pause and step work while a script or replay plays.")
             return
         self.paused = not self.paused
-        self.notify("Replay paused: F12 plays one turn, F11 resumes." if self.paused else "Replay resumed.")
+        self.app.notify("Replay paused: F12 plays one turn, F11 resumes." if self.paused else "Replay resumed.")
 
-    def action_replay_step(self) -> None:
+    def replay_step(self) -> None:
         if self.turns:
             self.paused = True
             self._step += 1
 
-    # --- users and the shared prompt ------------------------------------------------------------
-    def action_edit_system(self) -> None:
-        def done(text: str | None) -> None:
-            if text is not None and text.strip() and text != self.system_prompt:
-                self.system_prompt = text
-                self.notify("New system prompt: the next turns start a new shared prefix.")
+    # --- users and the shared prompt ----------------------------------------------------------
+    def set_system_prompt(self, text: str) -> bool:
+        """A new shared system prompt for the next turns (False: nothing changed)."""
+        if not text.strip() or text == self.system_prompt:
+            return False
+        self.system_prompt = text
+        return True
 
-        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
-                                    self.system_prompt), done)
-
-    def set_user_group(self, pane, group: str | None) -> None:
+    def set_user_group(self, pane: ChatPane, group: str | None) -> None:
         """Move the pane's user to `group`: the engine's registry decides (recorded as
         UserGroupChanged, applied from the user's next request); the users table keeps the
         latest settings."""
@@ -199,61 +261,13 @@ class ChatRoom:
         pane.refresh_subtitle()
         self.recording.add_user(pane.spec, self.looks[pane.spec.name].colour)
 
-    def action_user_settings(self) -> None:
-        pane = self.current_pane()
-        s = pane.spec
-
-        def done(values: dict | None) -> None:
-            if values is None:
-                return
-            try:
-                seed = int(values["seed"])
-                temp = float(values["temperature"])
-                max_tokens = int(values["max_tokens"])
-                if temp < 0 or max_tokens < 1:
-                    raise ValueError
-            except ValueError:
-                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
-                            severity="error")
-                return
-            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
-            group = values["group"].strip() or None
-            if group != s.group and not self.controls.allowed("groups"):
-                group = s.group  # the backend binds groups itself: the rest still applies
-            self.set_user_group(pane, group)  # records the user too
-            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
-
-        self.push_screen(FormScreen(f"Settings for {s.name}", [
-            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
-            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
-            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
-            ("group", "group (for isolation = group)", s.group or ""),
-        ]), done)
-
-    def action_add_user(self) -> None:
-        def done(values: dict | None) -> None:
-            if values is None:
-                return
-            name = values["name"].strip()
-            if not name or any(p.user == name for p in self.panes):
-                self.notify(f"A user needs a new, non-empty name (have: {', '.join(p.user for p in self.panes)}).",
-                            severity="error")
-                return
-            pane = self.add_user(UserSpec(name, group=values["group"].strip() or None))
-            pane.call_after_refresh(lambda: pane.input.focus())  # the next message is the new user's
-
-        self.push_screen(FormScreen("Add a user", [("name", "name", ""), ("group", "group (optional)", "")]), done)
-
     def add_user(self, spec: UserSpec) -> ChatPane:
+        """A new user with a pane of its own (mounted last), bound in the backend if it is ready."""
         self.users.append(spec)
-        self.looks = assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks)
-        pane = ChatPane(spec, self.looks[spec.name], self._hint(len(self.panes), spec.name))
+        self.looks.update(assign_looks([u.name for u in self.users], {spec.name: spec.colour}, self.looks))
+        pane = ChatPane(spec, self.looks[spec.name], hint(len(self._panes), spec.name))
         self._panes[spec.name] = pane
-        self.query_one("#panes").mount(pane)
-        self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
-                                                id=self._tab_id(spec.name)), before=CACHE_TAB)
-        self._layout_panes()
-        self._update_legend()
+        self.mount(pane)
         if self.backend is not None:
             try:
                 self.backend.register_user(spec.name, spec.group)
@@ -264,23 +278,8 @@ class ChatRoom:
             self.recording.add_user(spec, self.looks[spec.name].colour)
         return pane
 
-    def action_remove_user(self) -> None:
-        if len(self.panes) <= 1:
-            self.notify("The last user stays.", severity="warning")
-            return
-        pane = self.current_pane()
-        if pane.busy:
-            self.notify(f"{pane.user} is generating; remove after the reply.", severity="warning")
-            return
-
-        def done(ok: bool | None) -> None:
-            if ok:
-                self.users = [u for u in self.users if u.name != pane.user]
-                self._panes.pop(pane.user, None)
-                pane.remove()
-                self.query_one("#switcher").remove_tab(self._tab_id(pane.user))
-                self.call_after_refresh(self._layout_panes)
-                self.notify(f"Removed {pane.user} (their blocks stay in the pool until evicted).")
-
-        self.push_screen(ConfirmScreen(f"Remove {pane.user}'s pane?"), done)
-
+    def remove_user(self, pane: ChatPane) -> None:
+        """The pane and its user go (their blocks stay in the pool until evicted)."""
+        self.users = [u for u in self.users if u.name != pane.user]
+        self._panes.pop(pane.user, None)
+        pane.remove()

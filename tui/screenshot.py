@@ -53,7 +53,7 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
     async with app.run_test(size=size) as pilot:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not app.autoplay_done.is_set():
+        while not app.chat.autoplay_done.is_set():
             if isinstance(app.screen, ErrorScreen):
                 raise KvplayError(f"{app.screen.error} — {app.screen.fix.splitlines()[0]}")
             if loop.time() > deadline:
@@ -63,7 +63,7 @@ async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float 
             app.action_toggle_events()
         app.set_focus(None)  # no focused input: no text cursor in the picture
         if select_block is not None:
-            app.select_block(select_block)
+            app.cache.select_block(select_block)
         if tree:
             app.action_prefix_tree()
             while not getattr(app.screen, "ready", False):

@@ -379,7 +379,7 @@ def open_in_app(app) -> None:
         return
     try:
         rec.flush()
-        db = open_db(app.db, create=False)
+        db = open_db(app.recording.db, create=False)
         try:
             recording = load_recording(db, rec.session_id)
         finally:
