@@ -40,7 +40,7 @@ from .lifecycle import run_app as run_until_quit
 from .messages import EngineFailed, EngineLoading, EngineReady
 from .panes import ChatPane, safe_id
 from .recording_room import RecordingRoom
-from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen, TextScreen
+from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen
 from .theme import assign_looks
 from .widgets import CACHE_TAB, KvFooter, PaneSwitcher
 
@@ -142,9 +142,9 @@ class KvplayApp(App):
         # the rooms: each owns its state and handlers; they know each other only as passed here
         self.recording = RecordingRoom(db, replay_of, title)  # the session in SQLite, on its own thread
         self.cache = self.CACHE_ROOM(config.model, self.looks, timings=timings, flash_s=flash_s, id="side")
-        self.chat = ChatRoom(users, self.looks, system_prompt, self.cache, self.recording, turns=turns, speed=speed,
-                             record=record, timings=timings, id="panes")
         self.controls = ControlsRoom(self, config, self.recording, self.cache, record=record)
+        self.chat = ChatRoom(users, self.looks, system_prompt, self.cache, self.recording, self.controls, turns=turns,
+                             speed=speed, record=record, timings=timings, id="panes")
 
     @property
     def recorder(self):
@@ -390,45 +390,12 @@ class KvplayApp(App):
     def on_block_map_jump_requested(self, msg: BlockMap.JumpRequested) -> None:
         self.cache.jump(msg.blockmap)  # any map's jump key: the last request's blocks
 
-    # --- users and the shared prompt: dialogs here, the chat room keeps them ----------------------
+    # --- users: the chat room keeps them; adding or removing one changes the layout ---------------
     def action_edit_system(self) -> None:
-        def done(text: str | None) -> None:
-            if text is not None and self.chat.set_system_prompt(text):
-                self.notify("New system prompt: the next turns start a new shared prefix.")
-
-        self.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
-                                    self.chat.system_prompt), done)
+        self.chat.edit_system()
 
     def action_user_settings(self) -> None:
-        pane = self.current_pane()
-        s = pane.spec
-
-        def done(values: dict | None) -> None:
-            if values is None:
-                return
-            try:
-                seed = int(values["seed"])
-                temp = float(values["temperature"])
-                max_tokens = int(values["max_tokens"])
-                if temp < 0 or max_tokens < 1:
-                    raise ValueError
-            except ValueError:
-                self.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
-                            severity="error")
-                return
-            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
-            group = values["group"].strip() or None
-            if group != s.group and not self.controls.allowed("groups"):
-                group = s.group  # the backend binds groups itself: the rest still applies
-            self.chat.set_user_group(pane, group)  # records the user too
-            self.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
-
-        self.push_screen(FormScreen(f"Settings for {s.name}", [
-            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
-            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
-            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
-            ("group", "group (for isolation = group)", s.group or ""),
-        ]), done)
+        self.chat.user_settings(self.current_pane())
 
     def action_add_user(self) -> None:
         def done(values: dict | None) -> None:

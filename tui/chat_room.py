@@ -22,8 +22,10 @@ from kvplay.sessions.conversation import Pacing, consume
 from kvplay.sessions.script import TurnSpec, UserSpec, sampling_for
 
 from .messages import ReplyDelta, ReplyDone, ReplyFailed
+from .controls import ControlsRoom
 from .panes import ChatPane
 from .recording_room import RecordingRoom
+from .screens import FormScreen, TextScreen
 from .theme import assign_looks
 
 HINTS = [
@@ -44,14 +46,16 @@ class ChatRoom(Vertical):
     """Sending, streaming and autoplay for the users' panes. `looks` is the app's dict of users'
     looks (updated in place as users come); `cache` is the cache room, told of each finished
     turn (`turn_finished`), of a change a script made (`mark_dirty`), and asked whether its views
-    have caught up (`settled`); `recording` records users and turns."""
+    have caught up (`settled`); `recording` records users and turns; `controls` says whether the
+backend lets a user's group change."""
 
     def __init__(self, users: list[UserSpec], looks: dict, system_prompt: str, cache, recording: RecordingRoom,
-                 turns: list[TurnSpec] | None = None, speed: float = 1.0, record: bool = True,
+                 controls: ControlsRoom, turns: list[TurnSpec] | None = None, speed: float = 1.0, record: bool = True,
                  timings: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.users = list(users)
         self.looks, self.system_prompt, self.cache, self.recording = looks, system_prompt, cache, recording
+        self.controls = controls
         self.turns = list(turns or [])
         self.speed, self.record, self.timings = speed, record, timings
         self.backend = None  # the ChatBackend turns go to, once ready
@@ -244,12 +248,46 @@ class ChatRoom(Vertical):
             self._step += 1
 
     # --- users and the shared prompt ----------------------------------------------------------
-    def set_system_prompt(self, text: str) -> bool:
-        """A new shared system prompt for the next turns (False: nothing changed)."""
-        if not text.strip() or text == self.system_prompt:
-            return False
-        self.system_prompt = text
-        return True
+    def edit_system(self) -> None:
+        """Ask for a new shared system prompt (for the next turns)."""
+        def done(text: str | None) -> None:
+            if text is not None and text.strip() and text != self.system_prompt:
+                self.system_prompt = text
+                self.app.notify("New system prompt: the next turns start a new shared prefix.")
+
+        self.app.push_screen(TextScreen("Shared system prompt (every user's prompt starts with it)",
+                                        self.system_prompt), done)
+
+    def user_settings(self, pane: ChatPane) -> None:
+        """Ask for the pane's user's seed, temperature, max tokens and group."""
+        s = pane.spec
+
+        def done(values: dict | None) -> None:
+            if values is None:
+                return
+            try:
+                seed = int(values["seed"])
+                temp = float(values["temperature"])
+                max_tokens = int(values["max_tokens"])
+                if temp < 0 or max_tokens < 1:
+                    raise ValueError
+            except ValueError:
+                self.app.notify("Seed and max tokens must be whole numbers (max tokens ≥ 1), temperature ≥ 0.",
+                                severity="error")
+                return
+            s.seed, s.temperature, s.max_tokens = seed, temp, max_tokens
+            group = values["group"].strip() or None
+            if group != s.group and not self.controls.allowed("groups"):
+                group = s.group  # the backend binds groups itself: the rest still applies
+            self.set_user_group(pane, group)  # records the user too
+            self.app.notify(f"{s.name}: seed {seed}, temperature {temp:g}, group {s.group or '-'}")
+
+        self.app.push_screen(FormScreen(f"Settings for {s.name}", [
+            ("seed", "seed (same seed + same prompt = same reply)", str(s.seed)),
+            ("temperature", "temperature (0 = greedy)", f"{s.temperature:g}"),
+            ("max_tokens", "max tokens per reply", str(s.max_tokens)),
+            ("group", "group (for isolation = group)", s.group or ""),
+        ]), done)
 
     def set_user_group(self, pane: ChatPane, group: str | None) -> None:
         """Move the pane's user to `group`: the engine's registry decides (recorded as
