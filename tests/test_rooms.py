@@ -2,9 +2,8 @@
 app, bound to a backend, and talk to each other only through what they were given."""
 from __future__ import annotations
 
-import asyncio
-
 from textual.app import App
+from test_tui_app import wait_until
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import UserSpec
@@ -15,14 +14,6 @@ from kvplay.tui.chat_room import ChatRoom
 from kvplay.tui.controls import ControlsRoom
 from kvplay.tui.recording_room import RecordingRoom
 from kvplay.tui.theme import assign_looks
-
-
-async def wait_until(pilot, cond, timeout=60.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await pilot.pause(0.05)
 
 
 def test_the_app_lays_out_its_rooms_and_is_none_of_them():
