@@ -1,6 +1,11 @@
 """The per-pod mirror: creators, holders, counts, attribution by session_id and by token chain."""
 from __future__ import annotations
 
+import random
+from collections import Counter
+
+import pytest
+
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.mirror import SOMEONE_ELSE, Fleet, Mirror
 
@@ -178,3 +183,133 @@ def test_a_copy_is_a_checkpoint():
     m.apply(batch(st([1], None, range(4), "bob"), BlockRemoved([2], "GPU")), 1)
     assert set(c.blocks) == {1, 2} and c.blocks[1].holders == ("alice",) and c.by_session == {"alice": 2}
     assert set(m.blocks) == {1} and m.blocks[1].holders == ("alice", "bob")
+
+
+# --- the wire path against a plain model of it: every kind of event, fast path or not ----------------
+class _Model:
+    """What a wire-fed mirror must hold, block by block, in the plainest terms (no prompts
+    registered: a block stored without a session is SOMEONE_ELSE's)."""
+
+    def __init__(self):
+        self.blocks: dict = {}  # key -> [slot, parent, tokens, creator, holders, hits]
+        self.free: set = set()
+        self.next = 0
+        self.stored = self.new = self.removed = self.unknown = self.other = self.cleared = 0
+        self.stored_by: Counter = Counter()
+
+    def apply(self, ev) -> None:
+        if type(ev) is AllBlocksCleared:
+            for b in self.blocks.values():
+                self.free.add(b[0])
+            self.blocks.clear()
+            self.cleared += 1
+            return
+        if (ev.medium not in (None, "GPU")) or ev.locality == "REMOTE":
+            self.other += len(ev.block_hashes)
+            return
+        g = ev.group_idx
+        if type(ev) is BlockRemoved:
+            for h in ev.block_hashes:
+                b = self.blocks.pop((g, h) if g else h, None)
+                if b is None:
+                    self.unknown += 1
+                else:
+                    self.free.add(b[0])
+                    self.removed += 1
+            return
+        sid, parent, size = ev.session_id, ev.parent_block_hash, ev.block_size
+        self.stored += len(ev.block_hashes)
+        if sid is not None:
+            self.stored_by[sid] += len(ev.block_hashes)
+        for i, h in enumerate(ev.block_hashes):
+            key = (g, h) if g else h
+            b = self.blocks.get(key)
+            if b is None:
+                who = SOMEONE_ELSE if sid is None else sid
+                if self.free:
+                    slot = min(self.free)
+                    self.free.discard(slot)
+                else:
+                    slot, self.next = self.next, self.next + 1
+                self.blocks[key] = [slot, parent, list(ev.token_ids[i * size:(i + 1) * size]), who, [who], 0]
+                self.new += 1
+            else:
+                who = b[3] if sid is None else sid
+                if who not in b[4]:
+                    b[4].append(who)
+                b[5] += 1
+            if sid is None:
+                self.stored_by[who] += 1
+            parent = h
+
+
+def _random_events(rng: random.Random, n: int, odd: bool) -> list:
+    """A hostile-ish stream: few hashes (so reuse, in-event repeats and removals of cached blocks
+    are common), sessions and none, other tiers, remote blocks, block size 0, unknown removals,
+    cache resets; `odd`: also group 1 and short token lists (which engine events, keyed by hex
+    hash and sliced by block size, cannot say)."""
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.02:
+            out.append(AllBlocksCleared())
+        elif r < 0.35:
+            out.append(BlockRemoved([rng.randrange(1, 60) for _ in range(rng.choice((1, 1, 1, 3)))],
+                                    rng.choice(("GPU", "GPU", None, "CPU")), rng.choice((None, None, 0, int(odd)))))
+        else:
+            k = rng.choice((1, 1, 2, 4, 8))
+            start = rng.randrange(1, 60)
+            hashes = list(range(start, start + k)) if rng.random() < 0.8 else [rng.randrange(1, 60) for _ in range(k)]
+            size = 0 if rng.random() < 0.03 else BS
+            ntok = rng.randrange(k * size + 1) if odd and rng.random() < 0.1 else k * size
+            out.append(BlockStored(hashes, rng.choice((None, rng.randrange(1, 60))),
+                                   [rng.randrange(100) for _ in range(ntok)], size, None,
+                                   rng.choice(("GPU", "GPU", "GPU", None, "CPU")), None,
+                                   group_idx=rng.choice((None, None, None, 0, int(odd))),
+                                   session_id=rng.choice(("a", "b", "c", None)),
+                                   locality="REMOTE" if rng.random() < 0.03 else None))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_wire_path_holds_what_a_plain_model_says(seed):
+    """Random batches of every kind of event: each block's slot (the lowest free one), parent,
+    tokens, creator, holders and hits, and every counter, equal a plain model's; with `convert`
+    the mirror holds the same, and its engine events (as the watch recorder writes them: no block
+    ids) rebuild the same blocks."""
+    rng = random.Random(seed)
+    odd = seed % 2 == 1
+    model, m, conv = _Model(), Mirror(pod="p"), Mirror(pod="p")
+    conv.convert = True
+    events = []
+    for seq in range(60):
+        evs = _random_events(rng, rng.randrange(1, 16), odd)
+        for ev in evs:
+            model.apply(ev)
+        m.apply(EventBatch(float(seq), evs), seq)
+        events += conv.apply(EventBatch(float(seq), evs), seq).events
+        want = {k: (b[0], b[1], b[2], b[3], tuple(b[4]), b[5]) for k, b in model.blocks.items()}
+        for mirror in (m, conv):
+            got = {k: (b.slot, b.parent, b.tokens, b.creator, b.holders, b.hits) for k, b in mirror.blocks.items()}
+            assert got == want, f"batch {seq}"
+            assert {s: k for k, s in mirror.key_slot.items()} == mirror.key  # both ways, nothing stale
+            assert set(mirror.tokens) == set(mirror.users_of) == set(mirror.key)
+            assert mirror.by_session == Counter(h for b in model.blocks.values() for h in b[4])
+            assert mirror.extra_users == sum(len(b[4]) - 1 for b in model.blocks.values())
+            assert mirror.stored_by_session == model.stored_by
+            assert (mirror.stored, mirror.new_blocks, mirror.reannounced, mirror.removed, mirror.removed_unknown,
+                    mirror.other_medium, mirror.cleared) == \
+                (model.stored, model.new, model.stored - model.new, model.removed, model.unknown, model.other,
+                 model.cleared)
+            assert mirror.counts()[1] == len(model.blocks)
+            assert sorted(mirror.creators().elements()) == sorted(b[3] for b in model.blocks.values())
+    if odd:
+        return
+    again = Mirror()
+    for e in events:
+        if hasattr(e, "block_ids"):
+            e.block_ids = []
+        again.apply(e)
+    assert again.bad == 0
+    assert sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in again.blocks.values()) == \
+        sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in m.blocks.values())

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-from itertools import groupby
 from collections import Counter
 from collections.abc import Mapping
 from operator import itemgetter
@@ -73,11 +72,6 @@ STATES = ("free", "cached", "in_use")
 FREE, CACHED, IN_USE = 0, 1, 2
 _REF_KINDS = ("BlocksAllocated", "BlocksTouched", "BlocksReleased")
 SOMEONE_ELSE = "someone else"
-
-
-def _elsewhere(ev) -> bool:
-    """Blocks not in the pod's device tier (another medium, or a remote locality): not mirrored."""
-    return (ev.medium is not None and ev.medium != MEDIUM_GPU) or ev.locality == "REMOTE"
 
 
 def _let_go(by_session: Counter, holders) -> None:
@@ -228,7 +222,6 @@ class Mirror:
         self.version = 0  # bumps with every applied event or batch (views redraw when it moves)
         self.ts: float | None = None
         self._free_slots: list[int] = []  # a heap of freed slots (blocks named by hash only)
-        self._last = None  # apply_wire: the engine event the next change may extend
         self._next_slot = 0
         # wire counters (see the module docstring)
         self.convert = False  # apply_wire also returns engine events
@@ -321,10 +314,17 @@ class Mirror:
             elif self._next_slot >= MAX_BLOCKS:
                 raise ValueError("too many blocks")
             else:
-                s, self._next_slot = self._next_slot, self._next_slot + 1
-                if s >= self.hw:
-                    self._room(s + 1)
+                s = self._next_free()
             self.key_slot[key] = s
+        return s
+
+    def _next_free(self) -> int:
+        """The lowest never-used slot (the caller checked it is below MAX_BLOCKS), with room in
+        the arrays (which may be new ones)."""
+        s = self._next_slot
+        self._next_slot = s + 1
+        if s >= self.hw:
+            self._room(s + 1)
         return s
 
     def _free_slot(self, key) -> int | None:
@@ -628,28 +628,14 @@ class Mirror:
 
     # --- a server's wire batches: the one converter ---------------------------------------------------
     def apply_wire(self, batch: EventBatch, seq: int = -1) -> Applied:
-        """Apply one decoded wire batch in order (see the module docstring). Consecutive events
-        of one type are applied by one call (vLLM sends an event per evicted block)."""
+        """Apply one decoded wire batch in order (see the module docstring)."""
         out = [] if self.convert else None
-        self._last = None  # the engine event the next change may extend (convert)
-        stored = removed = cleared = 0
-        ts = batch.ts
-        for cls, run in groupby(batch.events, type):
-            if cls is BlockStored:
-                stored += self._wire_stored(run, ts, out)
-            elif cls is BlockRemoved:
-                removed += self._wire_removed(run, ts, out)
-            elif cls is AllBlocksCleared:
-                for _ in run:
-                    self.clear()
-                    if out is not None:
-                        out.append(ev_.AllBlocksCleared(ts=ts, reason="cleared"))
-                        self._last = None
-                    cleared += 1
+        stored, removed, cleared = self._wire_events(batch.events, batch.ts, out)
         self.batches += 1
         self.events += len(batch.events)
         if seq >= 0:
             self.last_seq = seq
+        ts = batch.ts
         self.last_ts = ts
         self.ts = ts or self.ts
         self.version += 1
@@ -663,53 +649,93 @@ class Mirror:
                                   ("state", "creator", "indexed", "created_at", "last_used", "hits"))
         return v
 
-    def _mirrored(self, events):
-        """The events of the device tier (the others are counted in `other_medium`)."""
-        for ev in events:
-            if _elsewhere(ev):
-                self.other_medium += len(ev.block_hashes)
-            else:
-                yield ev
-
-    def _wire_stored(self, events, ts: float, out) -> int:
-        """Consecutive BlockStored events of one batch. Per block only what the block map needs
-        is written; a session's counters are added once per event (the blocks it holds even when
-        a later block of the event fails)."""
-        key_slot, keys, parents, tokens = self.key_slot, self.key, self.parent, self.tokens
+    def _wire_events(self, events, ts: float, out) -> tuple[int, int, int]:
+        """A wire batch's events, in one loop with what it touches held in locals (a busy server
+        sends dozens of small events a batch: per-call set-up would cost more than the blocks).
+        Per block only what the block map needs is written; a session's counters are added once
+        per event (the blocks it holds even when a later block of the event fails). Returns
+        (block entries stored, blocks removed, caches cleared)."""
+        key_slot, keys, parents, tokens, chains = self.key_slot, self.key, self.parent, self.tokens, self._chain
         stored_by, by_session, users_of, codes = self.stored_by_session, self.by_session, self.users_of, self._code
         users = self.users
         free = self._free_slots
-        heappop = heapq.heappop
+        heappop, heappush = heapq.heappop, heapq.heappush
         st, cr, ix, ca, lu, hi = self._views()
         offset = self.offset
-        Stored, Hit = ev_.BlockStored, ev_.BlockHit
-        last = self._last
-        total = new = extra = 0
+        Stored, Hit, Removed = ev_.BlockStored, ev_.BlockHit, ev_.BlockRemoved
+        last = None  # the engine event the next change may extend (convert)
+        total = new = extra = n_removed = unknown = cleared = 0
         try:
-            for ev in self._mirrored(events):
+            for ev in events:
+                cls = type(ev)
+                if cls is AllBlocksCleared:
+                    self.clear()
+                    if out is not None:
+                        out.append(ev_.AllBlocksCleared(ts=ts, reason="cleared"))
+                        last = None
+                    cleared += 1
+                    continue
+                if cls is not BlockStored and cls is not BlockRemoved:
+                    continue  # no wire event: nothing to apply
+                medium = ev.medium
+                hashes = ev.block_hashes
+                if (medium is not None and medium != MEDIUM_GPU) or ev.locality == "REMOTE":
+                    self.other_medium += len(hashes)  # another tier: not mirrored
+                    continue
                 g = ev.group_idx
+                if cls is BlockRemoved:
+                    for h in hashes:
+                        s = key_slot.pop((g, h) if g else h, None)
+                        if s is None:
+                            unknown += 1
+                            continue
+                        if out is not None:
+                            if type(last) is not Removed:
+                                last = Removed(ts=ts, block_hashes=[], block_ids=[], creators=[])
+                                out.append(last)
+                            c = cr[s]
+                            last.block_hashes.append(hash_hex(h))
+                            last.block_ids.append(s + offset)
+                            last.creators.append(users[c] if c >= 0 else "")
+                        del keys[s]
+                        heappush(free, s)
+                        parents.pop(s, None)
+                        del tokens[s]
+                        if chains:
+                            chains.pop(s, None)
+                        held = users_of.pop(s)
+                        extra -= len(held) - 1
+                        _let_go(by_session, held)
+                        cr[s] = -1
+                        hi[s] = st[s] = 0
+                        n_removed += 1
+                    continue
+                # BlockStored
+                n = len(hashes)
+                if not n:
+                    continue
+                room = len(free) + MAX_BLOCKS - self._next_slot
+                if n > room and sum(((g, h) if g else h) not in key_slot for h in hashes) > room:
+                    raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
                 sid = ev.session_id
                 parent = ev.parent_block_hash
                 size = ev.block_size
-                tok = tuple(ev.token_ids)  # blocks' tokens are tuples: the GC stops tracking them
+                tok = None  # its tokens as a tuple, made for its first new block (tuples: the GC stops tracking them)
+                total += n  # announced
                 off = 0
                 sid_new = 0  # blocks of this event `sid` stored
                 code = codes.get(sid)  # None: named when it first stores a block
                 only = (sid,)  # its holders when `sid` stored it (one tuple for the event's blocks)
                 prev = hash_hex(parent) if out is not None else None  # the hex of the block before this one
-                hashes = ev.block_hashes
-                n = len(hashes)
-                if n > len(free) + MAX_BLOCKS - self._next_slot and \
-                        sum(((g, h) if g else h) not in key_slot for h in hashes) > len(free) + MAX_BLOCKS - self._next_slot:
-                    raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
-                total += n  # announced
-                if sid is not None and n:
+                if sid is not None:
                     stored_by[sid] += n
                 try:
                     for h in hashes:
                         key = (g, h) if g else h
                         s = key_slot.get(key)
                         if s is None:
+                            if tok is None:
+                                tok = tuple(ev.token_ids)
                             if sid is None:
                                 who = self._attribute(parent, tok, off, size, g)
                                 c = codes.get(who)
@@ -721,16 +747,9 @@ class Mirror:
                             if free:
                                 s = heappop(free)
                             else:
-                                s = self._next_slot  # below MAX_BLOCKS: checked above
-                                self._next_slot = s + 1
-                                if s >= self.hw:
-                                    if s < len(st):
-                                        self.hw = s + 1
-                                        if s >= self.num_blocks:
-                                            self.num_blocks = s + 1
-                                    else:
-                                        self._room(s + 1)
-                                        st, cr, ix, ca, lu, hi = self._views()
+                                s = self._next_free()
+                                if s >= len(st):
+                                    st, cr, ix, ca, lu, hi = self._views()
                             key_slot[key] = s
                             keys[s] = key
                             if parent is not None:
@@ -787,57 +806,14 @@ class Mirror:
                     if sid_new:
                         by_session[sid] += sid_new
         finally:
-            self._last = last
             self.extra_users += extra
             self.new_blocks += new
             self.reannounced += total - new
             self.stored += total
-        return total
-
-    def _wire_removed(self, events, ts: float, out) -> int:
-        """Consecutive BlockRemoved events of one batch."""
-        key_slot, keys, parents, tokens, chains = self.key_slot, self.key, self.parent, self.tokens, self._chain
-        by_session, users_of, users = self.by_session, self.users_of, self.users
-        free = self._free_slots
-        heappush = heapq.heappush
-        st, cr, ix, ca, lu, hi = self._views()
-        offset = self.offset
-        rm = self._last if type(self._last) is ev_.BlockRemoved else None
-        n = unknown = extra = 0
-        try:
-            for ev in self._mirrored(events):
-                g = ev.group_idx
-                for h in ev.block_hashes:
-                    s = key_slot.pop((g, h) if g else h, None)
-                    if s is None:
-                        unknown += 1
-                        continue
-                    if out is not None:
-                        if rm is None:
-                            rm = self._last = ev_.BlockRemoved(ts=ts, block_hashes=[], block_ids=[], creators=[])
-                            out.append(rm)
-                        c = cr[s]
-                        rm.block_hashes.append(hash_hex(h))
-                        rm.block_ids.append(s + offset)
-                        rm.creators.append(users[c] if c >= 0 else "")
-                    del keys[s]
-                    heappush(free, s)
-                    parents.pop(s, None)
-                    del tokens[s]
-                    if chains:
-                        chains.pop(s, None)
-                    held = users_of.pop(s)
-                    extra += len(held) - 1
-                    _let_go(by_session, held)
-                    cr[s] = -1
-                    hi[s] = st[s] = 0
-                    n += 1
-        finally:
-            self.extra_users -= extra
             self.removed_unknown += unknown
-            self.evictions += n
-            self.removed += n
-        return n
+            self.evictions += n_removed
+            self.removed += n_removed
+        return total, n_removed, cleared
 
     def clear(self) -> None:
         """AllBlocksCleared from a server (or a publisher restart): its cache is empty."""
