@@ -97,7 +97,8 @@ class Engine:
         n = pool_blocks(self.loaded, self.config)
         self.hasher = BlockHasher(cfg.hash, cfg.block_size, cfg.hash_seed)
         self.pool = BlockPool(n, cfg.block_size, cfg.eviction, emit=self._emit, hex_fn=self.hasher.fn.hex)
-        self.runner = ModelRunner(self.loaded, n, cfg.block_size, packed=cfg.packed_weights)
+        self.runner = ModelRunner(self.loaded, n, cfg.block_size, packed=cfg.packed_weights,
+                                  cascade=cfg.cascade_attention)
         eos = self.loaded.model.generation_config.eos_token_id if self.loaded.model.generation_config else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

@@ -8,6 +8,10 @@ row it gathers exactly that row's keys from the pool and calls torch SDPA with g
 (``enable_gqa``, no copy per query head) and a causal (and, for sliding-window layers, windowed)
 mask only where one is needed (decode rows need none).
 
+Decode rows that share a prefix of the same physical blocks (the prefix cache makes this common)
+attend over the shared blocks once for all of them (``cascade.py``), except in deterministic mode
+and in sliding-window layers, where every row keeps its own call.
+
 In deterministic mode every query is computed against exactly its own keys, and every linear
 layer runs only calibrated row counts (see ``invariance.py``), so a token's logits do not depend
 on whether its prefix came from the cache, on chunking, or on which other requests share the step.
@@ -23,6 +27,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .cascade import attend_group
+
 ATTN_NAME = "kvplay_paged"
 
 
@@ -37,6 +43,8 @@ class StepPlan:
     past_lens: list[int]
     q_lens: list[int]
     deterministic: bool
+    groups: list = field(default_factory=list)  # cascade.Group: decode rows sharing a prefix
+    solo: list = field(default_factory=list)  # the rows in no group (when there are groups)
     _masks: dict = field(default_factory=dict)
 
     def key_range(self, row: int, window: int | None) -> int:
@@ -133,7 +141,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     gqa = query.shape[1] != key.shape[0]
     h, d = query.shape[1], query.shape[3]
     out = query.new_empty((1, query.shape[2], h, d))
-    for row, (s, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
+    rows = range(len(plan.q_starts))
+    if plan.groups and window is None:  # shared prefixes attended once per group (cascade.py)
+        for group in plan.groups:
+            attend_group(query, key, value, group, scaling, out)
+        rows = plan.solo
+    for row in rows:
+        s, n = plan.q_starts[row], plan.q_lens[row]
         start = plan.key_range(row, window)
         k = _row_kv(key, plan, row, start)
         v = _row_kv(value, plan, row, start)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cascade as cascade_mod
 from .invariance import BatchInvariantLinear, LinearPlan, tiled_linear
 from .paged import ATTN_NAME, PagedCache, StepPlan
 from .skinny import decode_step, install, max_rows, skinny_linear
@@ -45,7 +46,8 @@ def kv_geometry(model) -> tuple[int, int, int]:
 
 
 class ModelRunner:
-    def __init__(self, loaded, num_blocks: int, block_size: int, packed: bool = True):
+    def __init__(self, loaded, num_blocks: int, block_size: int, packed: bool = True,
+                 cascade: bool = True):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -60,6 +62,8 @@ class ModelRunner:
             text_cfg._attn_implementation = ATTN_NAME
         self.max_positions = getattr(text_cfg, "max_position_embeddings", None) or 1 << 30
         self.forwards = 0
+        # decode rows sharing prefix blocks attend over them once per group (cascade.py): CPU only
+        self.cascade = cascade and self.device.type == "cpu" and cascade_mod.AVAILABLE
         self.linear_plan = None  # deterministic mode's calibrated GEMM row counts (invariance.py)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         params = inspect.signature(self.model.model.forward).parameters
@@ -77,7 +81,7 @@ class ModelRunner:
         """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
         bs = self.block_size
         dev = self.device
-        ids, pos, writes, row_slots, runs, starts = [], [], [], [], [], []
+        ids, pos, writes, row_slots, runs, starts, tables = [], [], [], [], [], [], []
         n_tok = 0
         for r in rows:
             n = len(r.new_tokens)
@@ -87,8 +91,8 @@ class ModelRunner:
             slots = table[p // bs] * bs + p % bs
             row_slots.append(slots.to(dev))
             used = r.block_table[:(total - 1) // bs + 1]
-            runs.append(used[0] * bs if used[-1] - used[0] == len(used) - 1 and
-                        all(b + 1 == c for b, c in zip(used, used[1:])) else None)
+            tables.append(used)
+            runs.append(cascade_mod.first_slot(used, bs))
             writes.append(slots[r.past_len:])
             ids.extend(r.new_tokens)
             pos.append(p[r.past_len:])
@@ -98,6 +102,10 @@ class ModelRunner:
             write_slots=torch.cat(writes).to(dev), row_slots=row_slots, row_runs=runs, q_starts=starts,
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
+        if self.cascade and not deterministic and len(rows) > 1:  # once per step, never per layer
+            plan.groups, plan.solo = cascade_mod.plan_groups(
+                tables, [past + n for past, n in zip(plan.past_lens, plan.q_lens)], plan.q_lens, starts,
+                row_slots, bs, self.dtype)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         positions = torch.cat(pos).view(1, -1).to(dev)
         return input_ids, positions, plan

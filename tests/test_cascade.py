@@ -1,0 +1,180 @@
+"""Cascade attention (engine/cascade.py): decode rows sharing prefix blocks attend over them once
+per group, merged by log-sum-exp — the same logits as every row attending alone, on real tiny
+models over a pool of random K/V, with GQA, several block sizes, sliding windows, both forward
+paths; never in deterministic mode."""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from kvplay.engine import cascade
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import Engine
+from kvplay.engine.model import LoadedModel
+from kvplay.engine.options import add_engine_args, config_from_args
+from kvplay.engine.runner import ModelRunner, Row
+from kvplay.engine.tiny import build_tiny
+
+NUM_BLOCKS = 160
+
+
+def _runner(kind="llama", kv_heads=2, block_size=8, window=None, seed=0):
+    model, tok = build_tiny(kind, layers=2, heads=4, kv_heads=kv_heads, sliding_window=window)
+    loaded = LoadedModel(model, tok, f"tiny:{kind}", torch.device("cpu"), torch.float32)
+    runner = ModelRunner(loaded, NUM_BLOCKS, block_size)
+    assert runner.cascade
+    g = torch.Generator().manual_seed(seed)
+    runner.store.data.copy_(torch.randn(runner.store.data.shape, generator=g))  # every slot readable
+    return runner
+
+
+def _random_step(rng: random.Random, bs: int) -> list[Row]:
+    """Decode rows on 1-3 prefixes (scattered or consecutive blocks), each row holding some of a
+    prefix's first blocks and then blocks of its own; one row per prefix whose whole context is
+    the shared part; rows on no prefix; a prompt chunk on a prefix. No two rows write one slot."""
+    start = 100 + rng.randint(0, 10)
+    prefixes = [list(range(start, start + rng.randint(1, 6)))]  # consecutive: a view of the pool
+    ids = [b for b in range(NUM_BLOCKS) if b not in prefixes[0]]
+    rng.shuffle(ids)
+    fresh = iter(ids)
+    for _ in range(rng.randint(0, 2)):  # scattered blocks: one gather
+        prefixes.append([next(fresh) for _ in range(rng.randint(1, 6))])
+    rows = []
+    for blocks in prefixes:
+        rows.append(Row(list(blocks), len(blocks) * bs - 1, [rng.randint(5, 90)]))  # all shared
+        for _ in range(rng.randint(1, 4)):
+            keep = rng.randint(1, len(blocks))
+            own = [next(fresh) for _ in range(rng.randint(1, 3))]
+            past = keep * bs + rng.randint(0, len(own) * bs - 1)
+            rows.append(Row(blocks[:keep] + own, past, [rng.randint(5, 90)]))
+    for _ in range(rng.randint(0, 2)):
+        own = [next(fresh) for _ in range(rng.randint(1, 4))]
+        rows.append(Row(own, rng.randint(0, len(own) * bs - 1), [rng.randint(5, 90)]))
+    if rng.random() < 0.5:  # a prompt chunk after a cached prefix: not grouped, attended alone
+        blocks = prefixes[0]
+        own = [next(fresh) for _ in range(2)]
+        rows.append(Row(blocks + own, len(blocks) * bs, [rng.randint(5, 90) for _ in range(bs + 1)]))
+    rng.shuffle(rows)
+    return rows
+
+
+@pytest.fixture
+def group_any(monkeypatch):
+    """Group rows however few keys they share (the tiny steps here share few)."""
+    monkeypatch.setattr(cascade, "MIN_SAVED_KEYS", 1)
+
+
+@pytest.fixture(params=["padded", "per row"])
+def own_keys(request, monkeypatch):
+    """The rows' own keys in one padded call (the tiny steps' always fit), or one call per row."""
+    if request.param == "per row":
+        monkeypatch.setattr(cascade, "PAD_KEYS", -1)
+    return request.param
+
+
+def _both(runner, rows, deterministic=False):
+    runner.cascade = False
+    try:
+        alone = runner.forward(rows, deterministic)
+    finally:
+        runner.cascade = True
+    return alone, runner.forward(rows, deterministic)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])  # 4, 2 and 1 query heads per kv head
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_cascade_gives_the_per_row_logits(kv_heads, block_size, group_any, own_keys):
+    runner = _runner(kv_heads=kv_heads, block_size=block_size)
+    rng = random.Random(block_size * 10 + kv_heads)
+    grouped = 0
+    for _ in range(6):
+        rows = _random_step(rng, block_size)
+        groups = runner._plan(rows, False)[2].groups
+        assert all((g.own_pad is not None) == (own_keys == "padded") for g in groups)
+        grouped += len(groups)
+        alone, cascaded = _both(runner, rows)
+        torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
+    assert grouped >= 3  # the cascade really ran
+
+
+@pytest.mark.parametrize("written_out", [True, False])
+def test_both_forward_paths_and_a_row_whose_context_is_all_shared(written_out, own_keys, group_any):
+    runner = _runner(block_size=4)
+    saved = runner.llama_step
+    runner.llama_step = saved if written_out else None  # transformers' modules + paged attention
+    try:
+        prefix = [3, 9, 4, 50, 51, 52]
+        rows = [Row(prefix, 23, [7]),  # its 24 keys are all the shared part
+                Row(prefix + [60], 25, [8]), Row(prefix + [70, 71], 30, [9]), Row([80, 81], 5, [10])]
+        plan = runner._plan(rows, False)[2]
+        (group,) = plan.groups
+        assert group.rows == [0, 1, 2] and group.shared.n == 24 and plan.solo == [3]
+        assert group.own[0] is None and group.shared.first is None  # scattered: one gather
+        alone, cascaded = _both(runner, rows)
+        torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
+        assert not runner._plan(rows[:1], False)[2].groups  # a single row: the per-row path
+    finally:
+        runner.llama_step = saved
+
+
+def test_the_group_shares_the_longest_common_run_each_row_reads_in_full(group_any):
+    bs = 4
+    used = [[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 10]]
+    totals = [16, 15, 10]  # the third reads blocks 5 and 6 in full, 10 in part
+    slots = [torch.tensor([b * bs + i for b in t for i in range(bs)])[:n] for t, n in zip(used, totals)]
+    (group,), solo = cascade.plan_groups(used, totals, [1, 1, 1], [0, 1, 2], slots, bs)
+    assert group.shared.n == 8 and group.shared.first == 20 and solo == []
+    assert [k.n for k in group.own] == [8, 7, 2]
+    assert group.own[0].first == 28 and group.own[1].first is None  # 7, 8 consecutive; 7, 9 not
+    pad = group.own_pad.view(3, 8)  # each row's own slots, padded to the longest (8)
+    assert [pad[j, :n].tolist() for j, n in enumerate((8, 7, 2))] == [s[8:].tolist() for s in slots]
+    assert (group.own_mask[:, 0, 0] == 0).sum(1).tolist() == [8, 7, 2]  # the padding masked out
+    # prompt chunks are never grouped
+    assert cascade.plan_groups(used, totals, [1, 2, 1], [0, 1, 3], slots, bs)[1] == [1]
+
+
+def test_only_groups_that_pay_are_formed():
+    """2 or 3 rows sharing one 16-token block stay on the per-row path; 2 rows sharing the serving
+    workload's 384-token prefix, or 8 sharing one block, are grouped."""
+    runner = _runner(block_size=16)
+    shared = lambda rows, blocks, own: [Row(list(range(100, 100 + blocks)) + [10 + i], blocks * 16 + own, [7])
+                                        for i in range(rows)]
+    assert not runner._plan(shared(2, 1, 5), False)[2].groups
+    assert not runner._plan(shared(3, 1, 8), False)[2].groups
+    assert runner._plan(shared(2, 24, 5), False)[2].groups
+    assert runner._plan(shared(8, 1, 5), False)[2].groups
+
+
+def test_sliding_window_layers_keep_the_per_row_path(group_any):
+    """Qwen2 with a window: its first layer attends fully (cascade), the others within 8 keys
+    (per row). A cascade in a windowed layer would read keys outside the window."""
+    runner = _runner("qwen2", block_size=4, window=8)
+    prefix = list(range(100, 106))
+    rows = [Row(prefix + [10 + i], 25 + i, [7 + i]) for i in range(3)]
+    assert runner._plan(rows, False)[2].groups
+    alone, cascaded = _both(runner, rows)
+    torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_mode_never_groups_and_stays_batch_invariant(group_any):
+    runner = _runner(block_size=4)
+    prefix = list(range(100, 106))
+    rows = [Row(prefix + [10 + i], 25, [7 + i]) for i in range(4)]
+    assert runner._plan(rows, False)[2].groups and not runner._plan(rows, True)[2].groups
+    alone = runner.forward(rows[:1], deterministic=True)
+    together = runner.forward(rows, deterministic=True)
+    assert torch.equal(alone[0], together[0])
+
+
+def test_the_switch_reaches_the_runner(tiny_llama):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = config_from_args(parser.parse_args(["--no-cascade-attention"]))
+    assert cfg.cascade_attention is False
+    assert config_from_args(parser.parse_args([])).cascade_attention is True
+    eng = Engine(cfg.replace(model="tiny:llama", num_blocks=32), tiny_llama)
+    assert eng.runner.cascade is False
+    assert Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama).runner.cascade
