@@ -64,6 +64,7 @@ class ModelRunner:
         self.forwards = 0
         # decode rows sharing prefix blocks attend over them once per group (cascade.py): CPU only
         self.cascade = cascade and self.device.type == "cpu" and cascade_mod.AVAILABLE
+        self.grouped_rows = 0  # decode rows that took the cascade, all steps together
         self.linear_plan = None  # deterministic mode's calibrated GEMM row counts (invariance.py)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         params = inspect.signature(self.model.model.forward).parameters
@@ -106,6 +107,7 @@ class ModelRunner:
             plan.groups, plan.solo = cascade_mod.plan_groups(
                 tables, [past + n for past, n in zip(plan.past_lens, plan.q_lens)], plan.q_lens, starts,
                 row_slots, bs, self.dtype)
+            self.grouped_rows += len(rows) - len(plan.solo) if plan.groups else 0
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         positions = torch.cat(pos).view(1, -1).to(dev)
         return input_ids, positions, plan

@@ -16,6 +16,7 @@ from kvplay.engine.engine import Engine
 from kvplay.engine.model import LoadedModel
 from kvplay.engine.options import add_engine_args, config_from_args
 from kvplay.engine.runner import ModelRunner, Row
+from kvplay.engine.sampling import SamplingParams
 from kvplay.engine.tiny import build_tiny
 
 NUM_BLOCKS = 160
@@ -178,3 +179,25 @@ def test_the_switch_reaches_the_runner(tiny_llama):
     eng = Engine(cfg.replace(model="tiny:llama", num_blocks=32), tiny_llama)
     assert eng.runner.cascade is False
     assert Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama).runner.cascade
+
+
+def test_requests_on_one_cached_prompt_decode_as_a_group_in_the_engine(tiny_llama):
+    """Three requests on a cached 320-token prompt hold its blocks and decode in the same steps:
+    the engine groups them, and their logits are those of the engine without the cascade."""
+    prompt = [5 + (i * 7) % 80 for i in range(320)]
+    traces, grouped = {}, {}
+    for on in (True, False):
+        with Engine(EngineConfig(model="tiny:llama", num_blocks=128, cascade_attention=on), tiny_llama) as eng:
+            eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
+            sp = SamplingParams(max_tokens=6, stop_on_eos=False)
+            handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
+                       for i in range(3)]
+            for h in handles:
+                assert h.result(60).stats.cached_tokens >= 320 - 16
+            traces[on] = [h.request.logits_trace for h in handles]
+            grouped[on] = eng.runner.grouped_rows
+    assert grouped[True] >= 3 * 4 and grouped[False] == 0
+    for a, b in zip(traces[True], traces[False]):
+        assert len(a) == len(b) == 6
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
