@@ -9,8 +9,9 @@ their log-sum-exps (FlashInfer's cascade, vLLM's `cascade_attention`):
 
     out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2) = lerp(o2, o1, sigmoid(lse1 - lse2))
 
-`plan_groups` finds the groups once per step (the runner's plan); `attend_group` runs one group in
-one layer. Used only in the default mode on CPU, for layers without a sliding window (paged.py):
+`plan_groups` finds the groups once per step (the runner's plan); `attend` runs them in one layer:
+one call per group for the shared side, one call for every grouped row's own side (their own
+keys padded to the longest and masked), one merge. Used only in the default mode on CPU, for layers without a sliding window (paged.py):
 deterministic mode keeps every query on exactly its own keys, because there a row's result may
 not depend on which other rows share its step.
 """
@@ -52,16 +53,25 @@ class Group:
     rows: list[int]
     q_idx: torch.Tensor  # [R] the rows' query positions in the step's packed token axis
     shared: Keys
-    own: list  # per row: Keys of its keys after the shared ones, None when it has none
-    # every row's own keys in one padded gather ([R x width] slots; the padding masked by
-    # own_mask [R, 1, 1, width]), when the padding costs less than a kernel call per row
-    own_pad: torch.Tensor | None = None
-    own_mask: torch.Tensor | None = None
-    empty: torch.Tensor | None = None  # rows with no own keys (their own side weighs 0)
 
 
-# Padding a row's own keys to the group's longest costs less than its own kernel call up to
-# about this many keys (scripts/step_paths.py, one thread).
+@dataclass
+class Cascade:
+    """One step's groups. Their rows' own keys (after each group's shared ones) are attended
+    together, and the two sides merged for all of them at once."""
+    groups: list[Group]
+    rows: list[int]  # every grouped row, group after group
+    q_idx: torch.Tensor  # their query positions
+    own: list  # per row: Keys of its own keys, None when it has none
+    # every row's own keys in one padded gather ([rows x width] slots; the padding masked by
+    # own_mask [rows, 1, 1, width]), when the padding costs less than a kernel call per row
+    own_pad: torch.Tensor | None
+    own_mask: torch.Tensor | None
+    empty: torch.Tensor | None  # rows with no own keys (their own side weighs 0)
+
+
+# Padding a row's own keys to the longest costs less than its own kernel call up to about this
+# many keys (one layer of SmolLM2-135M's attention at one thread).
 PAD_KEYS = 128
 
 
@@ -72,15 +82,16 @@ def first_slot(blocks: list[int], block_size: int) -> int | None:
     return None
 
 
-def _padded(rows: list[int], own: list, row_slots: list[torch.Tensor], shared_n: int, dtype):
-    """(own_pad, own_mask) for one group, or (None, None) when padding costs more than it saves."""
+def _padded(own: list, pad: torch.Tensor, dtype):
+    """(own_pad, own_mask), or (None, None) when padding costs more than a call per row saves.
+    `pad`: a slot that exists (a row without own keys attends it, weighed 0 later)."""
     lens = [0 if k is None else k.n for k in own]
-    width = max(1, max(lens))  # a row without own keys attends one masked-in key, weighed 0 later
-    if len(rows) * width - sum(lens) > PAD_KEYS * len(rows):
+    width = max(1, max(lens))
+    if len(own) * width - sum(lens) > PAD_KEYS * len(own):
         return None, None
-    pad = row_slots[rows[0]][0]
-    slots = torch.stack([torch.cat([row_slots[r][shared_n:], pad.expand(width - n)]) for r, n in zip(rows, lens)])
-    mask = torch.zeros((len(rows), 1, 1, width), dtype=dtype, device=pad.device)
+    slots = torch.stack([pad.expand(width) if k is None else torch.cat([k.slots, pad.expand(width - k.n)])
+                         for k in own])
+    mask = torch.zeros((len(own), 1, 1, width), dtype=dtype, device=pad.device)
     for j, n in enumerate(lens):
         mask[j, :, :, max(n, 1):] = float("-inf")
     return slots.view(-1), mask
@@ -88,16 +99,17 @@ def _padded(rows: list[int], own: list, row_slots: list[torch.Tensor], shared_n:
 
 def plan_groups(used: list[list[int]], totals: list[int], q_lens: list[int], q_starts: list[int],
                 row_slots: list[torch.Tensor], block_size: int,
-                dtype=torch.float32) -> tuple[list[Group], list[int]]:
-    """(groups, every row in none) for one step. `used[r]`: the blocks row r reads, `totals[r]`
-    its keys (past + new). Decode rows with the same first block form a candidate; their shared
-    part is their longest common run of block ids among the blocks each reads in full. `dtype`:
-    the model's (the padding mask's)."""
+                dtype=torch.float32) -> tuple[Cascade | None, list[int]]:
+    """(the step's cascade or None, every row in no group). `used[r]`: the blocks row r reads,
+    `totals[r]` its keys (past + new). Decode rows with the same first block form a candidate;
+    their shared part is their longest common run of block ids among the blocks each reads in
+    full. `dtype`: the model's (the padding mask's)."""
     by_first: dict[int, list[int]] = {}
     for r, n in enumerate(q_lens):
         if n == 1:
             by_first.setdefault(used[r][0], []).append(r)
-    groups, grouped = [], set()
+    dev = row_slots[0].device
+    groups, grouped, own = [], [], []
     for rows in by_first.values():
         if len(rows) < 2:
             continue
@@ -111,49 +123,56 @@ def plan_groups(used: list[list[int]], totals: list[int], q_lens: list[int], q_s
         shared_n = p * block_size
         if p == 0 or (len(rows) - 1) * (shared_n + ROW_KEYS) < MIN_SAVED_KEYS:
             continue
-        own = []
         for r in rows:
             n = totals[r] - shared_n
             own.append(Keys(first_slot(used[r][p:], block_size), row_slots[r][shared_n:], n) if n else None)
-        dev = row_slots[0].device
-        empty = [j for j, k in enumerate(own) if k is None]
-        own_pad, own_mask = _padded(rows, own, row_slots, shared_n, dtype)
         groups.append(Group(rows, torch.tensor([q_starts[r] for r in rows], device=dev),
-                            Keys(first_slot(ref[:p], block_size), row_slots[rows[0]][:shared_n], shared_n),
-                            own, own_pad, own_mask, torch.tensor(empty, device=dev) if empty else None))
-        grouped.update(rows)
-    return groups, [r for r in range(len(q_lens)) if r not in grouped]
+                            Keys(first_slot(ref[:p], block_size), row_slots[rows[0]][:shared_n], shared_n)))
+        grouped.extend(rows)
+    if not groups:
+        return None, list(range(len(q_lens)))
+    empty = [j for j, k in enumerate(own) if k is None]
+    own_pad, own_mask = _padded(own, row_slots[grouped[0]][0], dtype)
+    taken = set(grouped)
+    return (Cascade(groups, grouped, torch.tensor([q_starts[r] for r in grouped], device=dev), own,
+                    own_pad, own_mask, torch.tensor(empty, device=dev) if empty else None),
+            [r for r in range(len(q_lens)) if r not in taken])
 
 
-def attend_group(query: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, group: Group,
-                 scaling: float | None, out: torch.Tensor) -> None:
-    """One group's rows in one layer. query [1, Hq, N, D] (rows packed); kpool, vpool: the
+def attend(query: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, plan: Cascade,
+           scaling: float | None, out: torch.Tensor) -> None:
+    """The grouped rows in one layer. query [1, Hq, N, D] (rows packed); kpool, vpool: the
     layer's pool [Hkv, slots, D]; writes the rows' outputs into out [1, N, Hq, D]."""
     hk, d = kpool.shape[0], query.shape[3]
     g = query.shape[1] // hk  # query heads per kv head (GQA): folded into the query axis
-    r = len(group.rows)
-    q = query[0].index_select(1, group.q_idx)  # [Hq, R, D], head h on kv head h // g
-    o1, lse1 = _FLASH(q.view(1, hk, g * r, d), group.shared.of(kpool), group.shared.of(vpool),
-                      scale=scaling)
-    o1, lse1 = o1.view(hk, g, r, d).permute(2, 0, 1, 3), lse1.view(hk, g, r).permute(2, 0, 1)  # [R, hk, g, ..]
-    if group.own_pad is not None:  # every row's own keys in one call: a batch of R, padding masked
-        k = kpool.index_select(1, group.own_pad).view(hk, r, -1, d).transpose(0, 1)
-        v = vpool.index_select(1, group.own_pad).view(hk, r, -1, d).transpose(0, 1)
-        o2, lse2 = _FLASH(q.view(hk, g, r, d).permute(2, 0, 1, 3), k, v, attn_mask=group.own_mask,
-                          scale=scaling)
-    else:  # one call per row
+    # the shared side, one call per group: [R, hk, g, D] and [R, hk, g], head h on kv head h // g
+    o1s, l1s = [], []
+    for group in plan.groups:
+        r = len(group.rows)
+        q = query[0].index_select(1, group.q_idx).view(1, hk, g * r, d)
+        o, lse = _FLASH(q, group.shared.of(kpool), group.shared.of(vpool), scale=scaling)
+        o1s.append(o.view(hk, g, r, d).permute(2, 0, 1, 3))
+        l1s.append(lse.view(hk, g, r).permute(2, 0, 1))
+    o1, lse1 = (o1s[0], l1s[0]) if len(o1s) == 1 else (torch.cat(o1s), torch.cat(l1s))
+    # each row's own side: one padded call for all of them, or one call per row
+    r = len(plan.rows)
+    q = query[0].index_select(1, plan.q_idx).view(hk, g, r, d).permute(2, 0, 1, 3)  # [R, hk, g, D]
+    if plan.own_pad is not None:
+        k = kpool.index_select(1, plan.own_pad).view(hk, r, -1, d).transpose(0, 1)
+        v = vpool.index_select(1, plan.own_pad).view(hk, r, -1, d).transpose(0, 1)
+        o2, lse2 = _FLASH(q, k, v, attn_mask=plan.own_mask, scale=scaling)
+    else:
         o2s, l2s = [], []
-        for j, keys in enumerate(group.own):
-            qj = q[:, j].view(1, hk, g, d)
-            if keys is None:  # attends its first shared key, weighed 0 below
-                keys = Keys(group.shared.first, group.shared.slots[:1], 1)
-            o, lse = _FLASH(qj, keys.of(kpool), keys.of(vpool), scale=scaling)
+        for j, keys in enumerate(plan.own):
+            if keys is None:  # attends one key it holds, weighed 0 below
+                keys = Keys(None, plan.groups[0].shared.slots[:1], 1)
+            o, lse = _FLASH(q[j:j + 1], keys.of(kpool), keys.of(vpool), scale=scaling)
             o2s.append(o[0])
             l2s.append(lse[0])
         o2, lse2 = torch.stack(o2s), torch.stack(l2s)
-    if group.empty is not None:  # rows whose whole context is the shared part
-        lse2 = lse2.index_fill(0, group.empty, float("-inf"))
+    if plan.empty is not None:  # rows whose whole context is the shared part
+        lse2 = lse2.index_fill(0, plan.empty, float("-inf"))
     # e^lse1 o1 + e^lse2 o2 over e^lse1 + e^lse2: o2 + (o1 - o2) e^lse1 / (e^lse1 + e^lse2)
     w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
     merged = torch.lerp(o2, o1, w1.to(o1.dtype))
-    out[0].index_copy_(0, group.q_idx, merged.reshape(r, hk * g, d))
+    out[0].index_copy_(0, plan.q_idx, merged.reshape(r, hk * g, d))

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cascade import attend_group
+from .cascade import Cascade, attend as attend_cascade
 
 ATTN_NAME = "kvplay_paged"
 
@@ -43,7 +43,7 @@ class StepPlan:
     past_lens: list[int]
     q_lens: list[int]
     deterministic: bool
-    groups: list = field(default_factory=list)  # cascade.Group: decode rows sharing a prefix
+    cascade: Cascade | None = None  # decode rows sharing prefix blocks, grouped (cascade.py)
     solo: list = field(default_factory=list)  # the rows in no group (when there are groups)
     _masks: dict = field(default_factory=dict)
 
@@ -142,9 +142,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     h, d = query.shape[1], query.shape[3]
     out = query.new_empty((1, query.shape[2], h, d))
     rows = range(len(plan.q_starts))
-    if plan.groups and window is None:  # shared prefixes attended once per group (cascade.py)
-        for group in plan.groups:
-            attend_group(query, key, value, group, scaling, out)
+    if plan.cascade is not None and window is None:  # shared prefixes attended once per group
+        attend_cascade(query, key, value, plan.cascade, scaling, out)
         rows = plan.solo
     for row in rows:
         s, n = plan.q_starts[row], plan.q_lens[row]

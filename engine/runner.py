@@ -104,10 +104,10 @@ class ModelRunner:
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
         if self.cascade and not deterministic and len(rows) > 1:  # once per step, never per layer
-            plan.groups, plan.solo = cascade_mod.plan_groups(
+            plan.cascade, plan.solo = cascade_mod.plan_groups(
                 tables, [past + n for past, n in zip(plan.past_lens, plan.q_lens)], plan.q_lens, starts,
                 row_slots, bs, self.dtype)
-            self.grouped_rows += len(rows) - len(plan.solo) if plan.groups else 0
+            self.grouped_rows += len(plan.cascade.rows) if plan.cascade is not None else 0
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         positions = torch.cat(pos).view(1, -1).to(dev)
         return input_ids, positions, plan

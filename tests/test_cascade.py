@@ -90,15 +90,17 @@ def _both(runner, rows, deterministic=False):
 def test_cascade_gives_the_per_row_logits(kv_heads, block_size, group_any, own_keys):
     runner = _runner(kv_heads=kv_heads, block_size=block_size)
     rng = random.Random(block_size * 10 + kv_heads)
-    grouped = 0
+    grouped = multi = 0
     for _ in range(6):
         rows = _random_step(rng, block_size)
-        groups = runner._plan(rows, False)[2].groups
-        assert all((g.own_pad is not None) == (own_keys == "padded") for g in groups)
-        grouped += len(groups)
+        plan = runner._plan(rows, False)[2].cascade
+        if plan is not None:
+            assert (plan.own_pad is not None) == (own_keys == "padded")
+            grouped += len(plan.groups)
+            multi += len(plan.groups) > 1  # groups' own sides attended and merged together
         alone, cascaded = _both(runner, rows)
         torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
-    assert grouped >= 3  # the cascade really ran
+    assert grouped >= 3 and multi >= 1  # the cascade really ran
 
 
 @pytest.mark.parametrize("written_out", [True, False])
@@ -111,12 +113,12 @@ def test_both_forward_paths_and_a_row_whose_context_is_all_shared(written_out, o
         rows = [Row(prefix, 23, [7]),  # its 24 keys are all the shared part
                 Row(prefix + [60], 25, [8]), Row(prefix + [70, 71], 30, [9]), Row([80, 81], 5, [10])]
         plan = runner._plan(rows, False)[2]
-        (group,) = plan.groups
+        (group,) = plan.cascade.groups
         assert group.rows == [0, 1, 2] and group.shared.n == 24 and plan.solo == [3]
-        assert group.own[0] is None and group.shared.first is None  # scattered: one gather
+        assert plan.cascade.own[0] is None and group.shared.first is None  # scattered: one gather
         alone, cascaded = _both(runner, rows)
         torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
-        assert not runner._plan(rows[:1], False)[2].groups  # a single row: the per-row path
+        assert runner._plan(rows[:1], False)[2].cascade is None  # a single row: the per-row path
     finally:
         runner.llama_step = saved
 
@@ -126,13 +128,14 @@ def test_the_group_shares_the_longest_common_run_each_row_reads_in_full(group_an
     used = [[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 10]]
     totals = [16, 15, 10]  # the third reads blocks 5 and 6 in full, 10 in part
     slots = [torch.tensor([b * bs + i for b in t for i in range(bs)])[:n] for t, n in zip(used, totals)]
-    (group,), solo = cascade.plan_groups(used, totals, [1, 1, 1], [0, 1, 2], slots, bs)
+    plan, solo = cascade.plan_groups(used, totals, [1, 1, 1], [0, 1, 2], slots, bs)
+    (group,) = plan.groups
     assert group.shared.n == 8 and group.shared.first == 20 and solo == []
-    assert [k.n for k in group.own] == [8, 7, 2]
-    assert group.own[0].first == 28 and group.own[1].first is None  # 7, 8 consecutive; 7, 9 not
-    pad = group.own_pad.view(3, 8)  # each row's own slots, padded to the longest (8)
+    assert [k.n for k in plan.own] == [8, 7, 2]
+    assert plan.own[0].first == 28 and plan.own[1].first is None  # 7, 8 consecutive; 7, 9 not
+    pad = plan.own_pad.view(3, 8)  # each row's own slots, padded to the longest (8)
     assert [pad[j, :n].tolist() for j, n in enumerate((8, 7, 2))] == [s[8:].tolist() for s in slots]
-    assert (group.own_mask[:, 0, 0] == 0).sum(1).tolist() == [8, 7, 2]  # the padding masked out
+    assert (plan.own_mask[:, 0, 0] == 0).sum(1).tolist() == [8, 7, 2]  # the padding masked out
     # prompt chunks are never grouped
     assert cascade.plan_groups(used, totals, [1, 2, 1], [0, 1, 3], slots, bs)[1] == [1]
 
@@ -143,10 +146,10 @@ def test_only_groups_that_pay_are_formed():
     runner = _runner(block_size=16)
     shared = lambda rows, blocks, own: [Row(list(range(100, 100 + blocks)) + [10 + i], blocks * 16 + own, [7])
                                         for i in range(rows)]
-    assert not runner._plan(shared(2, 1, 5), False)[2].groups
-    assert not runner._plan(shared(3, 1, 8), False)[2].groups
-    assert runner._plan(shared(2, 24, 5), False)[2].groups
-    assert runner._plan(shared(8, 1, 5), False)[2].groups
+    assert runner._plan(shared(2, 1, 5), False)[2].cascade is None
+    assert runner._plan(shared(3, 1, 8), False)[2].cascade is None
+    assert runner._plan(shared(2, 24, 5), False)[2].cascade is not None
+    assert runner._plan(shared(8, 1, 5), False)[2].cascade is not None
 
 
 def test_sliding_window_layers_keep_the_per_row_path(group_any):
@@ -155,7 +158,7 @@ def test_sliding_window_layers_keep_the_per_row_path(group_any):
     runner = _runner("qwen2", block_size=4, window=8)
     prefix = list(range(100, 106))
     rows = [Row(prefix + [10 + i], 25 + i, [7 + i]) for i in range(3)]
-    assert runner._plan(rows, False)[2].groups
+    assert runner._plan(rows, False)[2].cascade is not None
     alone, cascaded = _both(runner, rows)
     torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
 
@@ -164,7 +167,7 @@ def test_deterministic_mode_never_groups_and_stays_batch_invariant(group_any):
     runner = _runner(block_size=4)
     prefix = list(range(100, 106))
     rows = [Row(prefix + [10 + i], 25, [7 + i]) for i in range(4)]
-    assert runner._plan(rows, False)[2].groups and not runner._plan(rows, True)[2].groups
+    assert runner._plan(rows, False)[2].cascade is not None and runner._plan(rows, True)[2].cascade is None
     alone = runner.forward(rows[:1], deterministic=True)
     together = runner.forward(rows, deterministic=True)
     assert torch.equal(alone[0], together[0])
