@@ -27,10 +27,12 @@ AVAILABLE = _FLASH is not None
 
 # A group pays when what it saves, (rows - 1) x (shared keys + ROW_KEYS), reaches MIN_SAVED_KEYS:
 # each row it takes off the per-row path saves the shared keys' reading and a kernel call (worth
-# about ROW_KEYS keys), against its own fixed cost (two kernel calls and the merge). Fitted to one
-# layer of SmolLM2-135M's attention at one thread (2 rows pay from ~200 shared keys, 4 from ~16).
+# about ROW_KEYS keys), against the group's own fixed cost (a kernel call, its share of the own
+# keys' call and the merge). Fitted, with a margin, to one layer of SmolLM2-135M's attention at
+# one thread (2 rows paid from ~200 shared keys, 4 from ~16, 8 from 16): 2 rows group from 288
+# shared keys, 3 from 96, 4 from 32, 5 or more from one block.
 ROW_KEYS = 96
-MIN_SAVED_KEYS = 288
+MIN_SAVED_KEYS = 384
 
 
 @dataclass
