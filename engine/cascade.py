@@ -4,14 +4,15 @@ The prefix cache hands requests on the same prompt the same block ids, so a deco
 several one-query rows whose first blocks are the very same pool slots. Attending row by row
 gathers those keys and reads them once per row. Here the shared part is attended once for every
 row of a group (the rows' queries stacked against one K/V: one kernel call instead of one per
-row), each row's own remaining keys separately, and the two partial results merged exactly by
+row), each row's own remaining keys on their own, and the two partial results merged exactly by
 their log-sum-exps (FlashInfer's cascade, vLLM's `cascade_attention`):
 
     out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2) = lerp(o2, o1, sigmoid(lse1 - lse2))
 
-`plan_groups` finds the groups once per step (the runner's plan); `attend` runs them in one layer:
-one call per group for the shared side, one call for every grouped row's own side (their own
-keys padded to the longest and masked), one merge. Used only in the default mode on CPU, for layers without a sliding window (paged.py):
+`plan_groups` finds the groups once per step (the runner's plan); `attend` runs them in one
+layer: one call per group for the shared side, one call for every grouped row's own side (their
+own keys padded to the longest and masked, or one call per row where padding would cost more),
+one merge. Used only in the default mode on CPU, for layers without a sliding window (paged.py):
 deterministic mode keeps every query on exactly its own keys, because there a row's result may
 not depend on which other rows share its step.
 """
