@@ -10,7 +10,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import pool_blocks
 from kvplay.engine.errors import EngineError
 from kvplay.engine.model import load_model
-from kvplay.engine.threads import on_fresh_thread, set_cpu_threads
+from kvplay.engine.threads import cpu_threads, on_fresh_thread, set_cpu_threads
 
 from . import peers as P
 from .metrics import Target, ratio, ratios, speedup, summarize
@@ -76,7 +76,7 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
 
     report = {
         "model": loaded_kv.name, "device": str(loaded_kv.device), "dtype": str(loaded_kv.dtype).replace("torch.", ""),
-        "quick": quick, "config": config.to_dict(), "torch_threads": _torch_threads(),
+        "quick": quick, "config": config.to_dict(), "torch_threads": _torch_threads(config.threads),
         "cpu_count": os.cpu_count(), "load_avg_start": load_avg_start, "workloads": [],
     }
     if http is not None:
@@ -137,11 +137,11 @@ def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> di
             "targets": [t.to_dict() for t in scale_targets(result)], "elapsed_s": time.perf_counter() - t0}
 
 
-def _torch_threads() -> int:
-    # start-up time: imported when this first runs
-    import torch
-
-    return torch.get_num_threads()
+def _torch_threads(threads: int | None = None) -> int:
+    """The intra-op threads the engines and peers run with (`--threads`, or the default). Not
+    torch.get_num_threads() here: libgomp keeps the count per thread, and this thread runs no
+    torch work (engine/threads.py)."""
+    return cpu_threads(threads)
 
 
 def workload_report(wl, results: dict) -> dict:
