@@ -36,10 +36,10 @@ from .pool import BlockPool
 from .prefix import BlockHasher
 from .registry import UserRegistry, check_user
 from .request import Request, RequestHandle
-from .threads import on_fresh_thread, set_cpu_threads
 from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
+from .threads import on_fresh_thread, set_cpu_threads
 
 Listener = Callable[[Event], None]
 
