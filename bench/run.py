@@ -74,9 +74,11 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
             return script_workload(script, loaded_kv.tokenizer, new_tokens)
         return build_workload(name, loaded_kv.tokenizer, users, turns, config.block_size, **extra)
 
+    # torch_threads: the count the engines and peers run with, not torch.get_num_threads() here
+    # (libgomp keeps it per thread, and this thread runs no torch work: engine/threads.py)
     report = {
         "model": loaded_kv.name, "device": str(loaded_kv.device), "dtype": str(loaded_kv.dtype).replace("torch.", ""),
-        "quick": quick, "config": config.to_dict(), "torch_threads": _torch_threads(config.threads),
+        "quick": quick, "config": config.to_dict(), "torch_threads": cpu_threads(config.threads),
         "cpu_count": os.cpu_count(), "load_avg_start": load_avg_start, "workloads": [],
     }
     if http is not None:
@@ -132,16 +134,9 @@ def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> di
     t0 = time.perf_counter()
     load_avg_start = _load_avg()
     result = run_scale(progress=progress, **kwargs)
-    return {"workload": "scale", "cpu_count": os.cpu_count(), "torch_threads": _torch_threads(),
+    return {"workload": "scale", "cpu_count": os.cpu_count(), "torch_threads": cpu_threads(None),
             "load_avg_start": load_avg_start, "load_avg_end": _load_avg(), "scale": result,
             "targets": [t.to_dict() for t in scale_targets(result)], "elapsed_s": time.perf_counter() - t0}
-
-
-def _torch_threads(threads: int | None = None) -> int:
-    """The intra-op threads the engines and peers run with (`--threads`, or the default). Not
-    torch.get_num_threads() here: libgomp keeps the count per thread, and this thread runs no
-    torch work (engine/threads.py)."""
-    return cpu_threads(threads)
 
 
 def workload_report(wl, results: dict) -> dict:
