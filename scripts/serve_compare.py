@@ -197,7 +197,10 @@ def measure(threads: int, concs: list[int], args, tokenizer: str, out_dir: str) 
     for c in concs:
         v, k = median_run(got["vllm"][c]), median_run(got["kvplay"][c])
         per_round = [ratios(a, b) for a, b in zip(got["vllm"][c], got["kvplay"][c])]
-        spread = {m: (min(r[m] for r in per_round), max(r[m] for r in per_round)) for m in ("ttft", "itl", "tok_s")}
+        spread = {}
+        for m in ("ttft", "itl", "tok_s"):  # a round with no figure (a zero) has no ratio
+            got_m = [r[m] for r in per_round if r[m] is not None]
+            spread[m] = (min(got_m), max(got_m)) if got_m else (None, None)
         rows.append({"threads": threads, "concurrency": c, "max_num_seqs": args.max_num_seqs,
                      "num_prompts": args.num_prompts, "repeat": args.repeat, "vllm": v, "kvplay": k,
                      "ratio": ratios(v, k), "ratio_range": spread,
