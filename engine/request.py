@@ -43,6 +43,7 @@ class TokenDelta:
     text: str
     token_id: int
     index: int  # 0-based output position
+    logprob: tuple | None = None  # (token id, raw logprob, [(id, logprob)…]) when the caller asked (kvplay serve)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import json
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,9 +31,11 @@ from kvplay.engine.errors import EngineError
 from kvplay.engine.sampling import SamplingParams
 
 from .bridge import HandleStream
+from .engine_side import Submit
 from .info_routes import add_info_routes
 from .keys import Identity, lookup
 from .limits import Admission, TokenizerPool, check_prompt_size
+from .metrics import render as render_metrics
 from .protocol import ApiError, GenRequest, StopMatcher, bad, check_body, parse
 
 MAX_BODY_BYTES = 8 << 20
@@ -45,17 +46,13 @@ ANONYMOUS = "anonymous"
 
 @dataclass
 class ServeState:
-    """Everything the routes share. Built by serve/cli.py (or a test) around a started Engine."""
-    engine: object
+    """Everything the routes share. Built by serve/server.py around the engine's side: an
+    in-process EngineSide (tests, scripts) or the engine-core process's RemoteSide (`kvplay
+    serve`); both offer the interface serve/engine_side.py describes."""
+    side: object
     keys: dict[str, Identity] | None = None
-    recorder: object | None = None
-    events: object | None = None  # serve.kv_events.EngineEventPublisher
-    metrics: object | None = None  # serve.metrics.ServerMetrics
     served_name: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    record_failures: int = 0
-    _recorded_users: set = field(default_factory=set)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
     max_concurrent: int = MAX_CONCURRENT
     metrics_users: bool = False  # /metrics user labels for every caller (else: admin keys, or no keys)
     admission: Admission | None = None
@@ -65,37 +62,14 @@ class ServeState:
 
     def __post_init__(self):
         self.admission = Admission(self.max_concurrent)
-        self.tokenizers = TokenizerPool(self.engine.tokenizer)
+        self.tokenizers = TokenizerPool(self.side.tokenizer)
 
     @property
     def model_name(self) -> str:
-        return self.served_name or self.engine.model_name
+        return self.served_name or self.side.model_name
 
     def model_names(self) -> set[str]:
-        return {self.model_name, self.engine.model_name, self.engine.config.model}
-
-    def register_keys(self) -> None:
-        """Bind every key's identity in the engine (and the recording) before serving."""
-        for ident in {(i.user, i.group) for i in (self.keys or {}).values()}:
-            self.engine.register_user(*ident)
-            self.note_user(*ident)
-
-    def note_user(self, user: str, group: str | None) -> None:
-        if self.recorder is None:
-            return
-        with self._lock:
-            if user in self._recorded_users:
-                return
-            self._recorded_users.add(user)
-        self._safe_record(self.recorder.add_user, user, group=group)
-
-    def _safe_record(self, fn, *args, **kw) -> None:
-        try:
-            fn(*args, **kw)
-        except Exception as exc:  # a failing DB never breaks a reply; say it once
-            self.record_failures += 1
-            if self.record_failures == 1:
-                print(f"kvplay serve: recording failed ({exc}); serving goes on", file=sys.stderr, flush=True)
+        return {self.model_name, self.side.model_name, self.side.config.model}
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -150,14 +124,14 @@ def check_model(state: ServeState, model: str | None) -> None:
 
 def prepare_prompt(state: ServeState, g: GenRequest) -> tuple[list[int], int]:
     """Token ids and system-prompt length (runs in a worker thread: tokenising is CPU work)."""
-    eng = state.engine
+    side = state.side
     if g.prompt_ids is not None:
-        vocab = len(eng.tokenizer)
+        vocab = len(side.tokenizer)
         for t in g.prompt_ids:
             if not 0 <= t < vocab:
                 raise bad(f"token id {t} is outside the vocabulary (0..{vocab - 1})", "prompt")
         return list(g.prompt_ids), 0
-    check_prompt_size(g, eng.runner.max_positions)
+    check_prompt_size(g, side.max_positions)
     if g.kind == "chat":
         try:
             return state.tokenizers.run(encode_chat, g.messages)
@@ -168,11 +142,11 @@ def prepare_prompt(state: ServeState, g: GenRequest) -> tuple[list[int], int]:
 
 def check_limits(state: ServeState, g: GenRequest, n: int) -> int:
     """Refuse prompts that can never run; return the max_tokens to use."""
-    eng = state.engine
+    side = state.side
     param = "messages" if g.kind == "chat" else "prompt"
     if n == 0:
         raise bad("the prompt is empty after tokenisation", param)
-    ctx = eng.runner.max_positions
+    ctx = side.max_positions
     if n >= ctx:
         raise bad(f"This model's maximum context length is {ctx} tokens. However, your request has {n} "
                   f"input tokens. Please reduce the length of the input.", param, "context_length_exceeded")
@@ -180,7 +154,7 @@ def check_limits(state: ServeState, g: GenRequest, n: int) -> int:
     if g.max_tokens is not None and g.max_tokens > room:
         raise bad(f"'max_tokens' is too large: {g.max_tokens}. This model's maximum context length is {ctx} "
                   f"tokens and your request has {n} input tokens ({g.max_tokens} > {ctx} - {n}).", "max_tokens")
-    bs, total = eng.config.block_size, eng.pool.num_blocks
+    bs, total = side.config.block_size, side.num_blocks
     need = -(-(n + 1) // bs)
     if need > total:
         raise ApiError(413, f"the prompt is {n} tokens ({need} blocks of {bs}); this server's whole KV pool "
@@ -234,21 +208,6 @@ def engine_failure(result) -> ApiError:
     return ApiError(500, err, code="engine_error")
 
 
-def token_logprobs(handle, delta, top: int) -> tuple:
-    """The raw log-probability of a streamed token (and the `top` best), from the logits the
-    engine traced for it (vLLM's default: raw logprobs, before temperature/top-k/top-p)."""
-    # start-up time: imported when this first runs
-    import torch
-
-    trace = handle.request.logits_trace
-    lp = torch.log_softmax(trace[delta.index].float(), dim=-1)
-    best = []
-    if top:
-        vals, ids = torch.topk(lp, top)
-        best = list(zip(ids.tolist(), vals.tolist()))
-    return delta.token_id, float(lp[delta.token_id]), best
-
-
 def format_logprobs(tokenizer, entries: list, kind: str) -> dict:
     def text(tid):
         return tokenizer.decode([tid])
@@ -298,8 +257,8 @@ class Turn:
                 if not hasattr(item, "token_id"):
                     self.result = item
                     break
-                if self.g.logprobs and not self.matcher.stopped:
-                    self.logprobs.append(token_logprobs(self.stream.handle, item, self.g.top_logprobs))
+                if self.g.logprobs and not self.matcher.stopped and item.logprob is not None:
+                    self.logprobs.append(item.logprob)
                 piece = self.matcher.feed(item.text)
                 if piece:
                     yield piece
@@ -338,7 +297,7 @@ class Turn:
             return None
         start = 0 if everything else self._lp_sent
         entries, self._lp_sent = self.logprobs[start:], len(self.logprobs)
-        return format_logprobs(self.state.engine.tokenizer, entries, self.g.kind)
+        return format_logprobs(self.state.side.tokenizer, entries, self.g.kind)
 
     def full_choice(self) -> dict:
         """This choice in a non-streamed response."""
@@ -446,6 +405,11 @@ def create_app(state: ServeState) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(bad(str(exc.errors()[0].get("msg", "invalid request")) if exc.errors() else "invalid request"))
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError):  # the engine (or its process) is gone
+        down = "shut down" in str(exc) or "answer" in str(exc)
+        return error_response(ApiError(503 if down else 500, str(exc), code="unavailable" if down else "engine_error"))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):  # the text stays in the server's log
         print(f"kvplay serve: internal error on {request.method} {request.url.path}: {type(exc).__name__}: {exc}",
@@ -473,9 +437,7 @@ def create_app(state: ServeState) -> FastAPI:
         sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_tokens=max_tokens,
                                   seed=g.seed, stop_on_eos=not g.ignore_eos)
         rid = uuid.uuid4().hex[:16]
-        if state.recorder is not None:
-            await run_in_threadpool(state.note_user, user, group)
-        eng = state.engine
+        side = state.side
         text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "")
         messages = g.messages if g.kind == "chat" else []
         turns: list[Turn] = []
@@ -483,25 +445,17 @@ def create_app(state: ServeState) -> FastAPI:
             rid_i = rid if g.n == 1 else f"{rid}-{i}"
             sampling_i = sampling if g.n == 1 or g.seed is None else dataclasses.replace(
                 sampling, seed=(g.seed + i) % (1 << 64))
-            if state.events is not None:
-                state.events.set_mode(rid_i, g.report_mode)
             try:
-                handle = eng.submit(user, prompt_ids=prompt_ids, sampling=sampling_i, system_tokens=system_tokens,
-                                    request_id=rid_i, trace_logits=g.logprobs)
+                handle = await side.asubmit(Submit(
+                    user, group, rid_i, prompt_ids, system_tokens, sampling_i,
+                    top_logprobs=(g.top_logprobs or 0) if g.logprobs else None, report_mode=g.report_mode,
+                    text=text, messages=messages, started=time.time()))
             except EngineError as exc:
-                if state.events is not None:
-                    state.events.forget(rid_i)
                 for t in turns:  # the choices already queued go too: the request failed as a whole
                     t.stream.cancel()
                 status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
                 raise ApiError(status, str(exc)) from None
-            on_result = None
-            if state.recorder is not None:
-                def on_result(result, sampling_i=sampling_i, started=time.time()):  # on the bridge thread
-                    state._safe_record(state.recorder.record_turn, user, text, messages, sampling_i, result,
-                                       started=started, prompt=(list(prompt_ids), system_tokens))
-            turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle, on_result=on_result),
-                              index=i, rid_base=rid))
+            turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle), index=i, rid_base=rid))
         if g.stream:
             return StreamingResponse(stream_turn(turns, slot), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -531,8 +485,8 @@ def create_app(state: ServeState) -> FastAPI:
         identify(state, request)
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvplay",
-            "root": state.engine.model_name, "parent": None,
-            "max_model_len": state.engine.runner.max_positions}]}
+            "root": state.side.model_name, "parent": None,
+            "max_model_len": state.side.max_positions}]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -545,14 +499,14 @@ def create_app(state: ServeState) -> FastAPI:
         g = parse(body, "chat" if "messages" in body else "completion")
         check_model(state, g.model)
         ids, _ = await run_in_threadpool(prepare_prompt, state, g)
-        return {"count": len(ids), "max_model_len": state.engine.runner.max_positions, "tokens": ids}
+        return {"count": len(ids), "max_model_len": state.side.max_positions, "tokens": ids}
 
     @app.get("/health")
     async def health():
-        """200 while the engine thread runs and takes requests; a request that failed (and
-        ended alone) does not make the server unhealthy."""
-        eng = state.engine
-        if not getattr(eng, "alive", True) or getattr(eng, "_closed", False):
+        """200 while the engine thread runs and takes requests (in the engine-core process: while
+        that process runs and its heartbeat says so); a request that failed (and ended alone)
+        does not make the server unhealthy."""
+        if not state.side.alive:
             return error_response(ApiError(503, "engine is down: its thread has stopped", code="unavailable"))
         return Response(status_code=200)
 
@@ -562,7 +516,7 @@ def create_app(state: ServeState) -> FastAPI:
         if ident is not None and not ident.admin:  # with keys, only an admin key may wipe everyone's cache
             raise ApiError(403, "resetting the prefix cache drops every user's blocks: it needs a key "
                                 "with admin = true in --api-keys", code="permission_denied")
-        dropped = await run_in_threadpool(state.engine.clear_cache)
+        dropped = await run_in_threadpool(state.side.clear_cache)
         return JSONResponse({"ok": True, "dropped_blocks": dropped})
 
     @app.get("/metrics")
@@ -572,9 +526,11 @@ def create_app(state: ServeState) -> FastAPI:
         if not users and request.headers.get("authorization"):
             ident = lookup(state.keys, request.headers.get("authorization"))
             users = ident is not None and ident.admin
-        stats = await run_in_threadpool(state.engine.stats, 0.2)
-        return PlainTextResponse(state.metrics.render(stats, state.model_name, users=users),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        def text() -> str:
+            side = state.side
+            return render_metrics(side.stats(0.2), side.metrics_snapshot(), state.model_name, users=users)
+
+        return PlainTextResponse(await run_in_threadpool(text), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_info_routes(app, state, identify, read_json, check_model)
     return app

@@ -1,11 +1,10 @@
 """From the engine's thread-side RequestHandle to asyncio, without blocking the event loop and
 without a thread per request.
 
-The handle forwards each TokenDelta, then the RequestResult, straight from the engine thread to
-the loop with ``call_soon_threadsafe`` (``RequestHandle.forward_to``). The engine keeps its one
-thread and the event loop never waits on it; the threads a server uses do not grow with the
-number of requests or choices. ``on_result`` (recording) runs in the loop's default executor
-(a bounded pool), never on the engine thread.
+The handle forwards each TokenDelta, then the RequestResult, straight from the thread that has
+them (the engine thread, or the engine-core link's reader) to the loop with
+``call_soon_threadsafe`` (``forward_to``). The event loop never waits on the engine; the threads
+a server uses do not grow with the number of requests or choices.
 """
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ import asyncio
 
 
 class HandleStream:
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop | None = None, on_result=None):
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop | None = None):
         self.handle = handle
-        self.on_result = on_result  # called with the RequestResult in a worker thread (recording)
         self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result = None
@@ -33,8 +31,6 @@ class HandleStream:
     def _arrived(self, item) -> None:
         """On the loop."""
         self.queue.put_nowait(item)
-        if self.on_result is not None and not hasattr(item, "token_id"):
-            self.loop.run_in_executor(None, self.on_result, item)
 
     async def next(self, timeout: float | None = None):
         """The next TokenDelta, or the RequestResult (last). Raises asyncio.TimeoutError."""

@@ -50,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
     add_db_arg(parser)
     parser.add_argument("--no-record", action="store_true", help="do not record this server's turns")
+    parser.add_argument("--in-process-engine", action="store_true",
+                        help="run the engine in the HTTP server's process instead of its own engine-core process "
+                             "(slower under load: both then share one GIL; for comparison)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default warning)")
     add_engine_args(parser)
@@ -61,14 +64,13 @@ def _stop_on_sigterm(signum, frame):
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from kvplay.sessions.recorder import Recorder, close_run
-    from kvplay.sessions.run_cmd import start_engine
     from kvplay.sessions.store import open_db
     from kvplay.wire import curve as wire_curve
     from kvplay.wire.publisher import KVEventsConfig
 
+    from .core_proc import CoreParams, build_side
     from .keys import load_keys
-    from .server import bind_socket, build_state, check_event_endpoints, close_state, is_loopback, serve_forever
+    from .server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
 
     if args.gen_curve_keys:
         d = wire_curve.generate(args.gen_curve_keys)
@@ -112,16 +114,24 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_record:
         open_db(args.db).close()  # refuse a bad DB before spending time on the model
     sock = bind_socket(args.host, args.port)
-    engine = start_engine(config)
-    rec = state = None
+    params = CoreParams(config, identities_of(keys), kv_cfg, loopback, args.kv_events_curve,
+                        args.kv_cache_report_mode == "full", args.db, not args.no_record,
+                        f"kvplay serve on {args.host}:{args.port}")
+    local = None
     try:
-        if not args.no_record:
-            rec = Recorder.open(args.db, config, engine.model_name, "serve", "",
-                                title=f"kvplay serve on {args.host}:{args.port}")
-        state = build_state(engine, keys, kv_cfg, loopback=loopback, report_full=args.kv_cache_report_mode == "full",
-                            recorder=rec, served_name=args.served_model_name, curve=curve,
-                            insecure_events=args.kv_events_insecure, max_concurrent=args.max_concurrent_requests,
-                            metrics_users=args.metrics_users)
+        if args.in_process_engine:
+            local = build_side(params)
+            side = local[2]
+        else:
+            # start-up time: imported when this first runs
+            from .core_client import RemoteSide
+
+            side = RemoteSide(params)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        state = state_for(side, keys, args.served_model_name, args.max_concurrent_requests, args.metrics_users)
         host = f"[{args.host}]" if ":" in args.host else args.host
         who = (f"{len(keys)} API keys ({', '.join(sorted({i.user for i in keys.values()}))})" if keys
                else "no API keys: user from the body's `user`")
@@ -132,23 +142,29 @@ def main(args: argparse.Namespace) -> int:
             print("kvplay: isolation shared: every key holder can tell from cached_tokens, cached_from and "
                   "time to first token whether another user sent a prompt (and who); use --isolation user to "
                   "stop it", file=sys.stderr, flush=True)
-        if state.events is not None:
-            pub = state.events.publisher
-            print(f"kvplay: KV events {'bound on' if pub.binds else 'connecting to'} {pub.endpoint}"
-                  + (f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else "")
+        pub = side.events_info
+        if pub is not None:
+            print(f"kvplay: KV events {'bound on' if pub['binds'] else 'connecting to'} {pub['endpoint']}"
+                  + (f", replay on {pub['replay_endpoint']}" if pub["replay_endpoint"] else "")
                   + (" (CURVE: allowed subscribers only)" if curve is not None else ""), file=sys.stderr, flush=True)
             if exposed:
                 print(f"kvplay: --kv-events-insecure: {', '.join(exposed)} publish every user's prompts and replies "
                       "(token ids, user names) in clear to anyone who can reach them", file=sys.stderr, flush=True)
-        if rec is not None:
-            print(f"kvplay: recording session {rec.session_id} in {rec.path}", file=sys.stderr, flush=True)
+        if side.recording_info is not None:
+            print(f"kvplay: recording session {side.recording_info['session_id']} in {side.recording_info['path']}",
+                  file=sys.stderr, flush=True)
         # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
         # exception too (not the default instant exit), so the session is closed and the engine stopped
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
         serve_forever(state, sock, args.log_level, args.ssl_keyfile, args.ssl_certfile, args.ssl_keyfile_password)
     finally:
-        if state is not None:
-            close_state(state)
-        sock.close()
-        close_run(rec, engine)
+        try:
+            side.close()
+        finally:
+            sock.close()
+            if local is not None:
+                # start-up time: imported when this first runs
+                from kvplay.sessions.recorder import close_run
+
+                close_run(local[1], local[0])
     return 0

@@ -35,35 +35,33 @@ def advertised(endpoint: str | None, binds: bool = True) -> str | None:
 
 def kv_event_sources(state) -> dict:
     """vLLM 0.32's /kv_event_sources: {rank: KVEventsConfig as a dict}, {} without events."""
-    if state.events is None:
+    pub = state.side.events_info
+    if pub is None:
         return {}
-    pub = state.events.publisher
-    s = pub.settings
+    s = pub["settings"]
     return {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": advertised(pub.endpoint, pub.binds),
-                  "replay_endpoint": advertised(pub.replay_endpoint),
+                  "endpoint": advertised(pub["endpoint"], pub["binds"]),
+                  "replay_endpoint": advertised(pub["replay_endpoint"]),
                   "buffer_steps": s["buffer_steps"], "hwm": s["hwm"], "max_queue_size": s["max_queue_size"],
                   "topic": s["topic"]}}
 
 
 def sglang_kv_events(state) -> dict | None:
     """SGLang's kv_events descriptor (None, as SGLang says it, unless a bound TCP port serves it)."""
-    if state.events is None:
+    pub = state.side.events_info
+    if pub is None or not pub["binds"] or not pub["endpoint"].startswith("tcp://"):
         return None
-    pub = state.events.publisher
-    if not pub.binds or not pub.endpoint.startswith("tcp://"):
-        return None
-    port = int(pub.endpoint.rpartition(":")[2])
+    port = int(pub["endpoint"].rpartition(":")[2])
     return {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": port,
-            "topic": pub.settings["topic"], "block_size": state.engine.config.block_size, "dp_size": 1}
+            "topic": pub["settings"]["topic"], "block_size": state.side.config.block_size, "dp_size": 1}
 
 
 def server_info(state) -> dict:
-    eng = state.engine
-    return {"model_path": eng.config.model, "served_model_name": state.model_name,
-            "page_size": eng.config.block_size, "dp_size": 1, "tp_size": 1,
-            "max_total_num_tokens": eng.pool.num_blocks * eng.config.block_size,
-            "context_length": eng.runner.max_positions, "kv_events": sglang_kv_events(state),
+    side = state.side
+    return {"model_path": side.config.model, "served_model_name": state.model_name,
+            "page_size": side.config.block_size, "dp_size": 1, "tp_size": 1,
+            "max_total_num_tokens": side.num_blocks * side.config.block_size,
+            "context_length": side.max_positions, "kv_events": sglang_kv_events(state),
             "version": "kvplay"}
 
 
@@ -84,7 +82,7 @@ def detokenize(state, body, check_model) -> dict:
         raise bad("'tokens' must be a list of token ids", "tokens")
     if len(tokens) > MAX_TOKENS:
         raise ApiError(413, f"more than {MAX_TOKENS} tokens", "tokens")
-    vocab = len(state.engine.tokenizer)
+    vocab = len(state.side.tokenizer)
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, int):
             raise bad(f"token id {str(t)[:40]!r} is not an integer", "tokens")

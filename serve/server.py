@@ -1,7 +1,9 @@
 """Assemble and run a server: engine + keys + recorder + metrics + KV events -> uvicorn.
 
-`kvplay serve` (serve/cli.py), the tests and scripts/serve_ttft.py all go through `build_state`
-and `ServerThread`/`serve_forever`, so what the tests exercise is what users run.
+`build_state` puts the engine's side (serve/engine_side.py) in this process: the tests and
+scripts/serve_ttft.py use it. `kvplay serve` (serve/cli.py) runs that same side in an
+engine-core process (serve/core_proc.py) and builds the state around its `RemoteSide`. Both go
+through `create_app` and `ServerThread`/`serve_forever`.
 """
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ from kvplay.engine.errors import EngineError
 from kvplay.wire.loopback import endpoint_is_loopback, is_loopback_host
 
 from .app import ServeState, create_app
-from .kv_events import EngineEventPublisher
-from .metrics import ServerMetrics
+from .engine_side import EngineSide
 
 HEADER_TIMEOUT_S = 10.0  # from connecting (or the last response) to a request's complete headers
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this
@@ -107,28 +108,31 @@ def build_state(engine, keys=None, kv_events=None, loopback: bool = True, report
     wildcard bind (vLLM's default ``tcp://*:5557``) binds 127.0.0.1 only; any other endpoint
     must pass check_event_endpoints. `curve`: a wire.curve.ServerCurve for both event sockets."""
     check_event_endpoints(kv_events, keys, loopback, curve, insecure_events)
-    extra = {} if max_concurrent is None else {"max_concurrent": max_concurrent}
-    state = ServeState(engine, keys=keys, recorder=recorder, served_name=served_name,
-                       metrics_users=metrics_users, **extra)
-    state.register_keys()
-    state.metrics = ServerMetrics(engine)
+    pub = None
     if kv_events is not None and kv_events.enabled:
         # start-up time: imported when this first runs
         from kvplay.wire.publisher import ZmqEventPublisher
 
         pub = ZmqEventPublisher.from_config(kv_events, loopback=loopback, curve=curve)
-        state.events = EngineEventPublisher(engine, pub, report_full=report_full)
-    if recorder is not None:
-        recorder.attach(engine)
-    return state
+    side = EngineSide(engine, identities_of(keys), pub, report_full=report_full, recorder=recorder)
+    return state_for(side, keys, served_name, max_concurrent, metrics_users)
+
+
+def identities_of(keys) -> list[tuple[str, str | None]]:
+    """Every key's (user, group), once each: bound in the engine before serving."""
+    return sorted({(i.user, i.group) for i in (keys or {}).values()}, key=lambda x: (x[0], x[1] or ""))
+
+
+def state_for(side, keys=None, served_name: str | None = None, max_concurrent: int | None = None,
+              metrics_users: bool = False) -> ServeState:
+    extra = {} if max_concurrent is None else {"max_concurrent": max_concurrent}
+    return ServeState(side, keys=keys, served_name=served_name, metrics_users=metrics_users, **extra)
 
 
 def close_state(state: ServeState) -> None:
-    if state.events is not None:
-        state.events.close()
-        state.events.publisher.shutdown()
-    if state.metrics is not None:
-        state.metrics.close()
+    """Close the side: in this process, its publisher, counters and queued recording; the
+    engine-core process's, the whole core (it closes its session and engine)."""
+    state.side.close()
 
 
 def _uvicorn_server(state: ServeState, log_level: str = "warning", ssl_keyfile: str | None = None,

@@ -76,7 +76,7 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
         assert all(backend.block(i).creator == "alice" for i in bm.hit)
         arr = backend.arrays()
         cached = arr.state == 1
-        assert int(cached.sum()) == len(backend.fleet.pod("kv").blocks) == state.engine.stats()["blocks_cached"]
+        assert int(cached.sum()) == len(backend.fleet.pod("kv").blocks) == state.side.engine.stats()["blocks_cached"]
         assert {arr.users[c] for c in arr.creator[cached]} == {"alice", "bob"}
         await wait_until(pilot, lambda: "pod kv live" in status(app))
         app.add_user(UserSpec("carol", max_tokens=4))  # a pane added later talks to the server too
@@ -95,7 +95,7 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
         keep = app.query_one(KvFooter).keep  # ... and the footer offers F4, not F2/F3/F5
         assert "clear_cache" in keep and not keep & {"cycle_isolation", "cycle_eviction", "toggle_deterministic"}
         await pilot.press("f4")
-        await wait_until(pilot, lambda: state.engine.stats()["blocks_cached"] == 0)
+        await wait_until(pilot, lambda: state.side.engine.stats()["blocks_cached"] == 0)
         await wait_until(pilot, lambda: int((backend.arrays().state == 1).sum()) == 0)
     con = sqlite3.connect(tmp_path / "s.db")
     assert con.execute("select user, cached_tokens, cached_from from turns order by rowid").fetchall() == [

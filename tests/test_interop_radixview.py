@@ -30,7 +30,7 @@ def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path):
     try:
         rv.wait_http(f"http://127.0.0.1:{view}/api/tree")
         time.sleep(1.0)  # its SUB subscribes after the page is up: let it reach the publisher
-        eng = state.engine
+        eng = state.side.engine
         with httpx.Client(timeout=120) as c:
             for user, q in (("alice", "Do you sell rye bread?"), ("bob", "When do you open on Sundays?")):
                 assert chat(c, srv.url, content=q, system=SYSTEM, user=user).status_code == 200

@@ -37,7 +37,7 @@ def _leak(url, **kw):
 def test_leak_against_kvplay_serve_finds_block_size_and_the_victims_blocks(serve):  # noqa: F811
     srv, state = serve(num_blocks=256)
     t, r = _leak(srv.url, salts=["none", "per-user"])
-    assert r.config["block_size"] == state.engine.config.block_size == 16  # found from cached_tokens
+    assert r.config["block_size"] == state.side.engine.config.block_size == 16  # found from cached_tokens
     assert r.config["reset_before"] == "POST /reset_prefix_cache"
     rows = r.data["results"]
     assert [(x["salt"], x["blocks"]) for x in rows] == [("none", 1), ("none", 2), ("per-user", 1), ("per-user", 2)]

@@ -52,7 +52,7 @@ def test_chat_completion_and_stream_shapes(serve):
 def test_completions_string_and_token_ids(serve):
     srv, state = serve()
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
-    ids = list(state.engine.tokenizer(prompt)["input_ids"])
+    ids = list(state.side.engine.tokenizer(prompt)["input_ids"])
     with httpx.Client(timeout=30) as c:
         a = c.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
         b = c.post(srv.url + "/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0})
@@ -180,7 +180,7 @@ def test_openai_sdk_streams_a_chat(serve, tmp_path):
 
 def test_disconnect_cancels_and_frees_blocks_at_once(serve):
     srv, state = serve(max_running=4)
-    eng = state.engine
+    eng = state.side.engine
     other: dict = {}
     finished: dict = {}
     eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)
@@ -429,7 +429,7 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
     # a pool that holds all 3,000 tokens: the request can only end by the client leaving (with 64
     # blocks it could end `pool_exhausted` first, before the server noticed the client was gone)
     srv, state = serve(num_blocks=256)
-    eng = state.engine
+    eng = state.side.engine
     finished: dict = {}
     eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)
     with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as c:

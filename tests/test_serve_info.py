@@ -25,7 +25,7 @@ def events_cfg(endpoint=None, replay=True, topic="kv-events"):
 def test_kv_event_sources_is_vllms_shape(serve):
     cfg = events_cfg()
     srv, state = serve(kv_events=cfg, num_blocks=32)
-    pub = state.events.publisher
+    pub = state.side.events.publisher
     body = httpx.get(srv.url + "/kv_event_sources").json()
     port, rport = pub.endpoint.rpartition(":")[2], pub.replay_endpoint.rpartition(":")[2]
     assert body == {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
@@ -53,7 +53,7 @@ def test_detokenize_reverses_tokenize(serve):
     """/detokenize (ours) takes what /tokenize (vLLM's, serve/app.py) gives: vLLM's and SGLang's
     response keys."""
     srv, state = serve(num_blocks=32)
-    tok = state.engine.tokenizer
+    tok = state.side.engine.tokenizer
     body = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello bakery"}).json()
     assert body["tokens"] == tok("Hello bakery")["input_ids"]
     d = httpx.post(srv.url + "/detokenize", json={"tokens": body["tokens"], "skip_special_tokens": False}).json()
@@ -101,7 +101,7 @@ def test_attach_url_alone_mirrors_kvplay_serve(serve, capsys):
                 assert time.monotonic() < end
                 time.sleep(0.2)
             assert chat(c, srv.url, content="And croissants?", user="bob").status_code == 200
-        want = state.engine.stats()["blocks_cached"]
+        want = state.side.engine.stats()["blocks_cached"]
         end = time.monotonic() + 30
         while len(m.blocks) != want or m.pod_state != "live":
             assert time.monotonic() < end, (len(m.blocks), want, m.pod_state)
@@ -126,5 +126,5 @@ def test_watch_url_alone_mirrors_kvplay_serve(serve, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "GET /kv_event_sources" in r.stderr
     (pod,) = json.loads(r.stdout.strip().splitlines()[-1])["pods"].values()
-    assert pod["blocks"] == state.engine.stats()["blocks_cached"] > 0
+    assert pod["blocks"] == state.side.engine.stats()["blocks_cached"] > 0
     assert pod["state"] == "live" and set(pod["by_session"]) == {"alice", "bob"}

@@ -380,7 +380,7 @@ def test_health_is_503_only_once_the_engine_thread_has_stopped(serve):
         bad = c.post(srv.url + "/v1/chat/completions", content=b'{"messages":[{"role":"user","content":"x"}],'
                                                               b'"temperature":NaN}')
         up = c.get(srv.url + "/health")
-        state.engine.shutdown()
+        state.side.engine.shutdown()
         down = c.get(srv.url + "/health")
     assert bad.status_code == 400 and up.status_code == 200
     assert down.status_code == 503 and "engine is down" in down.json()["error"]["message"]

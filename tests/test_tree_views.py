@@ -111,7 +111,7 @@ def kv_server(serve):
 async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
     srv, state, ev, rep = kv_server(serve)
     local = []
-    state.engine.subscribe(local.append)  # the server engine's own events: the reference tree
+    state.side.engine.subscribe(local.append)  # the server engine's own events: the reference tree
     backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv"))
     app = AttachApp(backend, list(USERS), SYSTEM, turns=list(TURNS) + [TurnSpec("alice", "And rye rolls?")],
                     record=False, timings=False)
@@ -216,7 +216,7 @@ def test_tokenize_route(serve):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
     with httpx.Client() as c:
         r = c.post(srv.url + "/tokenize", json={"model": state.model_name, "messages": msgs})
-        assert r.status_code == 200 and r.json()["tokens"] == state.engine.encode(msgs)[0]
+        assert r.status_code == 200 and r.json()["tokens"] == state.side.engine.encode(msgs)[0]
         assert r.json()["count"] == len(r.json()["tokens"])
         for body in ([1], {"messages": "x"}, {"model": "nope", "prompt": "a"}):
             r = c.post(srv.url + "/tokenize", json=body)
@@ -275,7 +275,7 @@ async def test_kvplay_tree_of_a_server(serve, capsys):
                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     pod = out["pods"]["kv"]
-    assert pod["blocks"] == state.engine.stats()["blocks_cached"] > 0
+    assert pod["blocks"] == state.side.engine.stats()["blocks_cached"] > 0
     assert len(pod["roots"]) == 1 and len(pod["roots"][0]["children"]) == 2
     assert cli(["tree", srv.url, "--at", "3", "--events-bind", ev]) == 2
 

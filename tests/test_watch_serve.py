@@ -50,7 +50,7 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
                          system=SYSTEM, **FULL)
                 assert r.status_code == 200, r.text
                 cached.setdefault(who, []).append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        pub = state.events.publisher
+        pub = state.side.events.publisher
         assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
                           timeout=20.0)
         time.sleep(0.2)
@@ -59,12 +59,12 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
         sub.stop()
         th.join(5)
         sub.close()
-    want = engine_index(state.engine)
+    want = engine_index(state.side.engine)
     assert m.removed > 0, "the small pool should have evicted"
     assert set(m.blocks) == set(want)  # no missing block, no resurrected one
     assert {h: b.creator for h, b in m.blocks.items()} == want
     assert set(m.by_session) <= {"alice", "bob"} and m.creators()["alice"] > 0
     # every cached token a reply reported was re-announced (report mode "full") as a hit
-    bs = state.engine.config.block_size
+    bs = state.side.engine.config.block_size
     assert m.reannounced * bs == sum(sum(v) for v in cached.values()) and m.reannounced > 0
     assert m.gaps == 0 and m.restarts == 0

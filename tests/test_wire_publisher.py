@@ -119,11 +119,11 @@ def test_kv_events_config_is_vllms():
 
 def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
     srv, state = serve(keys=keys(tmp_path), kv_events=events_config())
-    pub = state.events.publisher
+    pub = state.side.events.publisher
     assert pub.binds  # "*" in the endpoint: bound, like vLLM
     sub = Sub(pub.endpoint)
     time.sleep(0.3)  # let the subscription reach the publisher
-    eng = state.engine
+    eng = state.side.engine
     with httpx.Client(timeout=30) as c:
         a = chat(c, srv.url, ALICE, "first")
         sub.drain(until=lambda s: any(e.get("session_id") == "alice" for e in s.events()))
@@ -165,12 +165,12 @@ def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
 
 def test_evictions_are_one_removed_event_per_block(serve):
     srv, state = serve(num_blocks=10, kv_events=events_config(topic=""))
-    sub = Sub(state.events.publisher.endpoint)
+    sub = Sub(state.side.events.publisher.endpoint)
     time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         for i in range(4):  # 4 different ~70-token prompts through a 10-block pool
             assert chat(c, srv.url, content=f"{i} " * 20, system=f"system {i} " * 4, user=f"u{i}").status_code == 200
-    evicted = state.engine.stats()["evictions"]
+    evicted = state.side.engine.stats()["evictions"]
     sub.drain(until=lambda s: sum(e["type"] == "BlockRemoved" for e in s.events()) >= evicted)
     removed = [e for e in sub.events() if e["type"] == "BlockRemoved"]
     assert evicted > 0 and len(removed) == evicted
@@ -188,7 +188,7 @@ def test_evictions_are_one_removed_event_per_block(serve):
 def test_pub_connects_when_the_endpoint_is_not_a_wildcard(serve):
     sub = Sub("tcp://127.0.0.1:*", bind=True)  # vLLM semantics: the subscriber binds
     srv, state = serve(kv_events=events_config(endpoint=sub.endpoint, replay_endpoint=None))
-    assert not state.events.publisher.binds
+    assert not state.side.events.publisher.binds
     time.sleep(0.3)
     # A connecting PUB learns of the subscription only once it sends (libzmq; vLLM's publisher is
     # the same): the very first batch can be lost, and a consumer replays it. Later ones arrive.
@@ -208,7 +208,7 @@ def test_vllm_decodes_our_events_and_hashes_agree(serve, tmp_path):
     if not os.path.exists(VLLM_PY):
         pytest.skip("no vLLM venv (scripts/vllm-cpu.sh setup)")
     srv, state = serve(kv_events=events_config(), hash="sha256_cbor")
-    sub = Sub(state.events.publisher.endpoint)
+    sub = Sub(state.side.events.publisher.endpoint)
     time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, user="ann")
@@ -252,7 +252,7 @@ print(n, checked, ",".join(sorted(sessions)))
 
 def test_full_report_mode_as_the_server_default(serve):
     srv, state = serve(kv_events=events_config(), report_full=True)
-    sub = Sub(state.events.publisher.endpoint)
+    sub = Sub(state.side.events.publisher.endpoint)
     time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, user="ann")
@@ -292,7 +292,7 @@ def test_publisher_keeps_the_last_buffer_steps_batches():
 
 def test_a_salted_block_carries_its_salt_in_extra_keys(serve, tmp_path):
     srv, state = serve(keys=keys(tmp_path), isolation="user", kv_events=events_config())
-    sub = Sub(state.events.publisher.endpoint)
+    sub = Sub(state.side.events.publisher.endpoint)
     time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, ALICE, "mine")
@@ -316,7 +316,7 @@ def test_same_events_as_a_real_vllm_for_the_same_chats(serve, smollm, monkeypatc
     monkeypatch.setenv("PYTHONHASHSEED", cap["pythonhashseed"])  # vLLM's NONE_HASH seed at capture time
     srv, state = serve(loaded=smollm, model="default", num_blocks=None, cache_mb=64, block_size=cap["block_size"],
                        hash="sha256_cbor", kv_events=events_config())
-    sub = Sub(state.events.publisher.endpoint)
+    sub = Sub(state.side.events.publisher.endpoint)
     time.sleep(0.3)
     usages = []
     with httpx.Client(timeout=300) as c:
