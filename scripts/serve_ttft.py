@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Client-side TTFT of `kvplay serve` under 1, 8 and 32 concurrent streaming clients.
 
-Starts the server in-process on loopback (the same build_state/ServerThread `kvplay serve`
-uses), then for each concurrency C runs rounds of C clients that start together, each streaming
-one chat turn (a shared system prompt + its own question, `max_tokens` tokens). TTFT is measured
+Starts the server on loopback as `kvplay serve` runs it (the HTTP server in this process, the
+engine in its engine-core process; `--in-process-engine`: both here), then for each concurrency
+C runs rounds of C clients that start together, each streaming one chat turn (a shared system prompt + its own question, `max_tokens` tokens). TTFT is measured
 by the client: from sending the request to the first content chunk. Prints one JSON line per
 concurrency and a table.
 
     .venv/bin/python scripts/serve_ttft.py [--model default] [--concurrency 1,8,32]
-        [--requests 32] [--max-tokens 16] [--threads N] [--timeout 600]
+        [--requests 32] [--max-tokens 16] [--threads N] [--timeout 600] [--in-process-engine]
 """
 from __future__ import annotations
 
@@ -58,22 +58,27 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-running", type=int, default=None)
+    ap.add_argument("--in-process-engine", action="store_true", help="run the engine in this process")
     ap.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds in all")
     args = ap.parse_args()
     deadline = time.monotonic() + args.timeout
 
     from kvplay.bench.metrics import percentile
     from kvplay.engine.config import EngineConfig
-    from kvplay.engine.engine import Engine
-    from kvplay.serve.server import ServerThread, build_state, close_state
+    from kvplay.serve.core_client import RemoteSide
+    from kvplay.serve.core_proc import CoreParams, build_side
+    from kvplay.serve.server import ServerThread, state_for
 
     cfg = EngineConfig(model=args.model, threads=args.threads)
     if args.max_running:
         cfg.max_running = args.max_running
-    print(f"serve_ttft: loading {args.model} …", file=sys.stderr, flush=True)
-    engine = Engine(cfg.validate()).start()
-    state = build_state(engine)
-    srv = ServerThread(state).start()
+    params = CoreParams(cfg.validate())
+    engine = None
+    if args.in_process_engine:
+        engine, _, side = build_side(params)
+    else:
+        side = RemoteSide(params)
+    srv = ServerThread(state_for(side)).start()
     rows = []
     try:
         warm: list = []
@@ -107,9 +112,10 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     finally:
         srv.stop()
-        close_state(state)
-        engine.shutdown()
-    print(f"\nmodel {engine.model_name}, {args.max_tokens} tokens per reply, client-side TTFT (ms)")
+        side.close()
+        if engine is not None:
+            engine.shutdown()
+    print(f"\nmodel {side.model_name}, {args.max_tokens} tokens per reply, client-side TTFT (ms)")
     print(f"{'clients':>8} {'done':>9} {'p50':>8} {'p95':>8} {'tok/s':>7}")
     for r in rows:
         print(f"{r['concurrency']:>8} {str(r['completed']) + '/' + str(r['requests']):>9} {r['ttft_p50_ms']!s:>8} "
