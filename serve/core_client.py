@@ -123,9 +123,11 @@ class RemoteSide:
             await asyncio.wait_for(asyncio.wrap_future(fut), ACK_TIMEOUT_S)
         except (LinkClosed, asyncio.TimeoutError):
             self._forget(s.request_id)
+            self._send(("cancel", s.request_id))  # if the core took it after all, it frees its blocks
             raise EngineError("engine shut down: the engine-core process does not answer") from None
-        except BaseException:
+        except BaseException:  # the client left while the core took the turn in
             self._forget(s.request_id)
+            self._send(("cancel", s.request_id))
             raise
         return h
 

@@ -25,15 +25,22 @@ class ServeRecording:
             if user in self._users:
                 return
             self._users.add(user)
-        fut = self._writer.submit(self._safe, self.recorder.add_user, user, group=group)
+        try:
+            fut = self._writer.submit(self._safe, self.recorder.add_user, user, group=group)
+        except RuntimeError:  # closed
+            self.failures += 1
+            return
         if wait:
             fut.result()
 
     def turn(self, user: str, text: str, messages: list, sampling, prompt: tuple, started: float):
         """A callback for a request's RequestResult that queues the turn's write."""
-        def on_result(result) -> None:
-            self._writer.submit(self._safe, self.recorder.record_turn, user, text, messages, sampling, result,
-                                started=started, prompt=prompt)
+        def on_result(result) -> None:  # on the engine thread: only queues
+            try:
+                self._writer.submit(self._safe, self.recorder.record_turn, user, text, messages, sampling, result,
+                                    started=started, prompt=prompt)
+            except RuntimeError:  # closed: a turn still running when the server stopped
+                self.failures += 1
         return on_result
 
     def flush(self) -> None:
