@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API over one Engine (FastAPI/Starlette, served by uvicorn).
+"""The OpenAI-compatible HTTP API over one Engine (FastAPI/Starlette, served by uvicorn). The
+routes reach the engine only through its side (serve/engine_side.py): in this process, or in
+`kvplay serve`'s engine-core process (serve/core_proc.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (streaming SSE or not), GET /v1/models,
 GET /health, POST /reset_prefix_cache, GET /metrics, POST /tokenize; and (serve/info_routes.py)
@@ -507,7 +509,8 @@ def create_app(state: ServeState) -> FastAPI:
         that process runs and its heartbeat says so); a request that failed (and ended alone)
         does not make the server unhealthy."""
         if not state.side.alive:
-            return error_response(ApiError(503, "engine is down: its thread has stopped", code="unavailable"))
+            return error_response(ApiError(503, "engine is down: its thread or its engine-core process has stopped",
+                                           code="unavailable"))
         return Response(status_code=200)
 
     @app.post("/reset_prefix_cache")
