@@ -55,18 +55,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants: `kvplay serve` is an HTTP process and its engine-core child,
+    and the event sockets (the ZMQ floods' target) live in the child."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _status_sum(pid: int, field: str) -> int:
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(field):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident MB of the server's processes together."""
+    return _status_sum(pid, "VmRSS:") / 1024
 
 
 def threads_of(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    return -1
+    """Threads of the server's processes together."""
+    return _status_sum(pid, "Threads:")
 
 
 class Server:

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future
 
 from kvplay.engine.errors import EngineError
-from kvplay.engine.request import RequestResult, RequestStats
+from kvplay.engine.request import RequestHandle, RequestResult, RequestStats
 
 from .link import Link, LinkClosed
 
@@ -27,41 +27,6 @@ BEAT_STALE_S = 10.0  # no heartbeat for this long: /health says the engine is do
 ACK_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 20.0
 GONE = "engine shut down: the engine-core process exited"
-
-
-class RemoteHandle:
-    """A turn in the core, as the front end sees it (forward_to / cancel, like SideHandle)."""
-
-    def __init__(self, request_id: str, user: str, side: "RemoteSide"):
-        self.request_id = request_id
-        self.user = user
-        self._side = side
-        self._early: list = []
-        self._sink = None
-        self._lock = threading.Lock()
-        self.done = False
-
-    def _put(self, item) -> None:
-        """On the reader thread."""
-        if not hasattr(item, "token_id"):
-            self.done = True
-        with self._lock:
-            if self._sink is None:
-                self._early.append(item)
-                return
-            sink = self._sink
-        sink(item)
-
-    def forward_to(self, sink) -> None:
-        with self._lock:
-            for item in self._early:
-                sink(item)
-            self._early = []
-            self._sink = sink
-
-    def cancel(self) -> None:
-        if not self.done:
-            self._side._send(("cancel", self.request_id))
 
 
 def _failed(request_id: str, user: str, error: str) -> RequestResult:
@@ -75,7 +40,7 @@ class RemoteSide:
         self.proc = subprocess.Popen([python or sys.executable, "-m", "kvplay.serve.core_proc", str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
-        self._handles: dict[str, RemoteHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}
         self._waiters: dict = {}
         self._ids = itertools.count()
         self._beat = (time.monotonic(), True, None)
@@ -111,10 +76,12 @@ class RemoteSide:
         return (not self._closed and not self.link.closed and self.proc.poll() is None and alive
                 and time.monotonic() - at < BEAT_STALE_S)
 
-    async def asubmit(self, s) -> RemoteHandle:
+    async def asubmit(self, s) -> RequestHandle:
+        """The turn's handle (the engine's own kind, fed by the link's reader: `forward_to`,
+        `cancel`); EngineError when the core refuses it or is gone."""
         if not self.alive:
             raise EngineError(GONE)
-        h = RemoteHandle(s.request_id, s.user, self)
+        h = RequestHandle(s.request_id, s.user, self)
         self._handles[s.request_id] = h  # before sending: the first deltas may beat the ack
         fut: Future = Future()
         self._waiters[("ack", s.request_id)] = fut
@@ -130,6 +97,11 @@ class RemoteSide:
             self._send(("cancel", s.request_id))
             raise
         return h
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a turn in the core (RequestHandle.cancel calls this); a finished one is left."""
+        if request_id in self._handles:
+            self._send(("cancel", request_id))
 
     def stats(self, timeout: float = 0.2) -> dict:
         return self._call("stats", timeout, wait=timeout + 10)
