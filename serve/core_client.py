@@ -92,6 +92,9 @@ class RemoteSide:
             self._forget(s.request_id)
             self._send(("cancel", s.request_id))  # if the core took it after all, it frees its blocks
             raise EngineError("engine shut down: the engine-core process does not answer") from None
+        except EngineError:  # refused: the core holds nothing of it
+            self._forget(s.request_id)
+            raise
         except BaseException:  # the client left while the core took the turn in
             self._forget(s.request_id)
             self._send(("cancel", s.request_id))
