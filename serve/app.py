@@ -201,11 +201,20 @@ def kvplay_of(result, user: str) -> dict:
             "preemptions": st.preemptions}
 
 
+UNAVAILABLE = ("shut down", "not started", "did not answer", "does not answer")
+
+
+def engine_unavailable(err: str) -> bool:
+    """The engine (its thread, or its engine-core process) is gone or not answering: a 503, not
+    the request's fault."""
+    return any(s in err for s in UNAVAILABLE)
+
+
 def engine_failure(result) -> ApiError:
     err = result.error or "request failed"
     if "pool" in err and "block" in err:
         return ApiError(413, err, code="kv_pool_exceeded")
-    if "shut down" in err:
+    if engine_unavailable(err):
         return ApiError(503, err, code="unavailable")
     return ApiError(500, err, code="engine_error")
 
@@ -409,7 +418,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError):  # the engine (or its process) is gone
-        down = "shut down" in str(exc) or "answer" in str(exc)
+        down = engine_unavailable(str(exc))
         return error_response(ApiError(503 if down else 500, str(exc), code="unavailable" if down else "engine_error"))
 
     @app.exception_handler(Exception)
@@ -440,8 +449,10 @@ def create_app(state: ServeState) -> FastAPI:
                                   seed=g.seed, stop_on_eos=not g.ignore_eos)
         rid = uuid.uuid4().hex[:16]
         side = state.side
-        text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "")
-        messages = g.messages if g.kind == "chat" else []
+        # what the recording keeps of the turn (nothing crosses to a side that does not record)
+        records = side.recording_info is not None
+        text = (g.messages[-1]["content"] if g.kind == "chat" else g.prompt or "") if records else ""
+        messages = g.messages if records and g.kind == "chat" else []
         turns: list[Turn] = []
         for i in range(g.n):  # n choices: n requests for the prompt (the later ones reuse its blocks)
             rid_i = rid if g.n == 1 else f"{rid}-{i}"
@@ -455,8 +466,7 @@ def create_app(state: ServeState) -> FastAPI:
             except EngineError as exc:
                 for t in turns:  # the choices already queued go too: the request failed as a whole
                     t.stream.cancel()
-                status = 503 if "shut down" in str(exc) or "not started" in str(exc) else 400
-                raise ApiError(status, str(exc)) from None
+                raise ApiError(503 if engine_unavailable(str(exc)) else 400, str(exc)) from None
             turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle), index=i, rid_base=rid))
         if g.stream:
             return StreamingResponse(stream_turn(turns, slot), media_type="text/event-stream",

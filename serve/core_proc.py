@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.errors import EngineError
 
-from .engine_side import EngineSide
+from .engine_side import EngineSide, event_publisher
 from .link import Link, LinkClosed
 
 BEAT_S = 0.5
@@ -65,15 +65,14 @@ def build_side(p: CoreParams):
     try:
         if p.record:
             rec = Recorder.open(p.db, p.config, engine.model_name, "serve", "", title=p.title)
-        pub = None
-        if p.kv_events is not None and p.kv_events.enabled:
+        curve = None
+        if p.curve_dir:
             # start-up time: imported when this first runs (zmq)
             from kvplay.wire import curve as wire_curve
-            from kvplay.wire.publisher import ZmqEventPublisher
 
-            curve = wire_curve.ServerCurve.load(p.curve_dir) if p.curve_dir else None
-            pub = ZmqEventPublisher.from_config(p.kv_events, loopback=p.loopback, curve=curve)
-        side = EngineSide(engine, p.identities, pub, report_full=p.report_full, recorder=rec)
+            curve = wire_curve.ServerCurve.load(p.curve_dir)
+        side = EngineSide(engine, p.identities, event_publisher(p.kv_events, p.loopback, curve),
+                          report_full=p.report_full, recorder=rec)
     except BaseException:
         close_run(rec, engine)
         raise
@@ -194,7 +193,10 @@ def main(argv: list[str]) -> int:
         engine, rec, side = build_side(params)
     except Exception as exc:  # one line back to the HTTP process, which says it and exits 2
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        link.send(("fatal", line))
+        try:
+            link.send(("fatal", line))
+        except LinkClosed:  # the HTTP process is gone already
+            pass
         return 2
     # start-up time: imported when this first runs
     from kvplay.sessions.recorder import close_run

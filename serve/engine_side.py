@@ -90,6 +90,17 @@ class SideHandle:
         self.handle.cancel()
 
 
+def event_publisher(kv_events, loopback: bool, curve=None):
+    """The ZMQ publisher of vLLM's KV events for a KVEventsConfig (None when events are off). On a
+    loopback-only server a wildcard bind binds 127.0.0.1; `curve`: a wire.curve.ServerCurve."""
+    if kv_events is None or not kv_events.enabled:
+        return None
+    # start-up time: imported when this first runs (zmq)
+    from kvplay.wire.publisher import ZmqEventPublisher
+
+    return ZmqEventPublisher.from_config(kv_events, loopback=loopback, curve=curve)
+
+
 class EngineSide:
     """The serving parts that live with one started Engine (see the module doc)."""
 

@@ -15,7 +15,7 @@ from kvplay.engine.errors import EngineError
 from kvplay.wire.loopback import endpoint_is_loopback, is_loopback_host
 
 from .app import ServeState, create_app
-from .engine_side import EngineSide
+from .engine_side import EngineSide, event_publisher
 
 HEADER_TIMEOUT_S = 10.0  # from connecting (or the last response) to a request's complete headers
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this
@@ -108,13 +108,8 @@ def build_state(engine, keys=None, kv_events=None, loopback: bool = True, report
     wildcard bind (vLLM's default ``tcp://*:5557``) binds 127.0.0.1 only; any other endpoint
     must pass check_event_endpoints. `curve`: a wire.curve.ServerCurve for both event sockets."""
     check_event_endpoints(kv_events, keys, loopback, curve, insecure_events)
-    pub = None
-    if kv_events is not None and kv_events.enabled:
-        # start-up time: imported when this first runs
-        from kvplay.wire.publisher import ZmqEventPublisher
-
-        pub = ZmqEventPublisher.from_config(kv_events, loopback=loopback, curve=curve)
-    side = EngineSide(engine, identities_of(keys), pub, report_full=report_full, recorder=recorder)
+    side = EngineSide(engine, identities_of(keys), event_publisher(kv_events, loopback, curve),
+                      report_full=report_full, recorder=recorder)
     return state_for(side, keys, served_name, max_concurrent, metrics_users)
 
 
