@@ -11,6 +11,7 @@ isolates nothing). With keys, each bearer token is one user (and group), isolati
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import ssl
 import sys
@@ -156,6 +157,7 @@ def main(args: argparse.Namespace) -> int:
         # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
         # exception too (not the default instant exit), so the session is closed and the engine stopped
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        gc.freeze()  # start-up's objects (torch, the tokenizer) are never garbage: keep the collector off them
         serve_forever(state, sock, args.log_level, args.ssl_keyfile, args.ssl_certfile, args.ssl_keyfile_password)
     finally:
         try:
