@@ -132,6 +132,10 @@ def main(args: argparse.Namespace) -> int:
         sock.close()
         raise
     try:
+        # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
+        # exception too (not the default instant exit), so the session is closed and the engine
+        # stopped; set before the "serving" line, so a SIGTERM sent on seeing it is caught too
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
         state = state_for(side, keys, args.served_model_name, args.max_concurrent_requests, args.metrics_users)
         host = f"[{args.host}]" if ":" in args.host else args.host
         who = (f"{len(keys)} API keys ({', '.join(sorted({i.user for i in keys.values()}))})" if keys
@@ -154,9 +158,6 @@ def main(args: argparse.Namespace) -> int:
         if side.recording_info is not None:
             print(f"kvplay: recording session {side.recording_info['session_id']} in {side.recording_info['path']}",
                   file=sys.stderr, flush=True)
-        # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
-        # exception too (not the default instant exit), so the session is closed and the engine stopped
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)
         gc.freeze()  # start-up's objects (torch, the tokenizer) are never garbage: keep the collector off them
         serve_forever(state, sock, args.log_level, args.ssl_keyfile, args.ssl_certfile, args.ssl_keyfile_password)
     finally:

@@ -231,7 +231,7 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except SystemExit as stop:  # SIGTERM to the core itself (a process-group kill): closed the same way
-        code = stop.code if isinstance(stop.code, int) else 0
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)  # as sys.exit
     # everything is closed by now (session, publisher, engine): skip the interpreter's final
     # collection of the model's objects, measured at ~2 s idle and far longer on a loaded
     # machine, which the HTTP process (and a supervisor's SIGTERM) waits for
