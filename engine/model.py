@@ -104,7 +104,10 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
 
     bar = getattr(gguf_utils, "tqdm", None)  # a raw tqdm per tensor; our step line says it once
     if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=True)
+        # tqdm starts its monitor thread even for a disabled bar, and the thread outlives the
+        # conversion by up to its 10 s interval: a subclass without it
+        quiet = type("QuietTqdm", (bar,), {"monitor_interval": 0}) if isinstance(bar, type) else bar
+        gguf_utils.tqdm = functools.partial(quiet, disable=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     finally:
