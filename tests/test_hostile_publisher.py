@@ -379,3 +379,38 @@ def test_attach_status_shows_why_a_pod_is_stale(hostile):
         assert "pod p stale" in text and "bad events 1" in text
     finally:
         backend.close()
+
+
+# --- a consumer can wait until the join replay is over -------------------------------------------
+@pytest.mark.parametrize("how", ["answered", "silent"])
+def test_wait_joined_holds_until_the_join_replay_is_applied(hostile, how):
+    """`attach` predicts a turn's cached tokens from the mirror; before the join replay is over the
+    mirror lacks what the pod cached before we came, and a prediction said 0 where the server hit.
+    wait_joined is False while the replay is asked and unanswered, True once the replayed blocks
+    are in the mirror; a publisher that never answers ends the wait at the replay timeout."""
+    go = threading.Event()
+
+    def answer(start):
+        go.wait(10)
+        return [(0, good(1000))]
+
+    h = hostile(answer=answer, silent=how == "silent")
+    sub = subscribe(h, replay_timeout=1.0)
+    loop = threading.Thread(target=sub.run, daemon=True)
+    loop.start()
+    try:
+        assert not sub.wait_joined(0.5)
+        assert h.requests == [0] and 1000 not in sub.fleet.pod("p").blocks
+        go.set()
+        assert sub.wait_joined(10)
+        if how == "answered":
+            assert 1000 in sub.fleet.pod("p").blocks and sub.states()["p"] == "live"
+        else:
+            assert 1000 not in sub.fleet.pod("p").blocks
+    finally:
+        sub.stop()
+        loop.join(5)
+        sub.close()
+    h2 = hostile(replay=False)
+    with subscribe(h2) as sub2:
+        assert sub2.wait_joined(0)  # no replay endpoint: nothing to catch up on

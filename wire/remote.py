@@ -185,6 +185,7 @@ class RemoteBackend(ChatBackend):
             m.convert = True  # its batches come back as engine events too (views, recorder)
         self._sub = None
         self._thread = None
+        self._join_waited = False  # a turn has waited for the join replays (later ones do not)
         if sources:
             try:
                 self._sub = Subscriber(list(sources), self.fleet, on_batch=self._on_batch,
@@ -391,7 +392,8 @@ class RemoteBackend(ChatBackend):
     def predict(self, user: str, messages: list[dict]) -> int | None:
         """The cached tokens the mirror says this prompt should get (the best pod's prefix match),
         before it is sent; the prompt is registered for attribution. None without events or
-        /tokenize, or when the salt decides and is not known (`salts_of`)."""
+        /tokenize, when the salt decides and is not known (`salts_of`), or when the pods' join
+        replays did not end within the replay timeout (the mirror may lack older blocks)."""
         return self._predict(user, messages)[0]
 
     def _predict(self, user: str, messages: list[dict]) -> tuple[int | None, bool]:
@@ -400,6 +402,12 @@ class RemoteBackend(ChatBackend):
             return None, False
         ids = self.tokenize(messages)
         if ids is None:
+            return None, False
+        # Before the pods' join replays are over the mirror lacks what they cached before we came:
+        # a prediction then says 0 where the server hits. Wait for them once, bounded.
+        joined = self._sub.wait_joined(0.0 if self._join_waited else self._sub.replay_timeout + 1.0)
+        self._join_waited = True
+        if not joined:
             return None, False
         with self.fleet.lock:
             self.fleet.prompts.register(user, ids)

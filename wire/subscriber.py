@@ -138,6 +138,7 @@ class _Pod:
     replay_tries: int = 0       # asks in a row for the same hole
     replays_given_up: int = 0
     left_at: float = 0.0        # when the peer left (a connecting SUB is re-dialled if it stays away)
+    joined: threading.Event = field(default_factory=threading.Event)  # the join replay is over (or none)
 
     @property
     def state(self) -> str:
@@ -191,6 +192,8 @@ class Subscriber:
                 self._open_sub(pod)
                 if src.replay:
                     self._open_dealer(pod)
+                else:
+                    pod.joined.set()  # nothing to catch up on: the mirror starts from what comes live
         except BaseException:
             self.close()
             raise
@@ -274,6 +277,13 @@ class Subscriber:
     # --- public view --------------------------------------------------------------------------
     def states(self) -> dict[str, str]:
         return {name: p.state for name, p in self._pods.items()}
+
+    def wait_joined(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s in all) until every pod's join replay is over, answered or
+        given up: before that, the mirror lacks what the pods cached before we came. True if all
+        are."""
+        end = time.monotonic() + timeout
+        return all(p.joined.wait(max(0.0, end - time.monotonic())) for p in list(self._pods.values()))
 
     def pod_info(self, name: str) -> dict:
         p = self._pods[name]
@@ -633,5 +643,6 @@ class Subscriber:
                     pod.mirror.lost += min(seq - pod.last_applied - 1, MAX_SEQ_JUMP)
                 pod.incomplete = True
             applied += self._apply_or_skip(pod, seq, batch, False, payload)
+        pod.joined.set()  # after the buffered batches: a waiter sees the mirror caught up
         self._set_state(pod, before)
         return applied
