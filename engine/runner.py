@@ -146,7 +146,7 @@ class ModelRunner:
                 logits = head(rows)
             elif det is not None:
                 logits = tiled_linear(det, rows, head.weight, head.bias, self.head_packed)
-            elif self.head_packed is not None and (rows.shape[0] > 1 or threads > 1):
+            elif self.head_packed is not None:  # one row on one thread too (llama_step._linear_for)
                 logits = packed_linear(rows, self.head_packed, head.bias)
             else:  # the biggest weight of a small model: a prefill step reads it for a few rows too
                 logits = skinny_linear(rows, head.weight, head.bias, threads)
