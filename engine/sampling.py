@@ -67,5 +67,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(torch.softmax(scores, dim=-1), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a 1-D distribution: one uniform draw from the request's generator, placed
+    on the running sum (inverse CDF, in float64). The same distribution as torch.multinomial,
+    which took 1.15 ms on 49,152 probabilities (a decode step of 8 rows: 9 ms); this takes ~0.1.
+    A token of probability 0 is never drawn; probabilities that are not finite (a NaN
+    temperature, a broken forward) raise, failing only this request."""
+    cum = probs.cumsum(0, dtype=torch.float64)
+    total = float(cum[-1])
+    if not math.isfinite(total) or total <= 0:
+        raise EngineError(f"cannot sample: the probabilities sum to {total}")
+    u = torch.rand((1,), dtype=torch.float64, generator=generator) * total
+    i = int(torch.searchsorted(cum, u, right=True))  # the first token whose running sum passes u
+    if i >= probs.numel():  # u rounded up to the total: the last token that has any probability
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
