@@ -159,9 +159,17 @@ class LlamaStep:
         return F.rms_norm(x, w.shape, w, eps)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+        """sin with its first half negated, made once a step: rotate_half(x) * sin is then
+        x.roll(half) * signed (the same products, bit for bit: (-a) * b == a * (-b))."""
+        half = sin.shape[-1] // 2
+        return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # transformers' x * cos + rotate_half(x) * sin, with rotate_half as one roll (was
+        # slice, slice, neg, cat on every layer)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
                 store, threads: int, det: LinearPlan | None = None) -> torch.Tensor:
@@ -171,7 +179,7 @@ class LlamaStep:
         x = self.embed(input_ids[0])  # [N, hidden]
         linear = self._linear_for(det, n, x.dtype, threads)
         cos, sin = self.rotary(x, positions)  # [1, N, D]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        cos, sin = cos[0].unsqueeze(1), self._signed_sin(sin[0].unsqueeze(1))  # [N, 1, D]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         k_end = (hq + hk) * d
         for i, L in enumerate(self.layers):
@@ -182,8 +190,10 @@ class LlamaStep:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, k_end:].view(n, hk, d)
             kpool, vpool = store.data[i][0], store.data[i][1]  # [hk, slots, d]
-            kpool.index_copy_(1, plan.write_slots, k.transpose(0, 1).to(kpool.dtype))
-            vpool.index_copy_(1, plan.write_slots, v.transpose(0, 1).to(vpool.dtype))
+            if k.dtype is not kpool.dtype:  # a cache dtype of its own
+                k, v = k.to(kpool.dtype), v.to(vpool.dtype)
+            kpool.index_copy_(1, plan.write_slots, k.transpose(0, 1))
+            vpool.index_copy_(1, plan.write_slots, v.transpose(0, 1))
             if n > 1:  # SDPA takes its math path for strided multi-token queries
                 q = q.contiguous()
             o, _ = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), kpool, vpool, None,

@@ -13,7 +13,7 @@ import torch
 from .errors import EngineError
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily (dividing logits by 1e-300
-# overflows to inf and the softmax to NaN, which multinomial refuses)
+# overflows to inf and the softmax to NaN, which `draw` refuses)
 SAMPLING_EPS = 1e-5
 
 
