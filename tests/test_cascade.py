@@ -152,6 +152,43 @@ def test_only_groups_that_pay_are_formed():
     assert runner._plan(shared(8, 1, 5), False)[2].cascade is not None
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_row_alone_on_its_prefix_attends_its_leading_run_as_a_view(block_size, monkeypatch, own_keys):
+    """A decode row no other row shares a prefix with is a group of one: its leading consecutive
+    blocks attended as a view of the pool, only the rest gathered, merged as any group's; the
+    same logits as attending alone."""
+    monkeypatch.setattr(cascade, "SOLO_KEYS", 1)
+    monkeypatch.setattr(cascade, "MIN_SAVED_KEYS", 1)
+    runner = _runner(block_size=block_size)
+    rng = random.Random(block_size + 7)
+    solo_groups = 0
+    for _ in range(10):
+        rows = _random_step(rng, block_size)
+        plan = runner._plan(rows, False)[2].cascade
+        if plan is not None:
+            solo_groups += sum(len(g.rows) == 1 and g.shared.first is not None for g in plan.groups)
+        alone, cascaded = _both(runner, rows)
+        torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
+    assert solo_groups >= 1  # the group of one really ran
+
+
+def test_which_rows_alone_on_a_prefix_are_grouped():
+    """At the serving workload's sizes (block 16): a row with 24 consecutive prefix blocks and
+    scattered blocks of its own is a group of one (384 keys a view); a row whose blocks are all
+    consecutive is a view already, and one whose leading run is short stays on the per-row path."""
+    runner = _runner(block_size=16)
+    prefix = list(range(100, 124))
+    rows = [Row(prefix + [20, 5], 24 * 16 + 20, [7]),   # a long run, then its own blocks
+            Row(list(range(60, 66)), 6 * 16 - 3, [8]),  # all consecutive
+            Row([30, 31, 40, 2, 7], 70, [9])]            # a 32-key run
+    plan = runner._plan(rows, False)[2]
+    (group,) = plan.cascade.groups
+    assert group.rows == [0] and group.shared.n == 384 and group.shared.first == 1600
+    assert plan.solo == [1, 2]
+    alone, cascaded = _both(runner, rows)
+    torch.testing.assert_close(cascaded, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_sliding_window_layers_keep_the_per_row_path(group_any):
     """Qwen2 with a window: its first layer attends fully (cascade), the others within 8 keys
     (per row). A cascade in a windowed layer would read keys outside the window."""
