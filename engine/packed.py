@@ -7,7 +7,10 @@ builds `create_onednn_mm` handlers and torch's inductor uses `_linear_pointwise`
 several rows — a serving step: several users' decode rows and a prompt chunk — much cheaper.
 `scripts/step_paths.py` measures it on the embedded model; at one thread, thread CPU time, best
 of 5, on the 2-core AVX2 machine while other jobs shared it (load 4): 8 decode rows 130 → 83 ms,
-8 decode rows + a 48-token chunk 284 → 213 ms, 32 decode rows 312 → 231 ms; one row is level.
+8 decode rows + a 48-token chunk 284 → 213 ms, 32 decode rows 312 → 231 ms; one row was level
+there. On the AVX-512 EPYC (2026-12-04) one row is faster packed too (a one-row forward 53 → 46–48
+ms at one thread: F.linear's GEMV read the weights at ~10 GB/s, oneDNN's packed kernel at ~15),
+so the packed weights now serve one row on one thread as well, the lm_head included.
 
 The packed copy is oneDNN's own (opaque) tensor beside the weight, which the module path and
 transformers' forward still read: the weights are held twice (measured
