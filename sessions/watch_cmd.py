@@ -239,16 +239,23 @@ def main(args) -> int:
             how = "bound" if s.bind else "connected to"
             print(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
                   f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", file=sys.stderr)
-    def on_term(signum, frame):
-        sub.stop()  # like Ctrl-C: the loop ends within one poll and the summary follows
+    def on_signal(signum, frame):
+        # SIGTERM or Ctrl-C: the loop ends within one poll and the summary follows. The loop is
+        # never interrupted mid-batch (a KeyboardInterrupt could land inside a callback or a
+        # socket swap); a second Ctrl-C while it winds down interrupts for real.
+        if signum == signal.SIGINT and sub.stopping:
+            raise KeyboardInterrupt
+        sub.stop()
 
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    old_int = signal.signal(signal.SIGINT, on_signal)
     try:
         sub.run(args.duration, tick=tick)
     except KeyboardInterrupt:
-        pass  # Ctrl-C ends a watch: the summary still follows
+        pass  # a second Ctrl-C: the summary still follows
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
         summary = summary_of(fleet, sub)
         sub.close()
         if recording is not None:

@@ -305,6 +305,11 @@ class Subscriber:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        """`stop()` was called: `run` ends within one poll."""
+        return self._stop.is_set()
+
     # --- the loop -----------------------------------------------------------------------------
     def run(self, duration: float | None = None, tick=None, tick_every: float = 1.0) -> None:
         """Poll until `stop()` or `duration` seconds; `tick()` is called about every `tick_every` s."""
