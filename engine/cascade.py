@@ -132,10 +132,12 @@ def plan_groups(used: list[list[int]], totals: list[int], q_lens: list[int], q_s
             # a row alone on its prefix: its leading run of consecutive blocks is attended as a
             # view of the pool, only the rest gathered (a row's keys not all consecutive are
             # otherwise gathered whole, every layer)
+            if first_slot(ref, block_size) is not None:
+                continue  # all its blocks are consecutive: the per-row path reads it in place already
             k = 1 if p else 0
             while k < p and ref[k] == ref[k - 1] + 1:
                 k += 1
-            if k * block_size < SOLO_KEYS or k == len(ref):  # short, or the whole row is a view already
+            if k * block_size < SOLO_KEYS:
                 continue
             p = k
         for r in rows[1:]:

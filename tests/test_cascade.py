@@ -179,7 +179,7 @@ def test_which_rows_alone_on_a_prefix_are_grouped():
     runner = _runner(block_size=16)
     prefix = list(range(100, 124))
     rows = [Row(prefix + [20, 5], 24 * 16 + 20, [7]),   # a long run, then its own blocks
-            Row(list(range(60, 66)), 6 * 16 - 3, [8]),  # all consecutive
+            Row(list(range(60, 72)), 12 * 16 - 3, [8]),  # all consecutive, the last block in part
             Row([30, 31, 40, 2, 7], 70, [9])]            # a 32-key run
     plan = runner._plan(rows, False)[2]
     (group,) = plan.cascade.groups
