@@ -403,14 +403,14 @@ class RemoteBackend(ChatBackend):
         ids = self.tokenize(messages)
         if ids is None:
             return None, False
+        with self.fleet.lock:
+            self.fleet.prompts.register(user, ids)
         # Before the pods' join replays are over the mirror lacks what they cached before we came:
         # a prediction then says 0 where the server hits. Wait for them once, bounded.
         joined = self._sub.wait_joined(0.0 if self._join_waited else self._sub.replay_timeout + 1.0)
         self._join_waited = True
         if not joined:
             return None, False
-        with self.fleet.lock:
-            self.fleet.prompts.register(user, ids)
         with self._lock:
             salts = self.salts_of(user)
             got = [mt.predicted_hit(ids, salts) for mt in self._matchers.values()]
