@@ -8,9 +8,12 @@ row it gathers exactly that row's keys from the pool and calls torch SDPA with g
 (``enable_gqa``, no copy per query head) and a causal (and, for sliding-window layers, windowed)
 mask only where one is needed (decode rows need none).
 
-Decode rows that share a prefix of the same physical blocks (the prefix cache makes this common)
-attend over the shared blocks once for all of them (``cascade.py``), except in deterministic mode
-and in sliding-window layers, where every row keeps its own call.
+On CPU in float32, every decode row of a step is attended in one call per layer by the compiled
+kernel (``native.py``: each row's keys read in place from the pool through its slots). Where that
+kernel is not built, decode rows that share a prefix of the same physical blocks (the prefix
+cache makes this common) attend over the shared blocks once for all of them (``cascade.py``).
+Neither runs in deterministic mode or in sliding-window layers, where every row keeps its own
+call.
 
 In deterministic mode every query is computed against exactly its own keys, and every linear
 layer runs only calibrated row counts (see ``invariance.py``), so a token's logits do not depend
@@ -27,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import native
 from .cascade import Cascade, attend as attend_cascade
 
 ATTN_NAME = "kvplay_paged"
@@ -45,6 +49,8 @@ class StepPlan:
     deterministic: bool
     cascade: Cascade | None = None  # decode rows sharing prefix blocks, grouped (cascade.py)
     solo: list = field(default_factory=list)  # the rows in no group (when there are groups)
+    decode: native.DecodeRows | None = None  # decode rows for the compiled kernel (native.py)
+    rest: list = field(default_factory=list)  # the other rows (when `decode` is set)
     _masks: dict = field(default_factory=dict)
 
     def key_range(self, row: int, window: int | None) -> int:
@@ -142,7 +148,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     h, d = query.shape[1], query.shape[3]
     out = query.new_empty((1, query.shape[2], h, d))
     rows = range(len(plan.q_starts))
-    if plan.cascade is not None and window is None:  # shared prefixes attended once per group
+    if (plan.decode is not None and window is None  # every decode row in one call, keys in place
+            and native.decode_attention(native.kernel(), query, key, value, plan.decode, scaling, out,
+                                        torch.get_num_threads())):
+        rows = plan.rest
+    elif plan.cascade is not None and window is None:  # shared prefixes attended once per group
         attend_cascade(query, key, value, plan.cascade, scaling, out)
         rows = plan.solo
     for row in rows:

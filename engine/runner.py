@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cascade as cascade_mod
+from . import native as native_mod
 from .invariance import BatchInvariantLinear, LinearPlan, tiled_linear
 from .paged import ATTN_NAME, PagedCache, StepPlan
 from .skinny import decode_step, install, max_rows, skinny_linear
@@ -47,7 +48,7 @@ def kv_geometry(model) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, loaded, num_blocks: int, block_size: int, packed: bool = True,
-                 cascade: bool = True):
+                 cascade: bool = True, native: bool = True):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -65,6 +66,11 @@ class ModelRunner:
         # decode rows sharing prefix blocks attend over them once per group (cascade.py): CPU only
         self.cascade = cascade and self.device.type == "cpu" and cascade_mod.AVAILABLE
         self.grouped_rows = 0  # decode rows that took the cascade, all steps together
+        # every decode row in one compiled call a layer (native.py): CPU, float32; it supersedes
+        # the cascade, which stays for where the kernel is not built
+        self.native = (native and self.device.type == "cpu" and self.dtype is torch.float32
+                       and native_mod.kernel() is not None)
+        self.native_rows = 0  # decode rows planned for the compiled kernel, all steps together
         self.linear_plan = None  # deterministic mode's calibrated GEMM row counts (invariance.py)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         params = inspect.signature(self.model.model.forward).parameters
@@ -103,7 +109,12 @@ class ModelRunner:
             write_slots=torch.cat(writes).to(dev), row_slots=row_slots, row_runs=runs, q_starts=starts,
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
-        if self.cascade and not deterministic and len(rows) > 1:  # once per step, never per layer
+        decode = [r for r, n in enumerate(plan.q_lens) if n == 1]
+        if self.native and not deterministic and decode:
+            plan.decode = native_mod.DecodeRows.of(decode, row_slots, starts)
+            plan.rest = [r for r, n in enumerate(plan.q_lens) if n != 1]
+            self.native_rows += len(decode)
+        elif self.cascade and not deterministic and len(rows) > 1:  # once per step, never per layer
             plan.cascade, plan.solo = cascade_mod.plan_groups(
                 tables, [past + n for past, n in zip(plan.past_lens, plan.q_lens)], plan.q_lens, starts,
                 row_slots, bs, self.dtype)

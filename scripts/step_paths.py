@@ -2,7 +2,8 @@
 """One engine step's forward on the embedded model, the ways kvplay can run it: plain weights
 (F.linear / skinny_mm) against oneDNN's packed weights (engine/packed.py), a step's decode
 rows and prompt chunk as two forwards against one (engine/scheduler.py), and decode rows that
-share prefix blocks attended row by row against once per group (engine/cascade.py).
+share prefix blocks attended row by row against once per group (engine/cascade.py), and every
+decode row attended by the compiled kernel (engine/native.py).
 
     .venv/bin/python scripts/step_paths.py [--threads 1] [--reps 7] [--shared-only]
 
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from kvplay.engine import native
 from kvplay.engine.model import ensure_converted, load_model
 from kvplay.engine.runner import ModelRunner, Row
 
@@ -57,9 +59,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     loaded = load_model(str(ensure_converted()))
-    plain = ModelRunner(loaded, 2048, 16, packed=False, cascade=False)
-    packed = ModelRunner(loaded, 2048, 16, packed=True, cascade=False)
-    cascaded = ModelRunner(loaded, 2048, 16, packed=True, cascade=True)
+    plain = ModelRunner(loaded, 2048, 16, packed=False, cascade=False, native=False)
+    packed = ModelRunner(loaded, 2048, 16, packed=True, cascade=False, native=False)
+    cascaded = ModelRunner(loaded, 2048, 16, packed=True, cascade=True, native=False)
+    compiled = ModelRunner(loaded, 2048, 16, packed=True, cascade=False, native=True)
+    if not compiled.native:
+        print(f"step_paths: no compiled kernel ({native.why_not()})", file=sys.stderr)
+        return 2
     if not packed.llama_step or not packed.llama_step.packed:
         print("step_paths: this torch cannot pack weights for oneDNN", file=sys.stderr)
         return 2
@@ -68,12 +74,13 @@ def main() -> int:
         "plain, 1 forward": lambda d, p: plain.forward(d + p),
         "packed, 1 forward": lambda d, p: packed.forward(d + p),
         "packed + cascade": lambda d, p: cascaded.forward(d + p),
+        "packed + kernel": lambda d, p: compiled.forward(d + p),
     }
     print(f"{args.threads} thread(s), best of {args.reps}, "
           f"{'thread CPU' if args.threads == 1 else 'wall'} ms per step; load average {os.getloadavg()[0]:.1f}")
     print("| decode rows + chunk tokens | " + " | ".join(paths)
-          + " | packed 1 fwd vs plain 2 fwd | cascade vs packed |")
-    print("|---" * (len(paths) + 3) + "|")
+          + " | packed 1 fwd vs plain 2 fwd | cascade vs packed | kernel vs cascade |")
+    print("|---" * (len(paths) + 4) + "|")
     for d, c, shared, prefixes in (SHARED if args.shared_only else CASES + SHARED):
         dec, pre = rows(d, c, shared, prefixes)
         best = {k: float("inf") for k in paths}
@@ -88,7 +95,8 @@ def main() -> int:
         case = f"{d} + {c}" + (f" / {shared} blocks x {prefixes}" if shared else "")
         print(f"| {case} | " + " | ".join(f"{v:.1f}" for v in ms.values())
               + f" | {ms['plain, 2 forwards'] / ms['packed, 1 forward']:.2f}x"
-              + f" | {ms['packed, 1 forward'] / ms['packed + cascade']:.2f}x |", flush=True)
+              + f" | {ms['packed, 1 forward'] / ms['packed + cascade']:.2f}x"
+              + f" | {ms['packed + cascade'] / ms['packed + kernel']:.2f}x |", flush=True)
     return 0
 
 

@@ -18,48 +18,16 @@ from kvplay.engine.options import add_engine_args, config_from_args
 from kvplay.engine.runner import ModelRunner, Row
 from kvplay.engine.sampling import SamplingParams
 from kvplay.engine.tiny import build_tiny
-
-NUM_BLOCKS = 160
-
+from steps_util import NUM_BLOCKS, random_step
 
 def _runner(kind="llama", kv_heads=2, block_size=8, window=None, seed=0):
     model, tok = build_tiny(kind, layers=2, heads=4, kv_heads=kv_heads, sliding_window=window)
     loaded = LoadedModel(model, tok, f"tiny:{kind}", torch.device("cpu"), torch.float32)
-    runner = ModelRunner(loaded, NUM_BLOCKS, block_size)
+    runner = ModelRunner(loaded, NUM_BLOCKS, block_size, native=False)  # the kernel supersedes it
     assert runner.cascade
     g = torch.Generator().manual_seed(seed)
     runner.store.data.copy_(torch.randn(runner.store.data.shape, generator=g))  # every slot readable
     return runner
-
-
-def _random_step(rng: random.Random, bs: int) -> list[Row]:
-    """Decode rows on 1-3 prefixes (scattered or consecutive blocks), each row holding some of a
-    prefix's first blocks and then blocks of its own; one row per prefix whose whole context is
-    the shared part; rows on no prefix; a prompt chunk on a prefix. No two rows write one slot."""
-    start = 100 + rng.randint(0, 10)
-    prefixes = [list(range(start, start + rng.randint(1, 6)))]  # consecutive: a view of the pool
-    ids = [b for b in range(NUM_BLOCKS) if b not in prefixes[0]]
-    rng.shuffle(ids)
-    fresh = iter(ids)
-    for _ in range(rng.randint(0, 2)):  # scattered blocks: one gather
-        prefixes.append([next(fresh) for _ in range(rng.randint(1, 6))])
-    rows = []
-    for blocks in prefixes:
-        rows.append(Row(list(blocks), len(blocks) * bs - 1, [rng.randint(5, 90)]))  # all shared
-        for _ in range(rng.randint(1, 4)):
-            keep = rng.randint(1, len(blocks))
-            own = [next(fresh) for _ in range(rng.randint(1, 3))]
-            past = keep * bs + rng.randint(0, len(own) * bs - 1)
-            rows.append(Row(blocks[:keep] + own, past, [rng.randint(5, 90)]))
-    for _ in range(rng.randint(0, 2)):
-        own = [next(fresh) for _ in range(rng.randint(1, 4))]
-        rows.append(Row(own, rng.randint(0, len(own) * bs - 1), [rng.randint(5, 90)]))
-    if rng.random() < 0.5:  # a prompt chunk after a cached prefix: not grouped, attended alone
-        blocks = prefixes[0]
-        own = [next(fresh) for _ in range(2)]
-        rows.append(Row(blocks + own, len(blocks) * bs, [rng.randint(5, 90) for _ in range(bs + 1)]))
-    rng.shuffle(rows)
-    return rows
 
 
 @pytest.fixture
@@ -92,7 +60,7 @@ def test_cascade_gives_the_per_row_logits(kv_heads, block_size, group_any, own_k
     rng = random.Random(block_size * 10 + kv_heads)
     grouped = multi = 0
     for _ in range(6):
-        rows = _random_step(rng, block_size)
+        rows = random_step(rng, block_size)
         plan = runner._plan(rows, False)[2].cascade
         if plan is not None:
             assert (plan.own_pad is not None) == (own_keys == "padded")
@@ -163,7 +131,7 @@ def test_a_row_alone_on_its_prefix_attends_its_leading_run_as_a_view(block_size,
     rng = random.Random(block_size + 7)
     solo_groups = 0
     for _ in range(10):
-        rows = _random_step(rng, block_size)
+        rows = random_step(rng, block_size)
         plan = runner._plan(rows, False)[2].cascade
         if plan is not None:
             solo_groups += sum(len(g.rows) == 1 and g.shared.first is not None for g in plan.groups)
@@ -227,7 +195,8 @@ def test_requests_on_one_cached_prompt_decode_as_a_group_in_the_engine(tiny_llam
     prompt = [5 + (i * 7) % 80 for i in range(320)]
     traces, grouped = {}, {}
     for on in (True, False):
-        with Engine(EngineConfig(model="tiny:llama", num_blocks=128, cascade_attention=on), tiny_llama) as eng:
+        cfg = EngineConfig(model="tiny:llama", num_blocks=128, cascade_attention=on, native_attention=False)
+        with Engine(cfg, tiny_llama) as eng:
             eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
             sp = SamplingParams(max_tokens=6, stop_on_eos=False)
             handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
