@@ -2,9 +2,16 @@
 test_native.py): rows on shared prefixes, rows alone, a prompt chunk."""
 from __future__ import annotations
 
+import argparse
 import random
 
+import torch
+
+from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import Engine
+from kvplay.engine.options import add_engine_args, config_from_args
 from kvplay.engine.runner import Row
+from kvplay.engine.sampling import SamplingParams
 
 NUM_BLOCKS = 160
 
@@ -37,3 +44,54 @@ def random_step(rng: random.Random, bs: int) -> list[Row]:
         rows.append(Row(blocks + own, len(blocks) * bs, [rng.randint(5, 90) for _ in range(bs + 1)]))
     rng.shuffle(rows)
     return rows
+
+
+def shared_prompt_traces(loaded, counter: str, on: dict, off: dict) -> tuple[int, int]:
+    """Three requests on a cached 320-token prompt decode in the same steps, once under the
+    config fields `on` and once under `off`: their logits agree. Returns the runner's `counter`
+    (rows taken by the path under test) for each run."""
+    prompt = [5 + (i * 7) % 80 for i in range(320)]
+    traces, counted = [], []
+    for fields in (on, off):
+        with Engine(EngineConfig(model="tiny:llama", num_blocks=128, **fields), loaded) as eng:
+            eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
+            sp = SamplingParams(max_tokens=6, stop_on_eos=False)
+            handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
+                       for i in range(3)]
+            for h in handles:
+                assert h.result(60).stats.cached_tokens >= 320 - 16
+            traces.append([h.request.logits_trace for h in handles])
+            counted.append(getattr(eng.runner, counter))
+    for a, b in zip(*traces):
+        assert len(a) == len(b) == 6
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    return counted[0], counted[1]
+
+
+def deterministic_rows_are_batch_invariant(runner, rows: list[Row]) -> None:
+    """In deterministic mode a row's logits do not depend on the rows beside it."""
+    alone = runner.forward(rows[:1], deterministic=True)
+    together = runner.forward(rows, deterministic=True)
+    assert torch.equal(alone[0], together[0])
+
+
+def switch_reaches_the_runner(loaded, flag: str, field: str, attr: str) -> None:
+    """`flag` turns the config `field` off (on by default), and the runner's `attr` follows."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = config_from_args(parser.parse_args([flag]))
+    assert getattr(cfg, field) is False
+    assert getattr(config_from_args(parser.parse_args([])), field) is True
+    assert getattr(Engine(cfg.replace(model="tiny:llama", num_blocks=32), loaded).runner, attr) is False
+    assert getattr(Engine(EngineConfig(model="tiny:llama", num_blocks=32), loaded).runner, attr)
+
+
+def with_and_without(runner, attr: str, rows: list[Row], deterministic: bool = False):
+    """(logits with the runner's path `attr` off, logits with it on)."""
+    setattr(runner, attr, False)
+    try:
+        off = runner.forward(rows, deterministic)
+    finally:
+        setattr(runner, attr, True)
+    return off, runner.forward(rows, deterministic)

@@ -4,21 +4,17 @@ models over a pool of random K/V, with GQA, several block sizes, sliding windows
 paths; never in deterministic mode."""
 from __future__ import annotations
 
-import argparse
 import random
 
 import pytest
 import torch
 
 from kvplay.engine import cascade
-from kvplay.engine.config import EngineConfig
-from kvplay.engine.engine import Engine
 from kvplay.engine.model import LoadedModel
-from kvplay.engine.options import add_engine_args, config_from_args
 from kvplay.engine.runner import ModelRunner, Row
-from kvplay.engine.sampling import SamplingParams
 from kvplay.engine.tiny import build_tiny
-from steps_util import NUM_BLOCKS, random_step
+from steps_util import NUM_BLOCKS, random_step, shared_prompt_traces
+from steps_util import deterministic_rows_are_batch_invariant, switch_reaches_the_runner, with_and_without
 
 def _runner(kind="llama", kv_heads=2, block_size=8, window=None, seed=0):
     model, tok = build_tiny(kind, layers=2, heads=4, kv_heads=kv_heads, sliding_window=window)
@@ -45,12 +41,7 @@ def own_keys(request, monkeypatch):
 
 
 def _both(runner, rows, deterministic=False):
-    runner.cascade = False
-    try:
-        alone = runner.forward(rows, deterministic)
-    finally:
-        runner.cascade = True
-    return alone, runner.forward(rows, deterministic)
+    return with_and_without(runner, "cascade", rows, deterministic)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])  # 4, 2 and 1 query heads per kv head
@@ -173,40 +164,17 @@ def test_deterministic_mode_never_groups_and_stays_batch_invariant(group_any):
     prefix = list(range(100, 106))
     rows = [Row(prefix + [10 + i], 25, [7 + i]) for i in range(4)]
     assert runner._plan(rows, False)[2].cascade is not None and runner._plan(rows, True)[2].cascade is None
-    alone = runner.forward(rows[:1], deterministic=True)
-    together = runner.forward(rows, deterministic=True)
-    assert torch.equal(alone[0], together[0])
+    deterministic_rows_are_batch_invariant(runner, rows)
 
 
 def test_the_switch_reaches_the_runner(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    cfg = config_from_args(parser.parse_args(["--no-cascade-attention"]))
-    assert cfg.cascade_attention is False
-    assert config_from_args(parser.parse_args([])).cascade_attention is True
-    eng = Engine(cfg.replace(model="tiny:llama", num_blocks=32), tiny_llama)
-    assert eng.runner.cascade is False
-    assert Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama).runner.cascade
+    switch_reaches_the_runner(tiny_llama, "--no-cascade-attention", "cascade_attention", "cascade")
 
 
 def test_requests_on_one_cached_prompt_decode_as_a_group_in_the_engine(tiny_llama):
     """Three requests on a cached 320-token prompt hold its blocks and decode in the same steps:
     the engine groups them, and their logits are those of the engine without the cascade."""
-    prompt = [5 + (i * 7) % 80 for i in range(320)]
-    traces, grouped = {}, {}
-    for on in (True, False):
-        cfg = EngineConfig(model="tiny:llama", num_blocks=128, cascade_attention=on, native_attention=False)
-        with Engine(cfg, tiny_llama) as eng:
-            eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
-            sp = SamplingParams(max_tokens=6, stop_on_eos=False)
-            handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
-                       for i in range(3)]
-            for h in handles:
-                assert h.result(60).stats.cached_tokens >= 320 - 16
-            traces[on] = [h.request.logits_trace for h in handles]
-            grouped[on] = eng.runner.grouped_rows
-    assert grouped[True] >= 3 * 4 and grouped[False] == 0
-    for a, b in zip(traces[True], traces[False]):
-        assert len(a) == len(b) == 6
-        for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    on, off = shared_prompt_traces(tiny_llama, "grouped_rows",
+                                   {"cascade_attention": True, "native_attention": False},
+                                   {"cascade_attention": False, "native_attention": False})
+    assert on >= 3 * 4 and off == 0

@@ -5,7 +5,6 @@ step, both forward paths, sliding windows); never in deterministic mode; and whe
 built the engine runs on torch's ops."""
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 
@@ -17,11 +16,11 @@ from kvplay.engine import native
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.model import LoadedModel
-from kvplay.engine.options import add_engine_args, config_from_args
 from kvplay.engine.runner import ModelRunner, Row
 from kvplay.engine.sampling import SamplingParams
 from kvplay.engine.tiny import build_tiny
-from steps_util import NUM_BLOCKS, random_step
+from steps_util import NUM_BLOCKS, random_step, shared_prompt_traces
+from steps_util import deterministic_rows_are_batch_invariant, switch_reaches_the_runner, with_and_without
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
 
@@ -37,13 +36,7 @@ def _runner(kind="llama", kv_heads=2, block_size=8, window=None):
 
 
 def _both(runner, rows, deterministic=False):
-    """(logits with every row on SDPA, logits with the decode rows on the kernel)"""
-    runner.native = False
-    try:
-        alone = runner.forward(rows, deterministic)
-    finally:
-        runner.native = True
-    return alone, runner.forward(rows, deterministic)
+    return with_and_without(runner, "native", rows, deterministic)
 
 
 def test_it_builds_here_once_and_shares_torchs_openmp_runtime():
@@ -137,42 +130,19 @@ def test_deterministic_mode_never_takes_it():
     runner = _runner(block_size=4)
     rows = [Row(list(range(100, 106)) + [10 + i], 25, [7 + i]) for i in range(4)]
     assert runner._plan(rows, True)[2].decode is None
-    alone = runner.forward(rows[:1], deterministic=True)
-    together = runner.forward(rows, deterministic=True)
-    assert torch.equal(alone[0], together[0])
+    deterministic_rows_are_batch_invariant(runner, rows)
 
 
 def test_the_switch_reaches_the_runner(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    cfg = config_from_args(parser.parse_args(["--no-native-attention"]))
-    assert cfg.native_attention is False
-    assert config_from_args(parser.parse_args([])).native_attention is True
-    assert Engine(cfg.replace(model="tiny:llama", num_blocks=32), tiny_llama).runner.native is False
-    assert Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama).runner.native
+    switch_reaches_the_runner(tiny_llama, "--no-native-attention", "native_attention", "native")
 
 
 def test_requests_decode_through_it_in_the_engine(tiny_llama):
     """Three requests on a cached 320-token prompt decode in the same steps: their logits are
     those of the engine on torch's ops."""
-    prompt = [5 + (i * 7) % 80 for i in range(320)]
-    traces, counted = {}, {}
-    for on in (True, False):
-        cfg = EngineConfig(model="tiny:llama", num_blocks=128, native_attention=on)
-        with Engine(cfg, tiny_llama) as eng:
-            eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
-            sp = SamplingParams(max_tokens=6, stop_on_eos=False)
-            handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
-                       for i in range(3)]
-            for h in handles:
-                assert h.result(60).stats.cached_tokens >= 320 - 16
-            traces[on] = [h.request.logits_trace for h in handles]
-            counted[on] = eng.runner.native_rows
-    assert counted[True] >= 3 * 5 and counted[False] == 0
-    for a, b in zip(traces[True], traces[False]):
-        assert len(a) == len(b) == 6
-        for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    on, off = shared_prompt_traces(tiny_llama, "native_rows", {"native_attention": True},
+                                   {"native_attention": False})
+    assert on >= 3 * 5 and off == 0
 
 
 def test_without_a_compiler_the_engine_runs_on_torch_ops(tiny_llama, tmp_path, monkeypatch, caplog):
