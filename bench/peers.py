@@ -297,10 +297,10 @@ def run_kvplay(loaded, workload: Workload, base: EngineConfig, deterministic: bo
     key = "kvplay-det" if deterministic else "kvplay"
     cfg = kvplay_config(base, workload, deterministic)
     # what a server peer may set otherwise (vLLM CPU: block 32, up to 2048 prompt tokens a step)
-    res = PeerResult(key, f"{LABELS[key]} · block {cfg.block_size}, prefill budget {cfg.prefill_budget} "
-                          "tokens a step")
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
     engine = Engine(cfg, loaded).start()
+    res = PeerResult(key, f"{LABELS[key]} · block {cfg.block_size}, prefill budget {cfg.prefill_budget} "
+                          f"tokens a step, decode attention: {engine.runner.decode_attention(cfg.deterministic)}")
     try:
         warm_up_engine(engine, workload.turns[0].prompt_ids)
         peak = _PeakBlocks(engine)

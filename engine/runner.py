@@ -84,6 +84,16 @@ class ModelRunner:
         if self.device.type == "cpu" and self.llama_step is None:
             install(self.model.model)  # the modules' decode steps take skinny.py; lm_head below
 
+    def decode_attention(self, deterministic: bool) -> str:
+        """How this runner attends decode rows, in words (start-up lines and bench labels)."""
+        if deterministic:
+            return "exact per query (deterministic)"
+        if self.native:
+            return "compiled kernel"
+        if self.cascade:
+            return "torch, shared prefixes once (cascade)"
+        return "torch, per row"
+
     def _plan(self, rows: list[Row], deterministic: bool):
         """Pack every row's new tokens into one sequence: [1, N] ids and positions, no padding."""
         bs = self.block_size

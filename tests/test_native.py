@@ -137,6 +137,16 @@ def test_the_switch_reaches_the_runner(tiny_llama):
     switch_reaches_the_runner(tiny_llama, "--no-native-attention", "native_attention", "native")
 
 
+def test_the_path_is_named_where_users_read_it(tiny_llama):
+    """The start-up line and bench's peer label say which path decode rows take."""
+    with Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama) as eng:
+        assert eng.runner.decode_attention(False) == "compiled kernel"
+        assert eng.runner.decode_attention(True) == "exact per query (deterministic)"
+    cfg = EngineConfig(model="tiny:llama", num_blocks=32, native_attention=False)
+    with Engine(cfg, tiny_llama) as eng:
+        assert eng.runner.decode_attention(False) == "torch, shared prefixes once (cascade)"
+
+
 def test_requests_decode_through_it_in_the_engine(tiny_llama):
     """Three requests on a cached 320-token prompt decode in the same steps: their logits are
     those of the engine on torch's ops."""
@@ -154,6 +164,7 @@ def test_without_a_compiler_the_engine_runs_on_torch_ops(tiny_llama, tmp_path, m
     assert "using torch ops" in caplog.text
     with Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama) as eng:
         assert eng.runner.native is False and eng.runner.cascade
+        assert eng.runner.decode_attention(False) == "torch, shared prefixes once (cascade)"
         done = eng.submit("a", prompt_ids=list(range(5, 40)), sampling=SamplingParams(max_tokens=3)).result(60)
         assert len(done.token_ids) == 3
     assert not list(tmp_path.glob("native/*"))  # no half-written library left behind
