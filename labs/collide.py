@@ -79,7 +79,7 @@ def engine_feed(eng, ctx: LabContext, n: int, rng: random.Random) -> dict:
     hasher, extras = _hasher_and_extras(eng, 1)
     vocab, bs = token_pool(eng.tokenizer), eng.config.block_size
     caught: list = []
-    unsub = eng.subscribe(lambda e: caught.append(e) if isinstance(e, ev.CollisionCaught) else None)
+    unsub = eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, ev.CollisionCaught)))
     seen: dict[int, tuple] = {}
     predicted, first_at, false_hits = 0, None, 0
     sampling = SamplingParams(max_tokens=1, stop_on_eos=False)
@@ -165,7 +165,7 @@ def _demo(eng, ctx, pair: dict, verify: bool, max_tokens: int) -> dict:
     eng.reconfigure(verify_on_hit=verify)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     caught: list = []
-    unsub = eng.subscribe(lambda e: caught.append(e) if isinstance(e, ev.CollisionCaught) else None)
+    unsub = eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, ev.CollisionCaught)))
     try:
         eng.clear_cache()
         ra = eng.submit("alice", prompt_ids=pair["ids_a"], sampling=sampling).result(600)

@@ -16,7 +16,7 @@ from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
 
 from .cli_list import when
 from .cli_show import load
-from .history import session_events
+from .history import session_batches
 from .query import resolve_session, session_script
 from .report import attribution
 from .script import dump_script
@@ -91,5 +91,5 @@ def main(args: argparse.Namespace) -> int:
 def trace_export(db, ident: str, fmt: str):
     if fmt == "mooncake":
         return to_mooncake(db, ident)
-    events = session_events(db, resolve_session(db, ident)["id"])
-    return to_vllm_jsonl(events) if fmt == "vllm-jsonl" else to_vllm_msgpack(events)
+    batches = session_batches(db, resolve_session(db, ident)["id"])
+    return to_vllm_jsonl(batches) if fmt == "vllm-jsonl" else to_vllm_msgpack(batches)

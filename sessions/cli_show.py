@@ -7,7 +7,7 @@ import json
 from kvplay.engine.options import add_db_arg
 
 from .cli_list import when
-from .event_log import count_events, read_events
+from .event_log import count_events, event_dicts, read_batches
 from .query import resolve_session, session_turns, session_users
 from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
 from .store import open_db
@@ -30,7 +30,8 @@ def load(db, ident: str, events: bool = False) -> dict:
     for t in out["turns"]:
         t.pop("session_id", None)
     if events:
-        out["events"], bad = read_events(db, s["id"])
+        batches, bad = read_batches(db, s["id"])
+        out["events"] = event_dicts(batches)
         if bad:
             out["bad_events"] = bad
     else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .event_log import read_events
+from kvplay.engine.events import AllBlocksCleared, RequestQueued, SettingsChanged, UserGroupChanged
+
+from .event_log import read_batches
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
 
@@ -45,10 +47,11 @@ TIMELINE_KINDS = ("UserGroupChanged", "SettingsChanged", "AllBlocksCleared", "Re
 CLEAR_REASONS = ("cleared", "reconfigured")  # an engine's own clears (not a watched server's restart)
 
 
-def timeline_events(db, sid: str) -> list[dict]:
+def timeline_events(db, sid: str) -> list:
     """The recorded events `settings_timeline` reads (settings, groups, clears and each request's
     queueing), in order, without loading the session's cache events."""
-    return read_events(db, sid, TIMELINE_KINDS)[0]  # a damaged row is skipped, never a traceback
+    batches = read_batches(db, sid, TIMELINE_KINDS)[0]  # a damaged row is skipped, never a traceback
+    return [e for b in batches for e in b.events]
 
 
 @dataclass
@@ -60,7 +63,7 @@ class Changes:
     engine: dict = field(default_factory=dict)
 
 
-def settings_timeline(users: list[dict], turns: list[dict], events: list[dict]) -> tuple[dict, dict]:
+def settings_timeline(users: list[dict], turns: list[dict], events: list) -> tuple[dict, dict]:
     """(each user's group when the session began, {turn seq: Changes made before it}) from the
     recorded `UserGroupChanged`, `SettingsChanged` and `AllBlocksCleared` events, placed by the
     turns' `RequestQueued` events.
@@ -80,21 +83,19 @@ def settings_timeline(users: list[dict], turns: list[dict], events: list[dict]) 
     clear = False
     at_turn: dict = {}
     for e in events:
-        kind = e.get("kind")
-        if kind == "UserGroupChanged":
-            user = e.get("user")
-            if not isinstance(user, str):
-                continue
+        cls = type(e)
+        if cls is UserGroupChanged:
+            user = e.user
             if user not in seen:
                 seen.add(user)
-                start[user] = e.get("old_group")
-            groups[user] = e.get("new_group") or ""
-        elif kind == "SettingsChanged" and isinstance(e.get("changes"), dict):
-            engine.update(e["changes"])
-        elif kind == "AllBlocksCleared" and e.get("reason") in CLEAR_REASONS:
+                start[user] = e.old_group
+            groups[user] = e.new_group or ""
+        elif cls is SettingsChanged:
+            engine.update(e.changes)
+        elif cls is AllBlocksCleared and e.reason in CLEAR_REASONS:
             clear = True
-        elif kind == "RequestQueued" and e.get("request_id") in seq_of:
-            t = seq_of[e["request_id"]]
+        elif cls is RequestQueued and e.request_id in seq_of:
+            t = seq_of[e.request_id]
             ch = Changes(group=groups.pop(t["user"], None), clear=clear, engine=engine)
             if ch.group is not None or ch.clear or ch.engine:
                 at_turn[t["seq"]] = ch

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
-from kvplay.engine.events import RequestFinished, RequestQueued, RequestStarted
+from kvplay.engine.events import EventQueue, RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.prefix import BlockHasher, block_extras
@@ -223,6 +223,8 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused."""
     # Imported here for start-up time: the scheduler pulls in torch (seconds), and `kvplay
     # export --help` / `simulate --help` import this module for its names alone.
+    from kvplay.engine.kv_manager import KVManager
+    from kvplay.engine.output import OutputProcessor
     from kvplay.engine.request import Request
     from kvplay.engine.sampling import SamplingParams, make_generator
     from kvplay.engine.scheduler import Scheduler
@@ -245,19 +247,26 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     seq = [0]
     now = [0.0]  # the wall clock of the latest arrival (imported traces keep their timestamps)
 
-    def emit(ev) -> None:
-        seq[0] += 1
-        ev.seq = seq[0]
-        ev.ts = now[0] + seq[0] * 1e-6
-        if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
-            future.admitted(position[ev.request_id])
-        elif isinstance(ev, RequestFinished):
-            finished.add(ev.request_id)
-        if keep_events:
-            events.append((ev, runner.forwards))
+    class Events(EventQueue):
+        """The engine's event queue, read as events are queued: Belady's future learns at once
+        which request was admitted (an eviction later in the same step depends on it)."""
 
-    pool = BlockPool(config.num_blocks, config.block_size, evict, emit=emit, hex_fn=hasher.fn.hex)
-    sched = Scheduler(config, pool, runner, hasher, _SilentTokenizer(), trace.model_key, emit, {runner.eos})
+        def put(self, ev) -> None:
+            seq[0] += 1
+            ev.seq = seq[0]
+            ev.ts = now[0] + seq[0] * 1e-6
+            if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
+                future.admitted(position[ev.request_id])
+            elif isinstance(ev, RequestFinished):
+                finished.add(ev.request_id)
+            if keep_events:
+                events.append((ev, runner.forwards))
+
+    queue = Events()
+    emit = queue.put
+    pool = BlockPool(config.num_blocks, config.block_size, evict, events=queue, hex_fn=hasher.fn.hex)
+    kv = KVManager(config, pool, hasher, trace.model_key, emit)
+    sched = Scheduler(config, kv, OutputProcessor(_SilentTokenizer(), {runner.eos}, runner.max_positions, emit), emit)
     runner.scheduler = sched
     reqs = {}
     for i, r in enumerate(requests):
@@ -290,7 +299,9 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
             enter(items[k])
             k += 1
         if sched.has_work():
-            sched.step()
+            decision = sched.schedule()  # an engine step (engine.py `Engine.step`), the model replayed
+            if decision:
+                sched.update(decision, runner.forward(decision.rows()))
             steps += 1
             if steps > MAX_STEPS:
                 raise EngineError(f"the simulation of {trace.source} did not finish in {MAX_STEPS} steps")

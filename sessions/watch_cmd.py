@@ -37,6 +37,7 @@ from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import discover
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber, check_endpoint, default_pod_name
+from kvplay.wire.translate import counts
 
 from .watch_recording import WatchRecording
 
@@ -190,18 +191,19 @@ def main(args) -> int:
     out = sys.stdout
     as_json = args.json
 
-    def on_batch(pod, seq, batch, counts, replayed):
+    def on_batch(pod, seq, batch, replayed):
         if recording is not None:
-            recording.on_batch(pod, seq, counts.events)
+            recording.on_batch(pod, seq, batch)
         if as_json:
-            d = {"pod": pod, "seq": seq, "stored": counts[0], "removed": counts[1], "cleared": counts[2]}
+            stored, removed, cleared = counts(batch)
+            d = {"pod": pod, "seq": seq, "stored": stored, "removed": removed, "cleared": cleared}
             if replayed:
                 d["replayed"] = True
             out.write(json.dumps(d) + "\n")
 
-    def on_restart(pod):
+    def on_restart(pod, batch):
         if recording is not None:
-            recording.on_restart(pod)
+            recording.on_restart(pod, batch)
 
     def on_state(pod, state):
         print(f"kvplay: pod {pod} is {state}", file=sys.stderr, flush=True)
@@ -223,12 +225,10 @@ def main(args) -> int:
         raise KvplayError(str(exc)) from None
     if not args.no_record:  # after the sockets opened: a refused watch records nothing
         try:
-            recording = WatchRecording(args.db, fleet, title="watch " + " ".join(s.name for s in sources))
+            recording = WatchRecording(args.db, title="watch " + " ".join(s.name for s in sources))
         except BaseException:
             sub.close()
             raise
-        for s in sources:
-            recording.watch(s.name)
     for pod, seqs in drops:
         sub.drop_live(pod, seqs)
     if recording is not None:

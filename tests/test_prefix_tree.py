@@ -186,7 +186,7 @@ def test_local_engine_events_through_the_mirror(make_engine):
 
     eng = make_engine(num_blocks=128)
     events = []
-    eng.subscribe(events.append)
+    eng.subscribe_batches(lambda b: events.extend(b.events))
     system = {"role": "system", "content": "You are a careful assistant. " * 8}
     for user, q in (("alice", "first question"), ("bob", "tell me about caches"), ("carol", "hi")):
         eng.generate(user, [system, {"role": "user", "content": q}], SamplingParams(max_tokens=4), timeout=60)

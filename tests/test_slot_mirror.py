@@ -7,13 +7,16 @@ import random
 import numpy as np
 import pytest
 
+from pool_view import block_view
+from recorded_util import as_batches
+
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.observe import BlockArrays, block_view, summarize
 from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions import history
 from kvplay.sessions.history import History, pool_state
 from kvplay.tui.backend import LocalEngineBackend
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.views import BlockArrays, summarize
 
 SYSTEM = "You are a helpful assistant for a small bakery. Answer briefly and plainly, please."
 USERS = ("alice", "bob", "carol", "dave")
@@ -59,7 +62,7 @@ def test_batches_rebuild_the_live_pool_after_every_step(tiny_llama):
     def on_batch(batch):
         steps.append(batch.step)
         seqs.extend(e.seq for e in batch.events)
-        m.apply_batch(batch)
+        m.apply(batch)
         bad.extend(_mismatches(m, eng.pool))
 
     eng.subscribe_batches(on_batch)

@@ -111,7 +111,7 @@ def kv_server(serve):
 async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
     srv, state, ev, rep = kv_server(serve)
     local = []
-    state.side.engine.subscribe(local.append)  # the server engine's own events: the reference tree
+    state.side.engine.subscribe_batches(lambda b: local.extend(b.events))  # the server engine's own events: the reference tree
     backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv"))
     app = AttachApp(backend, list(USERS), SYSTEM, turns=list(TURNS) + [TurnSpec("alice", "And rye rolls?")],
                     record=False, timings=False)
@@ -234,7 +234,7 @@ async def test_many_branches_are_listed_eight_at_a_time_and_a_block_finds_its_no
                     "token_ids": [10 + i, 0], "block_size": 2, "block_ids": [2 + i], "user": f"u{i % 3}", "ts": 2.0})
     mirror.apply({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0})
     from kvplay.tui.blockmap import ViewsSource
-    from kvplay.engine.observe import BlockView
+    from kvplay.wire.views import BlockView
 
     views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(32)]
     source = MirrorTrees(mirror, lambda ids: "t" + "".join(map(chr, (65 + i % 26 for i in ids))), ViewsSource(views))
@@ -314,7 +314,7 @@ def _line(screen, key):
 
 
 async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goes():
-    from kvplay.engine.observe import BlockView
+    from kvplay.wire.views import BlockView
     from kvplay.tui.blockmap import ViewsSource
     from kvplay.tui.theme import assign_looks
 
