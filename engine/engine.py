@@ -117,7 +117,10 @@ class Engine:
         events the engine's parts queued meanwhile, in order (possibly none: the batch also says
         a step ended, e.g. for a server that sends a step's outputs at once). The one stream
         every cache view, the recorder, the KV-event publisher and the metrics read (wire/mirror.py
-        mirrors it). Returns an unsubscribe."""
+        mirrors it). Returns an unsubscribe.
+
+        A request's result is handed to its waiter as the step produces it, before the step's
+        batch goes out: `call(lambda: None)` returns once that batch has been handed over."""
         self._batch_listeners.append(fn)
         return lambda: self._batch_listeners.remove(fn) if fn in self._batch_listeners else None
 

@@ -96,6 +96,7 @@ def engine_feed(eng, ctx: LabContext, n: int, rng: random.Random) -> dict:
             ctx.record(f"u{i % 7}", token_messages(eng.tokenizer, ids), sampling, res)
             false_hits += res.stats.cached_tokens > 0
             ctx.advance()
+        eng.call(lambda: None)  # the last step's batch is handed over (a result comes before its step ends)
     finally:
         unsub()
     return {"n": n, "predicted": predicted, "caught": len(caught), "false_hits": false_hits,
@@ -170,6 +171,7 @@ def _demo(eng, ctx, pair: dict, verify: bool, max_tokens: int) -> dict:
         eng.clear_cache()
         ra = eng.submit("alice", prompt_ids=pair["ids_a"], sampling=sampling).result(600)
         rb = eng.submit("bob", prompt_ids=pair["ids_b"], sampling=sampling).result(600)
+        eng.call(lambda: None)  # the last step's batch is handed over (a result comes before its step ends)
     finally:
         unsub()
     ctx.record("alice", [{"role": "user", "content": pair["text_a"]}], sampling, ra)

@@ -286,7 +286,7 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
     # start-up time: imported when this first runs
     from kvplay.wire.codec import AllBlocksCleared, BlockStored, EventBatch
     from kvplay.wire.mirror import Mirror
-    from kvplay.wire.translate import FromWire
+    from kvplay.wire.translate import FromWire, hash_key
 
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
     items: list = []
@@ -309,7 +309,7 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
                 prefix = [] if p is None else chain[p]
                 reused = len(prefix)  # vLLM stores a block only under a cached parent
                 for h in ev.block_hashes:  # re-announced cached blocks (kv_cache_report_mode "full") are hits
-                    if h not in resident or reused != len(chain.get(h, ())) - bs:
+                    if hash_key(h) not in resident or reused != len(chain.get(h, ())) - bs:
                         break
                     reused += bs
                 for i, h in enumerate(ev.block_hashes):

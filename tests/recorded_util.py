@@ -54,3 +54,8 @@ def as_batches(dicts: list) -> list:
         ev = event_from_dict({k: v for k, v in d.items() if k not in env})
         out.append(name_blocks(EngineBatch(0, ev.ts, [ev], **env), slots))
     return out
+
+
+def as_batch(d: dict):
+    """One recorded-form event as the batch a reader gives back (`as_batches`)."""
+    return as_batches([d])[0]

@@ -15,6 +15,7 @@ a recording's). vLLM's wire form (wire/codec.py) is met exactly twice, here:
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from heapq import heappop, heappush
 from typing import Callable
@@ -32,8 +33,15 @@ SPEC_KIND = "full_attention"  # what vLLM 0.32 sends for a plain decoder's one K
 # --- out: the engine's batches as vLLM's --------------------------------------------------------
 def _wire_hash(h, as_int: bool):
     """An event's hash as vLLM sends it: the engine's hex as a uint64 (or the digest's bytes); a
-    hash that came from a server (an int) as it came."""
-    return hex_to_wire_hash(h, as_int) if type(h) is str else h
+    hash that came from a server (an int) as it came; text that is no hex (a hand-made recording)
+    as 8 bytes of its blake2b, so it still names one block."""
+    if type(h) is not str:
+        return h
+    try:
+        return hex_to_wire_hash(h, as_int)
+    except ValueError:
+        d = hashlib.blake2b(h.encode(), digest_size=8).digest()
+        return int.from_bytes(d, "big") if as_int else d
 
 
 def _wire_extra(extra):
@@ -156,9 +164,14 @@ class Slots:
         self.next = 0
 
 
+def hash_key(h):
+    """A wire hash as the engine events (and so the Mirror) name it: digests (bytes) as hex, the
+    one vocabulary's hashes being ints or text."""
+    return h.hex() if h.__class__ is bytes else h
+
+
 def _hex_hashes(ev):
-    """A wire event whose hashes are digests (bytes) with them as hex: the one vocabulary's
-    hashes are ints or text."""
+    """A wire event whose hashes are digests (bytes) with them as hex (`hash_key`)."""
     hx = [hash_hex(h) for h in ev.block_hashes]
     if type(ev) is BlockRemoved:
         return msgspec.structs.replace(ev, block_hashes=hx)
@@ -189,7 +202,11 @@ class FromWire:
     Only the device tier is mirrored: events for another medium (vLLM's CPU offload tier "CPU",
     "STORAGE") or with locality "REMOTE" are counted (`mirror.other_medium`) and dropped. A
     hybrid model's group other than 0 keys its blocks (group, hash). The watch counters (module
-    docstring of wire/mirror.py) are kept on the mirror. Hashes stay as the server sent them."""
+    docstring of wire/mirror.py) are kept on the mirror. Hashes stay as the server sent them
+    (ints), but for full digests, which become hex (`hash_key`).
+
+    Translation and application alternate batch by batch (the subscriber applies each batch
+    before it translates the next): a new block's parent chain is read from the mirror."""
 
     def __init__(self, mirror, prompts: PromptIndex | None = None):
         self.mirror = mirror
