@@ -357,8 +357,10 @@ class Mirror:
                         if ref[b]:
                             continue  # in use: it keeps serving its request, freed when released
                         key = key_of.pop(b, None)  # what `_reset` does
-                        if key is not None and key_slot.get(key) == b:
-                            del key_slot[key]
+                        if key is not None:
+                            s = key_slot.pop(key, b)
+                            if s != b:  # the key names another block now: it stays
+                                key_slot[key] = s
                         parents.pop(b, None)
                         toks.pop(b, None)
                         if request:
@@ -417,70 +419,35 @@ class Mirror:
                     exact = self.exact
                     prev = ev.parent_block_hash
                     o = 0
-                    if nh == len(ids) and not exact and not rid:
-                        # a server's blocks (no ref events, no request): a free slot holds nothing
-                        # (what `_reset` leaves), the usual case of a new block
-                        for b, k, h in zip(ids, keys, hashes):
-                            if st[b] and not ref[b]:
-                                self._reset(b)  # a slot reused without ref events: what it held goes
-                            elif st[b]:
-                                self._rename(b, k)
-                            ca[b] = lu[b] = ts
-                            ix[b] = 1
-                            key_of[b] = k
-                            key_slot[k] = b
-                            if prev is None:
-                                parents.pop(b, None)
-                            else:
-                                parents[b] = prev
-                            prev = h
-                            cr[b] = code
-                            if request:
-                                request.pop(b, None)
-                            toks[b] = tokens[o:o + bs]
-                            o += bs
-                            if user:
-                                held = users_of.get(b)
-                                if held is None:
-                                    users_of[b] = one
-                                    fresh += 1
-                                elif user not in held:
-                                    users_of[b] = held + one
-                                    fresh += 1
-                                    extra += 1
-                            if not ref[b]:
-                                st[b] = CACHED
-                        self.last_blocks = tuple(ids)
-                        if fresh:
-                            by_session[user] += fresh
-                        continue
                     for i, b in enumerate(ids):
+                        clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
+                        if not clean:
+                            if ref[b] or exact:  # allocated to its request (ref events), or in use
+                                self._rename(b, keys[i] if i < nh else None)
+                            else:  # a slot reused without ref events: what it held goes
+                                self._reset(b)
+                                clean = True
                         if not exact:
-                            if not ref[b] and (st[b] or b in key_of or b in users_of):
-                                self._reset(b)  # a slot reused without ref events: what it held goes
                             ca[b] = lu[b] = ts
                         ix[b] = 1
                         if i < nh:
                             k = keys[i]
-                            self._rename(b, k)
                             key_of[b] = k
                             key_slot[k] = b
-                            if prev is None:
-                                parents.pop(b, None)
-                            else:
+                            if prev is not None:
                                 parents[b] = prev
+                            elif not clean:
+                                parents.pop(b, None)
                             prev = hashes[i]
-                        else:
-                            self._rename(b, None)
                         cr[b] = code
                         if rid:
                             request[b] = rid
-                        elif request:
+                        elif not clean and request:
                             request.pop(b, None)
                         toks[b] = tokens[o:o + bs]
                         o += bs
                         if user:
-                            held = users_of.get(b)
+                            held = None if clean else users_of.get(b)
                             if held is None:
                                 users_of[b] = one
                                 fresh += 1

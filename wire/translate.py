@@ -215,6 +215,7 @@ class FromWire:
         self.owner: dict[int, str] = {}  # slot -> who stored it
         self._chain: dict[int, int] = {}  # slot -> token-chain id (attribution by registered prompts)
         self._taken: set[int] = set()  # slots taken in the batch being translated (while prompts exist)
+        self._digests: bool | None = None  # the pod's hashes are digests (bytes): a publisher uses one form
 
     def __call__(self, batch: EventBatch, seq: int = -1) -> ev_.EngineBatch:
         m = self.mirror
@@ -260,10 +261,11 @@ class FromWire:
         slots = self.slots
         of, owner, chains, free = slots.of, self.owner, self._chain, slots.free
         attrib = bool(self.prompts)  # prompts registered: new blocks' chains are kept
+        digests = self._digests  # the pod sends digests (bytes, made hex); None: not known yet
         off = m.offset
         stored_by = m.stored_by_session
         Stored, Hit, Removed = ev_.BlockStored, ev_.BlockHit, ev_.BlockRemoved
-        gone = None  # the BlockRemoved the next eviction of group 0 extends (vLLM sends one per block)
+        gone = None  # the BlockRemoved the next eviction extends (vLLM sends one per block)
         last = None  # the BlockStored or BlockHit the next block may extend
         total = new = n_removed = unknown = other = 0
         try:
@@ -274,32 +276,22 @@ class FromWire:
                     if (medium != MEDIUM_GPU and medium is not None) or ev.locality == "REMOTE":
                         other += len(ev.block_hashes)  # another tier: not mirrored
                         continue
-                    if ev.block_hashes and ev.block_hashes[0].__class__ is bytes:
-                        ev = _hex_hashes(ev)
-                    g = ev.group_idx
-                    if g:
-                        for h in ev.block_hashes:
-                            s = of.pop((g, h), None)
-                            if s is None:
-                                unknown += 1
-                                continue
-                            heappush(free, s)
-                            chains.pop(s, None)
-                            out.append(Removed(ts=ts, block_hashes=[h], block_ids=[s + off],
-                                               creators=[owner.pop(s)], group_idx=g))
-                            n_removed += 1
-                        gone = last = None
-                        continue
+                    if digests is not False and ev.block_hashes:
+                        digests = self._digests = ev.block_hashes[0].__class__ is bytes
+                        if digests:
+                            ev = _hex_hashes(ev)
+                    g = ev.group_idx or 0
                     for h in ev.block_hashes:
-                        s = of.pop(h, None)
+                        s = of.pop((g, h) if g else h, None)
                         if s is None:
                             unknown += 1
                             continue
                         heappush(free, s)
                         if chains:
                             chains.pop(s, None)
-                        if gone is None:
-                            gone = Removed(ts=ts, block_hashes=[h], block_ids=[s + off], creators=[owner.pop(s)])
+                        if gone is None or gone.group_idx != g:
+                            gone = Removed(ts=ts, block_hashes=[h], block_ids=[s + off], creators=[owner.pop(s)],
+                                           group_idx=g)
                             out.append(gone)
                             gone_h, gone_i, gone_c = gone.block_hashes.append, gone.block_ids.append, \
                                 gone.creators.append
@@ -317,9 +309,11 @@ class FromWire:
                 if cls is not BlockStored:
                     continue  # no wire event: nothing to translate
                 hashes = ev.block_hashes
-                if hashes and hashes[0].__class__ is bytes:  # full digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
-                    ev = _hex_hashes(ev)
-                    hashes = ev.block_hashes
+                if digests is not False and hashes:  # full digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)?
+                    digests = self._digests = hashes[0].__class__ is bytes
+                    if digests:
+                        ev = _hex_hashes(ev)
+                        hashes = ev.block_hashes
                 medium = ev.medium
                 if (medium != MEDIUM_GPU and medium is not None) or ev.locality == "REMOTE":
                     other += len(hashes)  # another tier: not mirrored
