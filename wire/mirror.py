@@ -288,6 +288,18 @@ class Mirror:
         self.indexed[b] = 0
         self.state[b] = FREE
 
+    def _add_user(self, b: int, user: str) -> None:
+        """`user` holds block `b` too (its creator first, then who reused it, in order)."""
+        held = self.users_of.get(b)
+        if held is None:
+            self.users_of[b] = (user,)
+        elif user in held:
+            return
+        else:
+            self.users_of[b] = held + (user,)
+            self.extra_users += 1
+        self.by_session[user] += 1
+
     def _hold(self, rid: str, b: int) -> None:
         """Recordings without ref events: request `rid` holds block `b` (once)."""
         held = self.held.setdefault(rid, [])
@@ -392,14 +404,7 @@ class Mirror:
                         hi[b] += 1
                         lu[b] = ts
                         if user:
-                            held = users_of.get(b)
-                            if held is None:
-                                users_of[b] = one
-                                fresh += 1
-                            elif user not in held:
-                                users_of[b] = held + one
-                                fresh += 1
-                                extra += 1
+                            self._add_user(b, user)
                         if hold:
                             self._hold(rid, b)
                 else:  # BlockStored
