@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvplay.engine.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
 
 from .workloads import WORKLOADS
 

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
 
 LABS = {
     "determinism": "kvplay.labs.determinism",

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvplay.engine.errors import EngineError
-from kvplay.engine.options import KvplayError, check_output_file, save_plot
+from kvplay.options import KvplayError, check_output_file, save_plot
 from kvplay.serve.client import HttpPeer
 
 from . import stats

@@ -16,7 +16,7 @@ import signal
 import ssl
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

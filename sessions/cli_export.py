@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
 from .cli_list import when
 from .cli_show import load

@@ -5,7 +5,7 @@ import argparse
 import datetime as dt
 import os
 
-from kvplay.engine.options import add_db_arg
+from kvplay.options import add_db_arg
 
 from .query import list_sessions
 from .report import console, print_json

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvplay.engine.options import add_db_arg
+from kvplay.options import add_db_arg
 
 from .cli_list import when
 from .event_log import count_events, read_events

@@ -13,7 +13,7 @@ import os
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
+from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 
 from .report import console, print_json
 from .simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid

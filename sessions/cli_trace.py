@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
-from kvplay.engine.options import KvplayError, add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from kvplay.engine.options import KvplayError, add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import discover

@@ -95,7 +95,7 @@ def test_cli_leak_target_json_and_bad_input(serve):  # noqa: F811
     assert rc == 0
     res = json.loads(out.getvalue())
     assert res["lab"] == "leak" and [x["salt"] for x in res["data"]["results"]] == ["none", "per-user"]
-    from kvplay.cli import KvplayError
+    from kvplay.options import KvplayError
 
     with pytest.raises(SystemExit):  # collide has no --target option (`kvplay lab collide --help`)
         _args("collide", "--target", srv.url)

@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvplay.engine.errors import EngineError
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.script import load_script
 from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 from kvplay.wire.curve import client_from_args

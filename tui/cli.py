@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.script import UserSpec, load_script
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.cli_replay import headless
 from kvplay.sessions.query import resolve_session, session_script, session_turns, session_users, timeline_events
 from kvplay.sessions.store import open_db

@@ -10,7 +10,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kvplay.engine.options import KvplayError, add_engine_args, check_output_file, config_from_args
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args
 from kvplay.sessions.script import load_script, parse_script
 
 from .demo import DEMO_TOML

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
 from .lifecycle import run_app, run_until_done
 
