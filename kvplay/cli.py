@@ -10,9 +10,6 @@ import importlib
 import sys
 
 from kvplay.engine.errors import EngineError
-# the shared command-line vocabulary lives in engine/options.py (below every subcommand);
-# re-exported for callers that import it from here
-from kvplay.options import KvplayError, check_output_file, save_plot  # noqa: F401
 
 # name -> (module, help). The module defines configure(parser) and main(args) -> int.
 COMMANDS = {
