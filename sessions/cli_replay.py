@@ -15,7 +15,7 @@ import time
 from .query import settings_timeline
 from .recorder import Recorder, close_run
 from .report import console, excerpt, fmt_num, print_json
-from .run_cmd import start_engine
+from .headless import start_engine
 
 
 def _row(c) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from serve_util import ALICE, BOB, keys, serve  # noqa: F401 - the fixture
 
 from kvplay.engine.errors import EngineError
-from kvplay.labs import cli as lab_cli
+from kvplay.commands import lab as lab_cli
 from kvplay.labs import target as tg
 
 

@@ -160,7 +160,7 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
     from kvplay.wire import curve
     from kvplay.wire.publisher import ZmqEventPublisher
     from kvplay.wire.subscriber import Subscriber
-    from kvplay.sessions.watch_cmd import configure, sources_from_args
+    from kvplay.commands.watch import configure, sources_from_args
 
     d = curve.generate(tmp_path / "keys")
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=curve.ServerCurve.load(d))
@@ -189,7 +189,7 @@ def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
     without them its map stays empty (tui/attach_cli.py)."""
     from kvplay.cli import build_parser
     from kvplay.serve.server import ServerThread, build_state, close_state
-    from kvplay.tui.attach_cli import open_backend
+    from kvplay.commands.attach import open_backend
     from kvplay.wire import curve
 
     d = curve.generate(tmp_path / "keys")

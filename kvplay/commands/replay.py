@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"session {session['id']} has no recorded turns to replay")
     config = config_from_args(args, session["engine_config"], where=f"session {session['id']}: engine config")
     if not args.headless:
-        from .app import run_app  # start-up time: the app (Textual) loads only when it is asked for
+        from kvplay.tui.app import run_app  # start-up time: the app (Textual) loads only when it is asked for
 
         return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
                            db=args.db, record=not args.no_record,

@@ -7,9 +7,9 @@ import os
 
 from kvplay.options import add_db_arg
 
-from .query import list_sessions
-from .report import console, print_json
-from .store import open_db, resolve_path
+from kvplay.sessions.query import list_sessions
+from kvplay.sessions.report import console, print_json
+from kvplay.sessions.store import open_db, resolve_path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

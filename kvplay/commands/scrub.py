@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 
-from .lifecycle import run_app, run_until_done
+from kvplay.tui.lifecycle import run_app, run_until_done
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .scrub import ScrubApp
+    from kvplay.tui.scrub import ScrubApp
 
     rec = load(args.db, args.id)
     cursor = args.at
@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     app = ScrubApp(rec, cursor)
     if args.screenshot:
         # start-up time: imported when this first runs
-        from .screenshot import parse_size
+        from kvplay.tui.screenshot import parse_size
 
         check_output_file(args.screenshot, "--screenshot", ".svg")
         out = run_until_done(save_svg(app, Path(args.screenshot), parse_size(args.size)))

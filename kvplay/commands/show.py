@@ -6,11 +6,11 @@ import json
 
 from kvplay.options import add_db_arg
 
-from .cli_list import when
-from .event_log import count_events, read_events
-from .query import resolve_session, session_turns, session_users
-from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
-from .store import open_db
+from kvplay.commands.sessions import when
+from kvplay.sessions.event_log import count_events, read_events
+from kvplay.sessions.query import resolve_session, session_turns, session_users
+from kvplay.sessions.report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
+from kvplay.sessions.store import open_db
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -14,14 +14,14 @@ import sys
 
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 
-from .cli_list import when
-from .cli_show import load
-from .history import session_events
-from .query import resolve_session, session_script
-from .report import attribution
-from .script import dump_script
-from .store import open_db
-from .traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
+from kvplay.commands.sessions import when
+from kvplay.commands.show import load
+from kvplay.sessions.history import session_events
+from kvplay.sessions.query import resolve_session, session_script
+from kvplay.sessions.report import attribution
+from kvplay.sessions.script import dump_script
+from kvplay.sessions.store import open_db
+from kvplay.sessions.traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

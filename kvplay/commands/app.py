@@ -42,7 +42,7 @@ APP_SYSTEM = (
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .app import run_app
+    from kvplay.tui.app import run_app
 
     base, turns, system = {}, None, APP_SYSTEM
     users = parse_users(args.users or "alice,bob,carol")

@@ -38,7 +38,7 @@ from kvplay.wire.discovery import discover
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber, check_endpoint, default_pod_name
 
-from .watch_recording import WatchRecording
+from kvplay.sessions.watch_recording import WatchRecording
 
 
 class _Source(argparse.Action):
