@@ -1,4 +1,4 @@
-"""`kvplay` command line: one parser, subcommands implemented next to what they drive.
+"""`kvplay` command line: one parser; each subcommand is a module of kvplay/commands/ named for it.
 
 Every user-facing failure is one line on stderr and exit code 2 (KvplayError/EngineError);
 never a traceback.
@@ -11,10 +11,11 @@ import sys
 
 from kvplay.engine.errors import EngineError
 
-# name -> (module, help). The module defines configure(parser) and main(args) -> int.
+# name -> (module, help). The module defines configure(parser) and main(args) -> int; it is
+# imported only when its command runs.
 COMMANDS = {
     "app": ("kvplay.commands.app", "open the multi-user chat playground (the default)"),
-    "run": ("kvplay.sessions.headless", "play a TOML script headless and report per-turn cache use"),
+    "run": ("kvplay.commands.run", "play a TOML script headless and report per-turn cache use"),
     "sessions": ("kvplay.commands.sessions", "list recorded sessions"),
     "show": ("kvplay.commands.show", "show one recorded session"),
     "export": ("kvplay.commands.export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
@@ -24,7 +25,7 @@ COMMANDS = {
     "import": ("kvplay.commands.import_", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
     "lab": ("kvplay.commands.lab", "measure a claim about shared KV caches"),
     "bench": ("kvplay.commands.bench", "kvplay vs Hugging Face generate and friends, as ratios"),
-    "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
+    "screenshot": ("kvplay.commands.screenshot", "play a script in the app headless and save an SVG"),
     "serve": ("kvplay.commands.serve", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
     "watch": ("kvplay.commands.watch", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
     "tree": ("kvplay.commands.tree", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),

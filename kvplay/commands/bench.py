@@ -7,9 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
-
 from kvplay.bench.workloads import WORKLOADS
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

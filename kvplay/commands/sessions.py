@@ -18,10 +18,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="show at most N sessions")
 
 
-def when(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def hit_rate(row: dict) -> float | None:
     return (row["cached"] or 0) / row["prompt"] if row.get("prompt") else None
 

@@ -20,9 +20,9 @@ import os
 import sys
 import time
 
+from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
-from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
