@@ -389,7 +389,7 @@ def _det_verdict(s: dict, target: Target) -> str:
 
 # --- the CLI --------------------------------------------------------------------------------------
 def main(args, mod_params) -> int:
-    """`kvplay lab leak|determinism --target URL …` (called by labs/cli.py with its parsed params)."""
+    """`kvplay lab leak|determinism --target URL …` (called by kvplay/commands/lab.py with its parsed params)."""
     if args.lab not in ("leak", "determinism"):
         raise KvplayError(f"--target works with the leak and determinism labs (not {args.lab!r})")
     if args.plot and args.lab != "leak":

@@ -154,7 +154,7 @@ def test_cli_refuses_open_events_without_keys_before_loading(tmp_path, capsys):
 
 
 def test_watch_subscribes_with_curve_keys(tmp_path):
-    """`kvplay watch`'s flags give the subscriber's sockets the keys (sessions/watch_cmd.py)."""
+    """`kvplay watch`'s flags give the subscriber's sockets the keys (kvplay/commands/watch.py)."""
     import argparse
 
     from kvplay.wire import curve
@@ -186,7 +186,7 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
 
 def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
     """`kvplay attach URL` finds a CURVE server's endpoints and subscribes with its flags' keys;
-    without them its map stays empty (tui/attach_cli.py)."""
+    without them its map stays empty (kvplay/commands/attach.py)."""
     from kvplay.cli import build_parser
     from kvplay.serve.server import ServerThread, build_state, close_state
     from kvplay.commands.attach import open_backend
