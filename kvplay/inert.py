@@ -81,3 +81,12 @@ def hidden(text: str, *, lines: bool = False) -> str | None:
     m = (IN_BODY if lines else IN_LINE).search(text)
     return None if m is None else visible(m.group())
 
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def scalars(text: str) -> str:
+    """`text` with lone surrogates (a server's JSON `"\\ud800"`) as U+FFFD, what a decoder makes of
+    invalid UTF-8: text a recording and a terminal can take. Where a server's text enters."""
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
