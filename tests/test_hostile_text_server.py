@@ -48,7 +48,8 @@ def test_keys_file_refuses_a_name_with_control_characters(tmp_path, capsys, fiel
     entry[field] = value
     f = tmp_path / "keys.toml"
     f.write_text("[[keys]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in entry.items()), encoding="utf-8")
-    rc = cli_main(["serve", "--api-keys", str(f), "--model", "tiny:llama", "--port", "0"])
+    rc = cli_main(["serve", "--api-keys", str(f), "--model", "tiny:llama", "--port", "0", "--no-record",
+                   "--db", str(tmp_path / "s.db")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert f"[[keys]] #1: {field}" in err and "control or invisible character" in err
