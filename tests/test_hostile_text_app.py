@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hostile_util import CORPUS, LONG, MARKUP, HostilePub, HostileServer, assert_inert
+from recorded_util import scrubber
 from test_attach import attach_args
 from test_tui_app import wait_until
 
@@ -48,6 +49,23 @@ async def shows_inert(app, pilot) -> str:
     return text
 
 
+async def log_and_block_inert(app, pilot, block: int) -> str:
+    """The event log shown, then block `block`'s detail (its creator, its tokens as text): each
+    inert. The log's screen."""
+    app.action_toggle_events()
+    text = await shows_inert(app, pilot)
+    app.action_toggle_events()
+    app.cache.select_block(block)
+    await wait_until(pilot, lambda: f"block #{block}" in str(app.query_one("#detail").render()))
+    await shows_inert(app, pilot)
+    return text
+
+
+async def open_tree(app, pilot, key: str = "ctrl+r") -> None:
+    await pilot.press(key)
+    await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+
+
 async def test_app_panes_tree_detail_and_events_are_inert(tiny_llama, tmp_path):
     turns = [TurnSpec(USERS[i % 3].name, text) for i, text in enumerate(CORPUS)]
     app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=256), USERS, SYSTEM, turns=turns,
@@ -61,17 +79,9 @@ async def test_app_panes_tree_detail_and_events_are_inert(tiny_llama, tmp_path):
         pane = app.pane("alice")
         pane.add_user_message(LONG)
         await shows_inert(app, pilot)
-        # the event log (the users' names in it)
-        app.action_toggle_events()
-        await shows_inert(app, pilot)
-        app.action_toggle_events()
-        # a block's detail: its creator and its tokens as text
-        app.cache.select_block(0)
-        await wait_until(pilot, lambda: "block #0" in str(app.query_one("#detail").render()))
-        await shows_inert(app, pilot)
+        await log_and_block_inert(app, pilot, 0)  # the users' names in the log; a block's text
         # the prefix tree and a node's detail
-        await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+        await open_tree(app, pilot)
         await pilot.press("right", "down")
         text = await shows_inert(app, pilot)
         assert "cached blocks in" in text
@@ -94,23 +104,15 @@ async def test_app_panes_tree_detail_and_events_are_inert(tiny_llama, tmp_path):
         app.pop_screen()
         app.recorder.flush()
         sid = app.recorder.session_id
-    # the scrubber of that recording: the users' panes, the event line, a block, the tree
-    from kvplay.sessions.history import load_recording
-    from kvplay.sessions.store import open_db
-    from kvplay.tui.scrub import ScrubApp
-
-    db = open_db(str(tmp_path / "s.db"), create=False)
-    rec = load_recording(db, sid)
-    db.close()
-    scrub = ScrubApp(rec)
+    # the scrubber of that recording: the users' panes, the event line, the tree
+    scrub = scrubber(str(tmp_path / "s.db"), sid)
     async with scrub.run_test(size=(200, 60)) as pilot:
         await pilot.pause(0.2)
         await shows_inert(scrub, pilot)
         await pilot.press("end")
         text = await shows_inert(scrub, pilot)
         assert "[/b]" in text
-        await pilot.press("t")
-        await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen) and scrub.screen.ready)
+        await open_tree(scrub, pilot, "t")
         await shows_inert(scrub, pilot)
 
 
@@ -143,18 +145,10 @@ async def test_attach_against_a_hostile_server_is_inert(hostile, tmp_path):
         assert "␛]52;c" in reply and "\ufffd" in reply and "characters)" in reply  # bounded
         text = await shows_inert(app, pilot)
         assert MARKUP[1] in text
-        # the event log names the server's session ids
-        app.action_toggle_events()
-        text = await shows_inert(app, pilot)
-        assert "␛" in text
-        app.action_toggle_events()
-        # a block: its creator is a session id, its tokens the server's /detokenize text
-        app.cache.select_block(1)
-        await wait_until(pilot, lambda: "block #1" in str(app.query_one("#detail").render()))
-        await shows_inert(app, pilot)
+        # the log names the server's session ids; a block's creator is one, its text /detokenize's
+        assert "␛" in await log_and_block_inert(app, pilot, 1)
         # the tree: labels from /detokenize (fetched aside), creators the session ids
-        await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
+        await open_tree(app, pilot)
         await wait_until(pilot, lambda: "␛" in screen_text(app), timeout=30)  # the text arrived
         await pilot.press("down", "down")
         await shows_inert(app, pilot)
