@@ -2,8 +2,9 @@
 
 The one rule every human view applies: the Textual app (panes, block detail, legend, tree, event
 log, lab screens, the scrubber), `show`, `run`, `replay`, `tree`, `watch`, `export --format md`,
-start-up lines and error messages. Machine outputs (`--json`, `jsonl`, `vllm-*`) keep the bytes;
-JSON escapes them.
+start-up lines and error messages. Machine outputs (`--json`, `jsonl`, `vllm-*`) keep the bytes:
+JSON escapes them (`json_dumps` escapes the hidden characters JSON itself would leave raw, so a
+JSON line parses to the exact text and is inert on a terminal too).
 
 **Control.** `inert(text)` shows every character a terminal or a reader would not see as itself:
 
@@ -35,6 +36,7 @@ renders text, the engine included, can use it.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Callable
 
@@ -90,3 +92,17 @@ def scalars(text: str) -> str:
     """`text` with lone surrogates (a server's JSON `"\\ud800"`) as U+FFFD, what a decoder makes of
     invalid UTF-8: text a recording and a terminal can take. Where a server's text enters."""
     return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
+
+
+def _json_escape(ch: str) -> str:
+    o = ord(ch)
+    if o > 0xFFFF:  # a tag character: JSON spells it as a surrogate pair
+        o -= 0x10000
+        return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+    return f"\\u{o:04x}"
+
+
+def json_dumps(obj, **kw) -> str:
+    """`json.dumps(obj)` with readable text (not ASCII-only) and every hidden character a `\\uXXXX`
+    escape: it parses back to exactly `obj` (lone surrogates included) and shows inert."""
+    return inert(json.dumps(obj, ensure_ascii=False, **kw), lines=True, limit=None, show=_json_escape)

@@ -5,11 +5,10 @@ parse markup take it through `markup()` or as `Text`."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvplay.inert import inert
+from kvplay.inert import inert, json_dumps
 
 if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
     from .player import Done
@@ -59,7 +58,7 @@ def turn_object(done: Done) -> dict:
 
 
 def print_json(obj: dict, file=None) -> None:
-    print(json.dumps(obj, ensure_ascii=False), file=file or sys.stdout, flush=True)
+    print(json_dumps(obj), file=file or sys.stdout, flush=True)
 
 
 # The number formatting of every text view (run/show/replay tables, lab tables, bench tables,

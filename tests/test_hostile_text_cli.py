@@ -114,12 +114,15 @@ def test_machine_outputs_keep_the_bytes(recorded, tmp_path):
     _rc, _out, db, _sid = recorded
     rc, out = run_tty(["show", HOSTILE_ID, "--db", db, "--json"])
     assert rc == 0
+    assert_inert(out, None)  # JSON escapes what it quotes, bidi and C1 included
     s = json.loads(out)
     assert [t["text"] for t in s["turns"]] == CORPUS + [LONG] and s["model"] == MODEL_ID
     f = tmp_path / "t.jsonl"
     rc, out = run_tty(["export", HOSTILE_ID, "--format", "jsonl", "--db", db, "-o", str(f)])
     assert rc == 0, out
-    rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+    text = f.read_text(encoding="utf-8")
+    assert_inert(text, None)
+    rows = [json.loads(line) for line in text.splitlines()]
     assert [r["text"] for r in rows if r["type"] == "turn"] == CORPUS + [LONG]
 
 

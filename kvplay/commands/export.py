@@ -15,10 +15,9 @@ byte for byte.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from kvplay.inert import inert
+from kvplay.inert import inert, json_dumps
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.history import session_events
 from kvplay.sessions.query import load_session, resolve_session, session_script
@@ -37,9 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def to_jsonl(s: dict) -> str:
     head = {k: v for k, v in s.items() if k not in ("turns", "events")}
-    lines = [json.dumps({"type": "session", **head}, ensure_ascii=False)]
-    lines += [json.dumps({"type": "turn", **t}, ensure_ascii=False) for t in s["turns"]]
-    lines += [json.dumps({"type": "event", **e}, ensure_ascii=False) for e in s.get("events", [])]
+    lines = [json_dumps({"type": "session", **head})]
+    lines += [json_dumps({"type": "turn", **t}) for t in s["turns"]]
+    lines += [json_dumps({"type": "event", **e}) for e in s.get("events", [])]
     return "\n".join(lines) + "\n"
 
 
