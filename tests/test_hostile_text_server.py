@@ -140,3 +140,4 @@ def test_attach_lines_and_screenshot_against_a_hostile_server_are_inert(pub, hos
     text = svg.read_text(encoding="utf-8")
     ET.fromstring(text)  # a raw control character is not XML
     assert_inert(text, None)
+    assert "␛" in text  # the server's words are in it, shown
