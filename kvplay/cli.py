@@ -1,7 +1,7 @@
 """`kvplay` command line: one parser; each subcommand is a module of kvplay/commands/ named for it.
 
 Every user-facing failure is one line on stderr and exit code 2 (KvplayError/EngineError);
-never a traceback.
+never a traceback. The line is inert (kvplay/inert.py): what it quotes is shown, never obeyed.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from kvplay.engine.errors import EngineError
+from kvplay.inert import inert
 
 # name -> (module, help). The module defines configure(parser) and main(args) -> int; it is
 # imported only when its command runs.
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._main(args) or 0)
     except EngineError as exc:
-        print(f"kvplay: error: {exc}", file=sys.stderr)
+        print(f"kvplay: error: {inert(exc)}", file=sys.stderr)  # it may quote a user's or a server's text
         return 2
     except KeyboardInterrupt:
         print("kvplay: interrupted", file=sys.stderr)

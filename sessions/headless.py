@@ -2,6 +2,8 @@
 table (or JSON lines) of each finished turn's cache use and whose blocks it was, the run's
 summary, and start_engine (the model loads with a line before and after; `kvplay serve` and the
 headless replay use it too). Each turn is recorded in the sessions DB unless asked not to.
+What a row quotes (names, replies, errors, the model) is inert (kvplay/inert.py): a row's cells
+are `Text`, never markup.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import sys
 import time
 
 from typing import TYPE_CHECKING
+
+from kvplay.inert import inert
 
 from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
@@ -44,7 +48,7 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     from rich.text import Text
 
     need = {name: len(name) for name in COLUMNS}
-    need["user"] = max([4, *map(len, users)])
+    need["user"] = max([4, *(len(inert(u, limit=64)) for u in users)])
     need["reply"] = 8
     names = list(COLUMNS)
     kw_table: dict = {}
@@ -55,7 +59,7 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     widths: dict[str, int] = {}
     if width is not None:  # exact widths: Rich never shrinks a no-wrap column, so decide here
         for i, name in enumerate(names):
-            widths[name] = max([need[name], *(Text.from_markup(r[i]).cell_len for r in rows)])
+            widths[name] = max([need[name], *(as_text(r[i]).cell_len for r in rows)])
         overhead = 2 * (len(names) - 1) if kw_table else 3 * len(names) + 1
         fixed = sum(widths[n] for n in names if n not in ("cached", "reply"))
         room = width - overhead - fixed
@@ -76,6 +80,14 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     return table
 
 
+def as_text(cell):
+    """A row's cell as Text: a Text as it is, a string as markup (the columns' own)."""
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
+    return cell if isinstance(cell, Text) else Text.from_markup(cell)
+
+
 class TurnTable:
     """Finished turns in turn order, whatever order they finish in. On a terminal: a live table
     that fits its width. Otherwise (piped, redirected): plain columns, one line per turn, each
@@ -87,7 +99,7 @@ class TurnTable:
         self.rows: dict[int, list[str]] = {}
         self.printed = 0
         self.live = None
-        w_user = max([4, *map(len, users)])
+        w_user = max([4, *(len(inert(u, limit=64)) for u in users)])
         self.users = users
         self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 8, 7, 6, 0]
 
@@ -117,13 +129,10 @@ class TurnTable:
             self._print_plain(self.rows[self.order[self.printed]])
             self.printed += 1
 
-    def _print_plain(self, cells: list[str]) -> None:
-        # start-up time: imported when this first runs
-        from rich.text import Text
-
+    def _print_plain(self, cells: list) -> None:
         out = []
         for i, (cell, w) in enumerate(zip(cells, self.widths)):
-            text = Text.from_markup(cell).plain
+            text = as_text(cell).plain
             right = COLUMNS[i] not in ("user", "cached", "reply")
             out.append(text.rjust(w) if right else text.ljust(w))
         print("  ".join(out).rstrip(), file=self.console.file, flush=True)
@@ -137,16 +146,20 @@ class TurnTable:
                     self._print_plain(self.rows[t])
 
 
-def table_row(done: Done) -> list[str]:
+def table_row(done: Done) -> list:
+    """A finished turn's cells (Text where they quote a user or the model)."""
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
     st = done.result.stats if done.result else None
     if st is None or done.error:
-        reply = f"[red]error: {done.error}[/red]"
+        reply = Text(f"error: {excerpt(done.error, 200)}", style="red")
     else:
-        reply = excerpt(done.result.text, 48)
+        reply = Text(excerpt(done.result.text, 48))
         if done.result.finish_reason == "pool_exhausted":
-            reply = "[yellow](stopped: the pool is full)[/yellow] " + reply
-    cached = cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user)
-    return [str(done.job.turn), done.job.user, fmt_num(st.prompt_tokens if st else None), cached,
+            reply = Text.assemble(("(stopped: the pool is full)", "yellow"), " ", reply)
+    cached = Text(cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user))
+    return [str(done.job.turn), Text(inert(done.job.user, limit=64)), fmt_num(st.prompt_tokens if st else None), cached,
             fmt_num(st.computed_tokens if st else None), fmt_num(st.ttft_ms if st else None, 1),
             fmt_num(st.decode_tok_s if st else None, 1), reply]
 
@@ -167,17 +180,21 @@ def summary_object(engine, dones: list[Done], wall_s: float, session_id: str | N
 
 
 def print_summary(console, summ: dict) -> None:
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
     b = summ["blocks"]
     lines = [
-        f"[bold]{summ['turns']} turns[/bold] ({summ['failed']} failed) on {summ['model']} in {summ['wall_s']:.1f} s, "
-        f"isolation {summ['isolation']}{', deterministic' if summ['deterministic'] else ''}",
+        Text.assemble((f"{summ['turns']} turns", "bold"), f" ({summ['failed']} failed) on {inert(summ['model'])} in "
+                      f"{summ['wall_s']:.1f} s, isolation {summ['isolation']}"
+                      f"{', deterministic' if summ['deterministic'] else ''}"),
         f"hit rate {summ['hit_rate']:.1%} ({summ['hit_tokens']}/{summ['query_tokens']} prompt tokens from the cache)",
         f"blocks {b['total']}: {b['cached']} cached, {b['in_use']} in use, {b['free']} free; "
         f"evictions {summ['evictions']}, preemptions {summ['preemptions']}; "
         f"saved {human_bytes(summ['bytes_saved'])} vs a cache per user",
     ]
     if summ.get("session"):
-        lines.append(f"recorded as session {summ['session']} in {summ['db']}")
+        lines.append(Text(f"recorded as session {summ['session']} in {inert(summ['db'])}"))
     for line in lines:
         console.print(line, highlight=False)
 
@@ -213,7 +230,7 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
 
 def start_engine(config):
     t = time.perf_counter()
-    print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)  # before torch's import
+    print(f"kvplay: loading {inert(config.model)} …", file=sys.stderr, flush=True)  # before torch's import
     # start-up time: imported when this first runs
     from kvplay.engine.model import check_model_spec
 
@@ -222,7 +239,7 @@ def start_engine(config):
     from kvplay.engine.engine import Engine
 
     engine = Engine(config).start()
-    print(f"kvplay: {engine.model_name} ready in {time.perf_counter() - t:.1f} s "
+    print(f"kvplay: {inert(engine.model_name)} ready in {time.perf_counter() - t:.1f} s "
           f"({engine.pool.num_blocks} blocks of {config.block_size} tokens; decode attention: "
           f"{engine.runner.decode_attention(config.deterministic)})", file=sys.stderr, flush=True)
     return engine

@@ -1,6 +1,7 @@
 """The watch loop (`kvplay watch`): subscribe to the pods' KV events, mirror them in a Fleet
 (wire/mirror.py), record them as a session (watch_recording.py) and report as it goes, until the
 duration is up, Ctrl-C or SIGTERM; the summary of each pod is what it returns.
+The human lines quote the servers' session ids inert (kvplay/inert.py).
 """
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import signal
 import sys
 import time
+from collections import Counter
 
+from kvplay.inert import inert
 from kvplay.options import KvplayError
 from kvplay.wire.codec import WireError
 from kvplay.wire.mirror import Fleet
@@ -26,14 +29,21 @@ def summary_of(fleet: Fleet, sub: Subscriber) -> dict:
     return out
 
 
+def by_session_text(counts: dict, top: int = 8) -> str:
+    """`alice 12, bob 3, + 2 more`: the `top` largest of {session id: blocks}, the ids inert."""
+    common = Counter({k: v for k, v in counts.items() if v}).most_common()
+    out = ", ".join(f"{inert(k, limit=64)} {v}" for k, v in common[:top])
+    return out + (f", + {len(common) - top:,} more" if len(common) > top else "")
+
+
 def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
     parts = []
     for name, m in fleet.pods.items():
         prev = last.get(name, (0, 0))
-        top = ", ".join(f"{k} {v}" for k, v in m.by_session.most_common(4))
+        top = by_session_text(m.by_session, 4)
         info = sub.pod_info(name)
         trouble = "".join(f" {k.replace('_', ' ')} {info[k]}" for k in TROUBLE if info[k])
-        parts.append(f"{name} [{m.pod_state}] seq {m.last_seq} blocks {len(m.blocks)}"
+        parts.append(f"{inert(name, limit=256)} [{m.pod_state}] seq {m.last_seq} blocks {len(m.blocks)}"
                      f"{' (' + top + ')' if top else ''} +{m.stored - prev[0]} -{m.removed - prev[1]}"
                      f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}{trouble}")
         last[name] = (m.stored, m.removed)
@@ -67,7 +77,7 @@ def watch(sources: list[PodSource], duration: float | None = None, replay_timeou
             recording.on_restart(pod)
 
     def on_state(pod, state):
-        print(f"kvplay: pod {pod} is {state}", file=sys.stderr, flush=True)
+        print(f"kvplay: pod {inert(pod, limit=256)} is {state}", file=sys.stderr, flush=True)
 
     last: dict = {}
 
@@ -100,8 +110,8 @@ def watch(sources: list[PodSource], duration: float | None = None, replay_timeou
     if not as_json:
         for s in sources:
             how = "bound" if s.bind else "connected to"
-            print(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
-                  f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", file=sys.stderr)
+            print(inert(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
+                        f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", limit=1024), file=sys.stderr)
     def on_signal(signum, frame):
         # SIGTERM or Ctrl-C: the loop ends within one poll and the summary follows. The loop is
         # never interrupted mid-batch (a KeyboardInterrupt could land inside a callback or a

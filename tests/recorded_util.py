@@ -36,3 +36,15 @@ def drop_recorded(db_path, sid: str, drop) -> int:
     finally:
         db.close()
     return gone
+
+
+def scrubber(db_path, sid: str):
+    """The scrubber (tui/scrub.py ScrubApp) on session `sid`'s recording."""
+    from kvplay.sessions.history import load_recording
+    from kvplay.tui.scrub import ScrubApp
+
+    db = open_db(db_path, create=False)
+    try:
+        return ScrubApp(load_recording(db, sid))
+    finally:
+        db.close()

@@ -35,6 +35,8 @@ from textual.reactive import var
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from kvplay.inert import inert
+
 from .theme import FREE_STYLE, UNKNOWN_COLOUR
 
 CELL_W = 2
@@ -225,7 +227,7 @@ class BlockMap(ScrollView, can_focus=True):
         else:
             out += " · whole pool"
         if self.user_filter:
-            out += f" · only {self.user_filter}'s"
+            out += f" · only {inert(self.user_filter, limit=64)}'s"
         return out
 
     # --- summarising the visible window -------------------------------------------------------

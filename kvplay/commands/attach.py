@@ -25,6 +25,7 @@ from kvplay.commands.app import APP_SYSTEM, parse_users
 from kvplay.commands.screenshot import parse_size
 from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.engine.errors import EngineError
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.script import load_script
 from kvplay.tui.lifecycle import run_app, run_until_done
@@ -74,14 +75,14 @@ def discover_or_none(url: str, api_key: str | None, topic: str = "", curve=None)
     except Unreachable as exc:
         raise KvplayError(str(exc)) from None
     except EngineError as exc:
-        print(f"kvplay: {exc}; the map stays empty", file=sys.stderr)
+        print(f"kvplay: {inert(exc)}; the map stays empty", file=sys.stderr)
         return []
     for s in found.sources:
         if topic:
             s.topic = topic
         s.curve = curve
-    print(f"kvplay: KV events from {found.via}: " + ", ".join(
-        f"{s.name} {'bind' if s.bind else 'connect'} {s.endpoint}" for s in found.sources), file=sys.stderr)
+    print(inert(f"kvplay: KV events from {found.via}: " + ", ".join(  # the server's endpoints
+        f"{s.name} {'bind' if s.bind else 'connect'} {s.endpoint}" for s in found.sources), limit=2048), file=sys.stderr)
     return found.sources
 
 
@@ -135,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     if app.recorder_error:
-        print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
+        print(f"kvplay: recording failed: {inert(app.recorder_error)}", file=sys.stderr)
     if app.recorder is not None:
         print(f"kvplay: recorded session {app.recorder.session_id} in {app.recorder.path}", file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg
 
 
@@ -48,6 +49,6 @@ def main(args: argparse.Namespace) -> int:
           f"{sid}: {t.config.num_blocks} blocks of {t.config.block_size} tokens, {t.config.eviction}, "
           f"isolation {t.config.isolation}")
     if read.error:
-        print(f"kvplay: error: {read.error} (imported the records before it)", file=sys.stderr)
+        print(f"kvplay: error: {inert(read.error)} (imported the records before it)", file=sys.stderr)
         return 2
     return 0

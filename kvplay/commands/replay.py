@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.headless import start_engine
 from kvplay.sessions.query import (resolve_session, session_script, session_turns, session_users,
@@ -63,18 +64,23 @@ def main(args: argparse.Namespace) -> int:
     return headless(args, session, turns, users, events, config)
 
 
-def _row(c) -> list[str]:
+def _row(c) -> list:
+    """A compared turn's cells: Text, so what the turn quotes is shown inert, never parsed."""
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
     if c.error:
-        verdict = f"[red]error: {c.error}[/red]"
+        verdict = Text(f"error: {excerpt(c.error, 200)}", style="red")
     elif c.equal:
-        verdict = "[green]equal[/green]"
+        verdict = Text("equal", style="green")
     else:
-        verdict = f"[yellow]differs[/yellow] at token {c.first_diff}: {c.then_token!r} → {c.now_token!r}"
-    cached = f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}"
+        verdict = Text.assemble(("differs", "yellow"), f" at token {c.first_diff}: {inert(repr(c.then_token), limit=64)}"
+                                f" → {inert(repr(c.now_token), limit=64)}")
+    cached = Text(f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}")
     if not c.error and not c.cache_equal:
-        cached = f"[yellow]{cached} differs[/yellow]"
-    return [str(c.seq), c.user, excerpt(c.text, 28), verdict, cached,
-            f"{fmt_num(c.ttft_then)} → {fmt_num(c.ttft_now)}", excerpt(c.now_reply or "", 36)]
+        cached = Text(f"{cached} differs", style="yellow")
+    return [str(c.seq), Text(inert(c.user, limit=64)), Text(excerpt(c.text, 28)), verdict, cached,
+            f"{fmt_num(c.ttft_then)} → {fmt_num(c.ttft_now)}", Text(excerpt(c.now_reply or "", 36))]
 
 
 def headless(args, session: dict, turns: list[dict], users: list[dict], events: list[dict], config) -> int:
@@ -83,6 +89,7 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
     # start-up time: `kvplay replay --help` imports this module
     from rich.live import Live
     from rich.table import Table
+    from rich.text import Text
 
     from kvplay.sessions.replay import replay, replay_summary  # start-up time: the player imports torch
 
@@ -107,7 +114,7 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
                 print_json(c.to_dict())
         else:
             con = console()
-            table = Table(title=f"replay of {session['id']} ({session['model']})", header_style="bold")
+            table = Table(title=Text(f"replay of {inert(session['id'])} ({inert(session['model'])})"), header_style="bold")
             for name in ("#", "user", "text", "output", "cached then → now", "TTFT ms then → now", "reply now"):
                 table.add_column(name, no_wrap=name.startswith("cached"))
             with Live(table, console=con, auto_refresh=False) as live:
@@ -137,5 +144,5 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
             con.print("turns overlapped in this session: who computes a shared block depends on arrival "
                       "order, so cached tokens are shown but not part of the verdict", highlight=False)
         if rec:
-            con.print(f"recorded as session {rec.session_id} (replay of {session['id']})", highlight=False)
+            con.print(Text(f"recorded as session {rec.session_id} (replay of {inert(session['id'])})"), highlight=False)
     return 1 if failed else 0

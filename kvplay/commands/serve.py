@@ -16,6 +16,7 @@ import signal
 import ssl
 import sys
 
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 
@@ -141,8 +142,8 @@ def main(args: argparse.Namespace) -> int:
         who = (f"{len(keys)} API keys ({', '.join(sorted({i.user for i in keys.values()}))})" if keys
                else "no API keys: user from the body's `user`")
         scheme = "https" if args.ssl_certfile else "http"
-        print(f"kvplay: serving {state.model_name} on {scheme}://{host}:{sock.getsockname()[1]}/v1 — {who}, "
-              f"isolation {config.isolation}", file=sys.stderr, flush=True)
+        print(inert(f"kvplay: serving {state.model_name} on {scheme}://{host}:{sock.getsockname()[1]}/v1 — {who}, "
+                    f"isolation {config.isolation}", limit=None), file=sys.stderr, flush=True)  # names: serve/keys.py
         if keys is not None and config.isolation == "shared":
             print("kvplay: isolation shared: every key holder can tell from cached_tokens, cached_from and "
                   "time to first token whether another user sent a prompt (and who); use --isolation user to "

@@ -21,6 +21,7 @@ import sys
 import time
 
 from kvplay.commands.watch import add_source_args, sources_from_args
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
@@ -127,13 +128,13 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     where = head.get("session") and f"session {head['session']} after event {head['at']} of {head['events']}"
-    print(f"kvplay tree: {where or head['url']} · {head.get('model') or '?'}")
+    print(inert(f"kvplay tree: {where or head['url']} · {head.get('model') or '?'}", limit=1024))  # a server's model id
     if not trees:
         print("(no cached blocks)")
     for pod, t in trees.items():
         if pod is not None:
             state = head["pods"].get(pod) if url else None
-            print(f"pod {pod}" + (f" ({state})" if state else ""))
+            print(inert(f"pod {pod}" + (f" ({state})" if state else ""), limit=1024))
         for line in to_text(t, labels, args.children, now):
             print(line)
     return 0

@@ -29,8 +29,9 @@ import json
 import os
 import sys
 
+from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg
-from kvplay.sessions.watch import watch
+from kvplay.sessions.watch import by_session_text, watch
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import discover
@@ -94,9 +95,9 @@ def discovered_sources(url: str, api_key: str | None, topic: str = "", curve=Non
             s.topic = topic
         s.curve = curve
         how = "bind" if s.bind else "connect to"
-        print(f"kvplay: {found.via}: pod {s.name}: {how} {s.endpoint}"
-              f"{', replay ' + s.replay if s.replay else ''}{', topic ' + repr(s.topic) if s.topic else ''}",
-              file=sys.stderr)
+        print(inert(f"kvplay: {found.via}: pod {s.name}: {how} {s.endpoint}"  # the server's strings
+                    f"{', replay ' + s.replay if s.replay else ''}{', topic ' + repr(s.topic) if s.topic else ''}",
+                    limit=2048), file=sys.stderr)
     return found.sources
 
 
@@ -164,7 +165,8 @@ def main(args) -> int:
     else:
         for name, s in summary["pods"].items():
             trouble = "".join(f", {k.replace('_', ' ')} {s[k]}" for k in TROUBLE)
-            print(f"{name} [{s['state']}]: {s['blocks']} blocks cached; held by {s['by_session'] or '-'}; "
-                  f"stored {s['stored']} (by {s['stored_by_session'] or '-'}), removed {s['removed']}, "
+            print(f"{inert(name, limit=256)} [{s['state']}]: {s['blocks']} blocks cached; held by "
+                  f"{by_session_text(s['by_session']) or '-'}; stored {s['stored']} (by "
+                  f"{by_session_text(s['stored_by_session']) or '-'}), removed {s['removed']}, "
                   f"gaps {s['gaps']}, replayed {s['replayed']}, restarts {s['restarts']}{trouble}")
     return 0
