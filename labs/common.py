@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from kvplay.sessions.report import console as make_console
 from typing import Any
 
-from kvplay.engine.options import pyplot  # noqa: F401 (labs import it from here)
+from kvplay.inert import inert
+from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
 
 
@@ -53,7 +54,7 @@ def _jsonable(x):
 
 def renderables(result: LabResult) -> list:
     """The lab's tables, verdict and footer as rich renderables (the CLI prints them; the app
-    shows them in a screen)."""
+    shows them in a screen). What they quote (a model's answers, names) is inert Text."""
     # start-up time: imported when this first runs
     from rich.panel import Panel
     from rich.table import Table as RichTable
@@ -65,10 +66,10 @@ def renderables(result: LabResult) -> list:
         for c in t.columns:
             rt.add_column(c, overflow="fold")
         for row in t.rows:
-            rt.add_row(*[fmt(v) for v in row])
+            rt.add_row(*[Text(inert(fmt(v))) for v in row])
         out.append(rt)
-    out.append(Panel(result.verdict, title=f"verdict: {result.lab}", border_style="green"))
-    out.append(Text(f"{result.model} · {result.elapsed_s:.1f} s", style="dim"))
+    out.append(Panel(Text(inert(result.verdict, lines=True)), title=f"verdict: {result.lab}", border_style="green"))
+    out.append(Text(f"{inert(result.model)} · {result.elapsed_s:.1f} s", style="dim"))
     return out
 
 

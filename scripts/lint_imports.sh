@@ -15,6 +15,8 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/kvplay"
 cp kvplay/*.py "$stage/kvplay/"
+mkdir "$stage/kvplay/commands"
+cp kvplay/commands/*.py "$stage/kvplay/commands/"
 for folder in engine wire sessions serve tui labs bench; do
   mkdir "$stage/kvplay/$folder"
   cp "$folder"/*.py "$stage/kvplay/$folder/"

@@ -7,7 +7,9 @@
     admin = true         # optional: may POST /reset_prefix_cache (wipes every user's cache)
 
 Each bearer token is bound to one user (and group); the server registers every user with the
-engine at start, so the salt of a request comes from its key, never from its body.
+engine at start, so the salt of a request comes from its key, never from its body. A user or group
+name is a name people read (start-up line, KV events' session_id, /metrics, recordings): one with
+a control, bidi or invisible character (kvplay/inert.py) is refused with one line.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import tomllib
 from dataclasses import dataclass
 
 from kvplay.engine.errors import EngineError
+from kvplay.inert import hidden, inert
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ def load_keys(path: str) -> dict[str, Identity]:
             raise EngineError(f"{where}: user must be a non-empty string")
         if group is not None and (not isinstance(group, str) or not group.strip()):
             raise EngineError(f"{where}: group must be a non-empty string when given")
+        for what, name in (("user", user), ("group", group)):
+            bad = hidden(name) if name is not None else None
+            if bad is not None:
+                raise EngineError(f"{where}: {what} {inert(name, limit=64)!r} has a control or invisible character "
+                                  f"({bad}): give a name people can read")
         if not isinstance(admin, bool):
             raise EngineError(f"{where}: admin must be true or false")
         if key in out:

@@ -6,13 +6,17 @@ ids), stream, stream_options.include_usage, temperature, top_p, max_tokens (chat
 max_completion_tokens), seed, stop, n (1 only), user, logprobs (chat: logprobs + top_logprobs;
 completions: logprobs = N; the model's raw log-probabilities, as vLLM's default); vLLM's top_k, ignore_eos and
 vllm_xargs.kv_cache_report_mode. Other fields (cache_salt, session_id, logprobs, …) are
-ignored; in particular nothing in the body chooses an identity or a salt.
+ignored; in particular nothing in the body chooses an identity or a salt. A `user` (the name a
+keyless playground goes by) with a control, bidi or invisible character (kvplay/inert.py) is
+refused (400): it would be shown to people and published as the KV events' session_id.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
+
+from kvplay.inert import hidden
 
 MAX_N = 16  # choices per request
 MAX_STOP = 8
@@ -226,6 +230,9 @@ def parse(body, kind: str) -> GenRequest:
     if user is not None:
         if not isinstance(user, str):
             raise bad("'user' must be a string", "user")
+        if hidden(user) is not None:  # a name shown to people (and the KV events' session_id)
+            raise bad(f"'user' has a control or invisible character ({hidden(user)}): give a name people can read",
+                      "user")
         req.body_user = user.strip()[:64] or None
     xargs = body.get("vllm_xargs")
     if xargs is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.events import AllBlocksCleared, RequestQueued, SettingsChanged, UserGroupChanged
 
-from .event_log import read_batches
+from .event_log import count_events, event_dicts, read_batches
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
 
@@ -154,3 +154,24 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
             users.append(UserSpec(t["user"]))
             names.add(t["user"])
     return Script(engine=cfg, system=session.get("system_prompt") or "", users=users, turns=turns)
+
+
+def load_session(db, ident: str, events: bool = False) -> dict:
+    """A session (id or unique prefix) as one dict: its row, users and turns, and its recorded
+    events (`events`; `bad_events` counts damaged ones) or their count."""
+    s = resolve_session(db, ident)
+    out = dict(s)
+    out["users"] = session_users(db, s["id"])
+    out["turns"] = session_turns(db, s["id"])
+    for u in out["users"]:
+        u.pop("session_id", None)
+    for t in out["turns"]:
+        t.pop("session_id", None)
+    if events:
+        batches, bad = read_batches(db, s["id"])
+        out["events"] = event_dicts(batches)
+        if bad:
+            out["bad_events"] = bad
+    else:
+        out["event_count"] = count_events(db, s["id"])
+    return out

@@ -1,20 +1,25 @@
-"""Formatting shared by `kvplay run`, `replay` and `show`: per-turn rows and JSON objects."""
+"""Formatting shared by `kvplay run`, `replay`, `show` and `export`: per-turn rows, JSON objects, times.
+
+What a row quotes (a user's text, a reply, a name) is inert (kvplay/inert.py); the tables that
+parse markup take it through `markup()` or as `Text`."""
 from __future__ import annotations
 
-import json
+import datetime as dt
 import sys
 from typing import TYPE_CHECKING, Any
+
+from kvplay.inert import inert, json_dumps
 
 if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
     from .player import Done
 
 
 def attribution(cached_from: dict[str, int] | None, user: str) -> str:
-    """{"alice": 496, "bob": 16} seen by bob -> "alice 496, own 16"."""
+    """{"alice": 496, "bob": 16} seen by bob -> "alice 496, own 16" (the names inert)."""
     if not cached_from:
         return ""
     items = sorted(cached_from.items(), key=lambda kv: (-kv[1], kv[0]))
-    return ", ".join(f"{'own' if who == user else who} {n}" for who, n in items if n)
+    return ", ".join(f"{'own' if who == user else inert(who, limit=64)} {n}" for who, n in items if n)
 
 
 def cached_cell(cached: int | None, prompt: int | None, cached_from: dict[str, int] | None, user: str) -> str:
@@ -27,8 +32,9 @@ def cached_cell(cached: int | None, prompt: int | None, cached_from: dict[str, i
 
 
 def excerpt(text: str, width: int = 60) -> str:
+    """`text` on one line, at most `width` characters of it, inert."""
     flat = " ".join((text or "").split())
-    return flat if len(flat) <= width else flat[: width - 1] + "…"
+    return inert(flat) if len(flat) <= width else inert(flat[: width - 1]) + "…"
 
 
 def turn_object(done: Done) -> dict:
@@ -52,7 +58,7 @@ def turn_object(done: Done) -> dict:
 
 
 def print_json(obj: dict, file=None) -> None:
-    print(json.dumps(obj, ensure_ascii=False), file=file or sys.stdout, flush=True)
+    print(json_dumps(obj), file=file or sys.stdout, flush=True)
 
 
 # The number formatting of every text view (run/show/replay tables, lab tables, bench tables,
@@ -115,3 +121,8 @@ def console(stderr: bool = False, width: int = 120):
     stream = sys.stderr if stderr else sys.stdout
     con = Console(file=stream)
     return con if con.is_terminal else Console(file=stream, width=width)
+
+
+def when(ts: float | None) -> str:
+    """A recorded timestamp, local time to the second ('-' for none)."""
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")

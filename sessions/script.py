@@ -29,7 +29,10 @@ engine = { isolation = "user", deterministic = true }
                          # the app's F2/F3/F5 do: any [engine] field a running engine can change
 ```
 A recorded session exports (`kvplay export ID --format toml`) its starting settings as [engine]
-and every later change (settings, clear, group) on the turn queued right after it.
+and every later change (settings, clear, group) on the turn queued right after it. Its strings
+are TOML basic strings in which every character kvplay/inert.py calls hidden (ESC, NUL, bidi
+overrides …) is a `\\uXXXX` escape: the file is valid TOML, inert to look at, and parses back to
+the recorded text byte for byte.
 
 Turns of one user form that user's conversation: a later turn includes the earlier turns and
 their replies. A user's group matters only to that user's own requests (it salts their block
@@ -45,6 +48,7 @@ from pathlib import Path
 
 from kvplay.engine.config import RESTART_FIELDS, EngineConfig
 from kvplay.engine.errors import EngineError
+from kvplay.inert import inert
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
 TURN_KEYS = {"user", "text", "max_tokens", "temperature", "seed", "top_p", "top_k", "at", "group", "clear",
@@ -238,6 +242,19 @@ def load_script(path: str | Path) -> Script:
     return script
 
 
+def _toml_escape(ch: str) -> str:
+    o = ord(ch)
+    if 0xD800 <= o <= 0xDFFF:  # a lone surrogate has no UTF-8 and no TOML escape
+        return "\\uFFFD"
+    return f"\\u{o:04X}" if o < 0x10000 else f"\\U{o:08X}"
+
+
+def _toml_str(s: str, lines: bool) -> str:
+    """`s` for a TOML basic string: backslashes escaped, then every hidden character (a multi-line
+    string keeps LF and TAB) as \\uXXXX."""
+    return inert(s.replace("\\", "\\\\"), lines=lines, limit=None, show=_toml_escape)
+
+
 def _toml_value(v) -> str:
     if isinstance(v, dict):  # an inline table (a turn's `engine`)
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + " }"
@@ -247,8 +264,8 @@ def _toml_value(v) -> str:
         return repr(v)
     s = str(v)
     if "\n" in s:
-        return '"""\n' + s.replace("\\", "\\\\").replace('"""', '\\"\\"\\"') + '"""'
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"""\n' + _toml_str(s, True).replace('"""', '\\"\\"\\"') + '"""'
+    return '"' + _toml_str(s, False).replace('"', '\\"') + '"'
 
 
 def dump_script(script: Script) -> str:

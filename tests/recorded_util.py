@@ -59,3 +59,15 @@ def as_batches(dicts: list) -> list:
 def as_batch(d: dict):
     """One recorded-form event as the batch a reader gives back (`as_batches`)."""
     return as_batches([d])[0]
+
+
+def scrubber(db_path, sid: str):
+    """The scrubber (tui/scrub.py ScrubApp) on session `sid`'s recording."""
+    from kvplay.sessions.history import load_recording
+    from kvplay.tui.scrub import ScrubApp
+
+    db = open_db(db_path, create=False)
+    try:
+        return ScrubApp(load_recording(db, sid))
+    finally:
+        db.close()

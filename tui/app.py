@@ -29,6 +29,7 @@ from textual.widgets import Header, Static, Tab, Tabs
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
+from kvplay.inert import inert
 from kvplay.sessions.script import DEFAULT_SYSTEM, TurnSpec, UserSpec
 
 from .backend import LocalEngineBackend
@@ -38,11 +39,11 @@ from .chat_room import ChatRoom
 from .controls import ControlsRoom, screenshot_dir
 from .lifecycle import run_app as run_until_quit
 from .messages import EngineFailed, EngineLoading, EngineReady
-from .panes import ChatPane, safe_id
+from .panes import ChatPane, safe_id, user_label
 from .recording_room import RecordingRoom
 from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen
 from .theme import assign_looks
-from .widgets import CACHE_TAB, KvFooter, PaneSwitcher
+from .widgets import CACHE_TAB, InertNotify, KvFooter, PaneSwitcher
 
 MIN_SIZE = (80, 24)
 COMPACT_W = 120  # narrower: one pane at a time, a switcher, the cache panel as a tab
@@ -86,7 +87,7 @@ def parse_keymap(text: str) -> dict[str, str]:
     return out
 
 
-class KvplayApp(App):
+class KvplayApp(InertNotify, App):
     """kvplay: many users, one model, one shared KV block pool."""
 
     CSS_PATH = "app.tcss"
@@ -130,7 +131,7 @@ class KvplayApp(App):
         self.config = config
         self._loaded = loaded
         if title:
-            self.sub_title = title
+            self.sub_title = inert(title, limit=256)
         # the users' looks, one dict the rooms share (the chat room adds to it in place)
         self.looks = assign_looks([u.name for u in users], {u.name: u.colour for u in users})
         self.engine = None
@@ -175,7 +176,7 @@ class KvplayApp(App):
     # --- layout -------------------------------------------------------------------------------
     def compose(self):
         yield Header(show_clock=False)
-        yield PaneSwitcher([(self._tab_id(u.name), f"{self.looks[u.name].glyph} {u.name}") for u in self.chat.users],
+        yield PaneSwitcher([(self._tab_id(u.name), user_label(self.looks[u.name].glyph, u.name)) for u in self.chat.users],
                            id="switcher")
         with Horizontal(id="main"):
             yield self.chat
@@ -414,7 +415,7 @@ class KvplayApp(App):
     def add_user(self, spec: UserSpec) -> ChatPane:
         """A new user: its pane (the chat room's), its tab, the layout and the legend."""
         pane = self.chat.add_user(spec)
-        self.query_one("#switcher").add_tab(Tab(f"{self.looks[spec.name].glyph} {spec.name}",
+        self.query_one("#switcher").add_tab(Tab(user_label(self.looks[spec.name].glyph, spec.name),
                                                 id=self._tab_id(spec.name)), before=CACHE_TAB)
         self._layout_panes()
         self.cache.update_legend()

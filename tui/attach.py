@@ -6,7 +6,8 @@ kvplay's own engine) its backend's `Controls` say (wire/remote.remote_controls):
 answer those with one line, and F4 asks the server to reset its prefix cache. The cache room
 (`AttachCacheRoom`) shows each pod's state (waiting / live / replaying / stale) and its blocks in
 the status panel, one map per pod, and in the stats panel what the server's `usage` and KV events
-tell (no memory figures: the server's pool is not ours to weigh).
+tell (no memory figures: the server's pool is not ours to weigh). The server's words (its model
+id, pod names from its discovery answers) are shown inert (kvplay/inert.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from kvplay.engine.config import EngineConfig
+from kvplay.inert import inert
 
 from .app import KvplayApp
 from .blockmap import BlockMap
@@ -43,7 +45,7 @@ class AttachCacheRoom(CacheRoom):
         after = first
         for name in pods[1:]:
             pid = f"map-pod-{safe_id(name)}"
-            title = Static(Text(f"pod {name}", style="bold"), classes="section", id=f"{pid}-title")
+            title = Static(Text(f"pod {inert(name, limit=256)}", style="bold"), classes="section", id=f"{pid}-title")
             bm = BlockMap(label=f"pod {name}", id=pid, classes="podmap")
             self.mount(title, bm, after=after)
             bm.set_source(PodRange(self.backend, name), self.looks)
@@ -57,8 +59,8 @@ class AttachCacheRoom(CacheRoom):
     def status_view(self, stats: dict) -> Text:
         b = self.backend
         t = Text()
-        t.append(b.model_name, style="bold")
-        t.append(f" at {b.url}", style=DIM)
+        t.append(inert(b.model_name, limit=256), style="bold")
+        t.append(f" at {inert(b.url, limit=256)}", style=DIM)
         if not b.pods:
             t.append("\nno KV events (--events): the map stays empty; each turn's badge shows the "
                      "cached tokens the server's usage reports", style=DIM)
@@ -68,7 +70,7 @@ class AttachCacheRoom(CacheRoom):
         many = len(b.pods) > 1
         for name, slots in list(b.pods.items()):
             state = stats.get("pods", {}).get(name, "waiting")
-            t.append(f"\npod {name} ", style=DIM)
+            t.append(f"\npod {inert(name, limit=256)} ", style=DIM)
             t.append(state, style=POD_STYLE.get(state, "bold"))
             t.append(f" · {len(slots.key_slot):,} blocks", style=DIM)
             trouble = stats.get("pod_trouble", {}).get(name)

@@ -35,6 +35,7 @@ from textual.reactive import var
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from kvplay.inert import inert
 from kvplay.wire.views import BlockArrays, summarize
 
 from .theme import FREE_STYLE, UNKNOWN_COLOUR
@@ -223,7 +224,7 @@ class BlockMap(ScrollView, can_focus=True):
         else:
             out += " · whole pool"
         if self.user_filter:
-            out += f" · only {self.user_filter}'s"
+            out += f" · only {inert(self.user_filter, limit=64)}'s"
         return out
 
     # --- summarising the visible window -------------------------------------------------------

@@ -19,6 +19,8 @@ from textual import work
 from textual.containers import VerticalScroll
 from textual.widgets import Log, Static
 
+from kvplay.inert import inert
+
 from .blockmap import BlockMap
 from .controls import without_labs
 from .format import block_detail, event_line, legend_text, mode_line, range_detail, stats_text
@@ -58,7 +60,7 @@ class CacheRoom(VerticalScroll):
         self._detail_block: tuple[int, int] | None = None
 
     def compose(self):
-        yield Static(Text(f"loading the model ({self.model}) …", style="bold"), id="status")
+        yield Static(Text(f"loading the model ({inert(self.model, limit=256)}) …", style="bold"), id="status")
         yield Static(id="lab-progress")  # a lab run from the palette: its phase and steps
         yield Static("Block pool", classes="section", id="map-title")
         yield BlockMap(id="map")
@@ -101,7 +103,7 @@ class CacheRoom(VerticalScroll):
 
     def show_loading(self, text: str) -> None:
         """The model's loading progress, where the status line will be."""
-        self.query_one("#status", Static).update(Text(text, style="bold"))
+        self.query_one("#status", Static).update(Text(inert(text, limit=1024), style="bold"))
 
     def maps_ready(self) -> None:
         """The map has its source; an attached fleet adds one map per pod here (attach.py)."""
@@ -128,7 +130,7 @@ class CacheRoom(VerticalScroll):
         for ev in reversed(events):
             line = event_line(ev, self.looks)
             if line:
-                lines.append(line)
+                lines.append(inert(line, limit=1024))  # names, errors: a server's session ids among them
                 if len(lines) == EVENT_LINES:
                     break
         lines.reverse()
@@ -239,7 +241,7 @@ class CacheRoom(VerticalScroll):
 
     def show_lab_progress(self, text: str | None) -> None:
         box = self.query_one("#lab-progress", Static)
-        box.update(text or "")
+        box.update(Text(inert(text or "", limit=1024)))
         box.set_class(bool(text), "shown")
 
     # --- requests, the timeline ---------------------------------------------------------------
@@ -264,7 +266,7 @@ class CacheRoom(VerticalScroll):
     def on_block_map_view_changed(self, msg: BlockMap.ViewChanged) -> None:
         bm = msg.blockmap
         for title in self.query(f"#{bm.id}-title"):
-            update_static(title, Text.assemble((bm.label, "bold"), ("  " + bm.scale_text(), "")))
+            update_static(title, Text.assemble((inert(bm.label, limit=256), "bold"), ("  " + bm.scale_text(), "")))
 
     def jump(self, bm: BlockMap) -> None:
         """Show the blocks of the last request that finished on map `bm` (its jump key)."""

@@ -1,5 +1,6 @@
 """Plain formatting of engine numbers as Rich Text: the reply badge, request bars, sparklines,
-the stats block. No widgets here, so these are easy to test and reuse."""
+the stats block. No widgets here, so these are easy to test and reuse. Names, the model and a
+block's text are inert (kvplay/inert.py): a server's session ids and decoded tokens among them."""
 from __future__ import annotations
 
 from rich.style import Style
@@ -7,6 +8,7 @@ from rich.text import Text
 
 import time
 
+from kvplay.inert import inert
 from kvplay.sessions.report import mib
 
 from .theme import FREE_STYLE, UNKNOWN_COLOUR, UserLook
@@ -31,7 +33,7 @@ def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
         for i, (who, n) in enumerate(parts):
             if i:
                 t.append(", ")
-            label = "own" if who == stats.user else who
+            label = "own" if who == stats.user else inert(who, limit=64)
             t.append(f"{label} {n}", style=_look(looks, who).style)
         t.append(")")
     predicted = getattr(stats, "predicted_tokens", None)  # attach: what the mirror said before sending
@@ -103,9 +105,9 @@ def stats_text(s: dict) -> Text:
 
 def mode_line(s: dict, model: str, device: str = "") -> Text:
     t = Text()
-    t.append(model, style="bold")
+    t.append(inert(model, limit=256), style="bold")
     if device:
-        t.append(f" on {device}", style=DIM)
+        t.append(f" on {inert(device, limit=256)}", style=DIM)
     t.append(f"\n{s['blocks_total']:,} blocks × {s['block_size']} tokens · isolation ", style=DIM)
     t.append(s["isolation"], style="bold")
     t.append("\neviction ", style=DIM)
@@ -118,7 +120,8 @@ def mode_line(s: dict, model: str, device: str = "") -> Text:
 
 
 def event_line(ev, looks: dict[str, UserLook]) -> str | None:
-    """One line for the event log (plain text), or None for events not worth a line."""
+    """One line for the event log (plain text: the caller makes it inert), or None for events not
+    worth a line."""
     k = ev.kind
     if k == "BlockStored":
         return f"{ev.seq:>5} stored  {len(ev.block_ids)} block(s) #{','.join(map(str, ev.block_ids))} by {ev.user}"
@@ -150,7 +153,7 @@ def legend_text(looks: dict[str, UserLook]) -> Text:
         if i:
             t.append("  ")
         t.append(f"{look.glyph} ", style=f"bold #000000 on {look.colour}")
-        t.append(look.name, style=look.style)
+        t.append(inert(look.name, limit=64), style=look.style)
     t.append("\n")
     t.append("A", style="bold #000000 on #bbbbbb")
     t.append(" in use · ")
@@ -187,7 +190,7 @@ def range_detail(first: int, arrays, looks: dict[str, UserLook]) -> Text:
             name = arrays.users[code] if code < len(arrays.users) else "?"
             if i:
                 t.append(", ")
-            t.append(f"{name} {int(by[code]):,}", style=_look(looks, name).style)
+            t.append(f"{inert(name, limit=64)} {int(by[code]):,}", style=_look(looks, name).style)
     t.append("\n+ zooms in; single blocks show their tokens", style=DIM)
     return t
 
@@ -228,9 +231,9 @@ def block_detail(b, looks: dict[str, UserLook], tokenizer=None, timings: bool = 
         t.append(f" · age {max(0.0, time.time() - b.created_at):.0f} s")
     look = looks.get(b.creator)
     t.append("\ncreator ")
-    t.append(str(b.creator), style=look.style if look else "")
+    t.append(inert(b.creator, limit=64), style=look.style if look else "")
     if b.users:
-        t.append(" · users " + ", ".join(b.users))
+        t.append(" · users " + ", ".join(inert(u, limit=64) for u in b.users[:16]) + (" …" if len(b.users) > 16 else ""))
     t.append(f"\nhash {(b.hash or '-')[:16]}…")
     text = ""
     if tokenizer is not None and b.token_ids:
@@ -239,5 +242,5 @@ def block_detail(b, looks: dict[str, UserLook], tokenizer=None, timings: bool = 
         except Exception:
             text = " ".join(map(str, b.token_ids))
     t.append("\ntokens ")
-    t.append(repr(text)[:200], style="italic")
+    t.append(inert(repr(text[:400])[:200], limit=None), style="italic")  # repr shows controls; inert the rest
     return t

@@ -1,10 +1,19 @@
-"""Modal screens: help, start-up failure, yes/no questions, text and settings editors."""
+"""Modal screens: help, start-up failure, yes/no questions, text and settings editors. Their
+titles and messages quote names, errors and labs' words: shown inert (kvplay/inert.py), as Text."""
 from __future__ import annotations
 
+from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Input, Label, Markdown, Static, TextArea
+
+from kvplay.inert import inert
+
+
+def plain(text: str, lines: bool = True) -> Text:
+    """A screen's title or message as inert Text: never parsed as markup."""
+    return Text(inert(text, lines=lines, limit=4096))
 
 HELP = """\
 # kvplay — what you are looking at
@@ -152,11 +161,11 @@ class LabScreen(ModalScreen):
 
     def compose(self):
         with VerticalScroll(id="lab-box"):
-            yield Static(self.title_text, classes="title")
+            yield Static(plain(self.title_text), classes="title")
             for part in self.parts:
-                yield Static(part)
+                yield Static(plain(part) if isinstance(part, str) else part)
             name = self.title_text.split(": ", 1)[-1]
-            yield Static(f"Esc closes. The same lab, with every option: kvplay lab {name} --help", classes="hint")
+            yield Static(plain(f"Esc closes. The same lab, with every option: kvplay lab {name} --help"), classes="hint")
 
 
 class ErrorScreen(Screen):
@@ -171,9 +180,9 @@ class ErrorScreen(Screen):
     def compose(self):
         with Vertical(id="error-box"):
             yield Static("kvplay could not start the model", classes="title")
-            yield Static(self.error, id="error-text")
+            yield Static(plain(self.error), id="error-text")
             yield Static("How to fix it", classes="title")
-            yield Static(self.fix, id="error-fix")
+            yield Static(plain(self.fix), id="error-fix")
             yield Static("Press q to quit.", classes="hint")
 
 
@@ -186,7 +195,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Static(self.question)
+            yield Static(plain(self.question))
             with Horizontal(classes="buttons"):
                 yield Button("Yes (y)", variant="warning", id="yes")
                 yield Button("No (n)", id="no")
@@ -213,7 +222,7 @@ class TextScreen(ModalScreen[str | None]):
 
     def compose(self):
         with Vertical(classes="dialog wide"):
-            yield Static(self.title_text)
+            yield Static(plain(self.title_text))
             yield TextArea(self.text, id="text-edit")
             with Horizontal(classes="buttons"):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")
@@ -240,7 +249,7 @@ class FormScreen(ModalScreen[dict | None]):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Static(self.title_text)
+            yield Static(plain(self.title_text))
             for name, label, value in self.fields:
                 yield Label(label)
                 yield Input(value, id=f"field-{name}")

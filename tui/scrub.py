@@ -24,15 +24,18 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 
 from kvplay.engine.events import RequestFinished, RequestQueued
+from kvplay.inert import inert
 from kvplay.sessions.history import History, PoolState, Recording, turn_ends
 from kvplay.sessions.tokenizer import session_detokenizer
 
 from .blockmap import BlockMap
 from .format import DIM, badge, block_detail, event_line, legend_text, stats_text
+from .panes import body, user_label
 from .screens import SCRUB_HELP, HelpScreen
 from .theme import assign_looks
 from .timeline import Timeline, request_spans
 from .tree_view import MirrorTrees, TreeScreen
+from .widgets import InertNotify
 
 SPEEDS = (1, 2, 4, 8)
 TICK_S = 0.05
@@ -125,7 +128,7 @@ class ScrubScreen(Screen):
             with Vertical(id="scrub-panes"):
                 for name, look in self.looks.items():
                     box = VerticalScroll(Static("", classes="scrub-log"), classes="scrub-pane")
-                    box.border_title = f"{look.glyph} {name}"
+                    box.border_title = user_label(look.glyph, name)
                     box.styles.border = ("round", look.colour)
                     box.styles.border_title_color = look.colour
                     yield box
@@ -144,8 +147,9 @@ class ScrubScreen(Screen):
 
     def on_mount(self) -> None:
         s = self.rec.session
-        self.title = f"kvplay scrub {s['id']}"
-        self.sub_title = f"{s.get('source')} · {s.get('model')} · {len(self.rec.turns)} turns · {len(self.rec.events)} events"
+        self.title = f"kvplay scrub {inert(s['id'], limit=64)}"
+        self.sub_title = inert(f"{s.get('source')} · {s.get('model')} · {len(self.rec.turns)} turns · "
+                               f"{len(self.rec.events)} events", limit=512)
         self.show()
 
     # --- the cursor -----------------------------------------------------------------------------
@@ -195,7 +199,7 @@ class ScrubScreen(Screen):
         if self.cursor == 0:
             return Text("before the first event (→ steps, space plays)", style=DIM)
         ev = self.rec.events[self.cursor - 1]
-        return Text(event_line(ev, self.looks) or f"{ev.seq:>5} {ev.kind} {getattr(ev, 'user', '')}")
+        return Text(inert(event_line(ev, self.looks) or f"{ev.seq:>5} {ev.kind} {getattr(ev, 'user', '')}", limit=1024))
 
     def _panes(self) -> None:
         big = len(self.rec.events) + 1
@@ -207,9 +211,9 @@ class ScrubScreen(Screen):
                     continue
                 if t:
                     t.append("\n")
-                t.append("› " + turn["text"] + "\n", style=look.style)
+                t.append("› " + body(turn["text"]) + "\n", style=look.style)
                 if self._finished_at.get(rid, big) <= self.cursor:
-                    t.append((turn.get("reply") or turn.get("error") or "")[:200] + "\n")
+                    t.append(body((turn.get("reply") or turn.get("error") or "")[:200]) + "\n")
                     st = SimpleNamespace(user=name, prompt_tokens=turn.get("prompt_tokens") or 0,
                                          cached_tokens=turn.get("cached_tokens") or 0,
                                          cached_from=turn.get("cached_from") or {}, ttft_ms=turn.get("ttft_ms"),
@@ -346,7 +350,7 @@ class ScrubScreen(Screen):
             self.app.exit()
 
 
-class ScrubApp(App):
+class ScrubApp(InertNotify, App):
     """`kvplay scrub`: the scrubber on its own, no engine."""
 
     TITLE = "kvplay scrub"

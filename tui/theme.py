@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.color import Color, ColorParseError
 from rich.style import Style
 
 # Okabe-Ito (colour-blind safe), then a few extras for larger groups.
@@ -35,9 +36,20 @@ def assign_looks(names: list[str], colours: dict[str, str | None] | None = None,
         if name in out:
             continue
         glyph = next((c.upper() for c in name + "0123456789" if c.isalnum() and c.upper() not in used_glyphs), "?")
-        colour = colours.get(name) or next((c for c in PALETTE if c not in used_colours),
-                                           PALETTE[len(out) % len(PALETTE)])
+        colour = _colour(colours.get(name)) or next((c for c in PALETTE if c not in used_colours),
+                                                    PALETTE[len(out) % len(PALETTE)])
         out[name] = UserLook(name, colour, glyph)
         used_glyphs.add(glyph)
         used_colours.add(colour)
     return out
+
+
+def _colour(value) -> str | None:
+    """A colour a script or a recording asks for, if Rich reads it as one (else None: the palette's)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        Color.parse(value)
+    except ColorParseError:
+        return None
+    return value

@@ -26,6 +26,9 @@ A *tree source* gives the mirrors and maps their blocks to map cells:
 the block map reads; None: the caller sets the map's blocks) and `before` (a snapshot of the step
 before, or None). `MirrorTrees` is the local engine's and a recording's Mirror, `FleetTrees` an
 attached server's mirrors (wire/mirror.py both).
+
+A node's text and the session ids are inert (kvplay/inert.py): a server's /detokenize answers and
+session ids are shown, never obeyed.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Static, Tree
 
+from kvplay.inert import inert
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text
 
 from .blockmap import BlockMap
@@ -190,14 +194,14 @@ def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float, 
         t.append(" →")
         for who in node.reusers:
             lk = looks.get(who)
-            t.append(f" {lk.glyph if lk else who}", style=lk.style if lk else UNKNOWN_COLOUR)
+            t.append(f" {lk.glyph if lk else inert(who, limit=64)}", style=lk.style if lk else UNKNOWN_COLOUR)
     if node.hits:
         t.append(f" · {node.hits} hits", style="dim")
     if node.last_ts:
         t.append(f" · {age_text(now - node.last_ts)}", style="dim")
     if node.orphan:
         t.append(" · parent not cached", style="dim italic")
-    text = labels(tree, node)
+    text = inert(labels(tree, node), limit=LABEL_W)
     if len(text) > LABEL_W:
         text = text[:LABEL_W - 1] + "…"
     t.append(f" \"{text}\"", style=look.colour if look else UNKNOWN_COLOUR)
@@ -430,13 +434,13 @@ class TreeScreen(Screen):
         if self.changes_left_out:
             changed += f"+{self.changes_left_out:,} changes not marked · "
         self.query_one("#tree-head", Static).update(Text.assemble(
-            (self.heading, "bold"), f" · {blocks:,} cached blocks in {nodes:,} nodes · ", changed,
+            (inert(self.heading, limit=256), "bold"), f" · {blocks:,} cached blocks in {nodes:,} nodes · ", changed,
             ("↑↓ move, → open, ← close, f find a map block, m map, esc close", "dim")))
         many = len(self.trees) > 1
         for pod, tree in self.trees.items():
             parent = widget.root
             if many:
-                parent = widget.root.add(Text(f"pod {pod}", style="bold"), data=("pod", pod), expand=True)
+                parent = widget.root.add(Text(f"pod {inert(pod, limit=256)}", style="bold"), data=("pod", pod), expand=True)
             self._add(parent, pod, tree, tree.roots, 0, now)
         if not nodes and not self._tn:
             widget.root.add_leaf(Text("no cached blocks yet", style="dim"))
@@ -539,19 +543,22 @@ class TreeScreen(Screen):
         t = Text()
         look = self.looks.get(n.creator)
         t.append("made by ", style="dim")
-        t.append(str(n.creator), style=look.style if look else UNKNOWN_COLOUR)
+        t.append(inert(n.creator, limit=64), style=look.style if look else UNKNOWN_COLOUR)
         if len(n.creators) > 1:
-            t.append(" (" + ", ".join(f"{w} {c}" for w, c in n.creators.most_common()) + " blocks)", style="dim")
+            t.append(" (" + ", ".join(f"{inert(w, limit=64)} {c}" for w, c in n.creators.most_common(16)) + " blocks)",
+                     style="dim")
         if n.reusers:
             t.append(" · reused by ", style="dim")
-            for i, who in enumerate(n.reusers):
+            for i, who in enumerate(n.reusers[:16]):
                 lk = self.looks.get(who)
-                t.append((", " if i else "") + str(who), style=lk.style if lk else UNKNOWN_COLOUR)
+                t.append((", " if i else "") + inert(who, limit=64), style=lk.style if lk else UNKNOWN_COLOUR)
+            if len(n.reusers) > 16:
+                t.append(f", + {len(n.reusers) - 16:,} more", style="dim")
         t.append(f"\n{len(n.keys)} blocks, {n.tokens} tokens (prefix {tree.prefix_tokens(n)}), {n.hits} hits, "
                  f"{n.sequences} sequence{'s' if n.sequences != 1 else ''} through it", style="dim")
         if not ids:
             t.append("\n(its blocks are not on this map)", style="dim italic")
-        t.append("\n" + self.labels(tree, n))
+        t.append("\n" + inert(self.labels(tree, n), limit=1024))
         self.query_one("#tree-detail", Static).update(t)
 
     # --- from the map to the tree -----------------------------------------------------------------

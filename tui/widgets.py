@@ -1,11 +1,14 @@
 """Small widgets of the playground that draw to their own size: the request bars, a footer that
-fits a small terminal, and the pane switcher shown when only one pane fits."""
+fits a small terminal, and the pane switcher shown when only one pane fits; and `InertNotify`,
+the apps' notifications as inert text."""
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widget import Widget
 from textual.widgets import Footer, Static, Tab, Tabs
 from textual.widgets._footer import FooterKey
+
+from kvplay.inert import inert
 
 from .format import requests_text, ttft_text
 
@@ -23,6 +26,16 @@ def update_static(w: Static, content) -> None:
         w.refresh(layout=True)
     else:
         refresh_if_taller(w, w.visual.get_height(w.styles, width))
+
+
+class InertNotify:
+    """An App mixin: every notification (toast) shows its message and title inert
+    (kvplay/inert.py), never parsed as markup: they quote names, errors and servers' words."""
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        super().notify(inert(message, lines=True, limit=2048), title=inert(title, limit=256), severity=severity,
+                       timeout=timeout, markup=False)
 
 
 def refresh_if_taller(w: Widget, height: int) -> None:

@@ -31,6 +31,10 @@ to our key when its answers name one (kvplay serve's `kvplay.user`). Until then 
 blocks under other salts would match is "cannot know" (`predicted_tokens` None, `unpredictable`
 set: not counted, not a mismatch).
 
+A server's text is data (kvplay/inert.py): what it answers is checked for its type and size and
+made valid Unicode (`scalars`) where it enters; the views show it inert. A malformed answer ends
+that turn with an error, never the thread that streams it.
+
 No Textual here: usable and testable without the app.
 """
 from __future__ import annotations
@@ -52,6 +56,8 @@ from kvplay.engine.errors import EngineError
 from kvplay.engine.events import AllBlocksCleared, BlockHit, BlockRemoved, BlockStored, EngineBatch
 from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
 
+from kvplay.inert import inert, scalars
+
 from .chat_backend import ChatBackend, Controls
 from .mirror import Fleet, Mirror
 from .subscriber import TROUBLE, PodSource, Subscriber
@@ -62,6 +68,8 @@ DEFAULT_SLOTS = 4096
 MAX_PROMPT_IDS = 1 << 20  # token ids taken from a server's /tokenize answer
 MAX_SALT_SESSIONS = 4096  # sessions whose salts are remembered (the oldest go first)
 MAX_SALTS = 8             # salts remembered per session
+MAX_MODEL_ID = 1024       # characters of a model id from /v1/models
+MAX_TEXT = 1 << 20        # characters of one /detokenize answer or one streamed reply kept
 
 
 class PodRange:
@@ -131,6 +139,11 @@ class RemoteTurn:
         self._result = result
         self._done.set()
         self._queue.put(None)
+
+
+def _count(v) -> int:
+    """A token count from a server's `usage`: a non-negative int, else 0."""
+    return v if type(v) is int and 0 <= v < 1 << 40 else 0
 
 
 def remote_controls(url: str) -> Controls:
@@ -207,9 +220,12 @@ class RemoteBackend(ChatBackend):
         if r.status_code != 200:
             raise EngineError(f"{self.url}/v1/models answered HTTP {r.status_code}: not an OpenAI-compatible server?")
         try:
-            return r.json()["data"][0]["id"]
+            model = r.json()["data"][0]["id"]
         except (ValueError, KeyError, IndexError, TypeError):
             raise EngineError(f"{self.url}/v1/models lists no model") from None
+        if not isinstance(model, str) or not model or len(model) > MAX_MODEL_ID:
+            raise EngineError(f"{self.url}/v1/models lists no usable model id ({inert(repr(model), limit=80)})")
+        return model
 
     def _server_blocks(self) -> int | None:
         """The pool size from /metrics, if it says: vLLM's `cache_config_info` num_gpu_blocks, or
@@ -428,7 +444,7 @@ class RemoteBackend(ChatBackend):
         stats.predicted_tokens, stats.unpredictable = self._predict(turn.user, body["messages"])
         text, finish, error = [], "stop", None
         t0 = time.monotonic()
-        usage = None
+        usage, size = None, 0
         try:
             with self._http.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -436,8 +452,8 @@ class RemoteBackend(ChatBackend):
                     try:
                         error = r.json()["error"]["message"]
                     except (ValueError, KeyError, TypeError):
-                        error = r.text[:200]
-                    error = f"HTTP {r.status_code}: {error}"
+                        error = r.text
+                    error = f"HTTP {r.status_code}: {scalars(str(error)[:200])}"
                 else:
                     for line in r.iter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -447,19 +463,25 @@ class RemoteBackend(ChatBackend):
                         self._learn_identity(chunk.get("kvplay"))
                         for ch in chunk.get("choices") or ():
                             piece = (ch.get("delta") or {}).get("content") or ""
+                            if not isinstance(piece, str):
+                                raise ValueError(f"a streamed delta's content is {type(piece).__name__}, not text")
+                            piece = scalars(piece[:MAX_TEXT - size])
+                            size += len(piece)
                             if piece:
                                 if stats.ttft_ms is None:
                                     stats.ttft_ms = (time.monotonic() - t0) * 1000
                                 turn._queue.put(TokenDelta(turn.request_id, piece, -1, len(text)))
                                 text.append(piece)
                             finish = ch.get("finish_reason") or finish
-        except (httpx.HTTPError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # a malformed answer too
+            error = f"{type(exc).__name__}: {scalars(str(exc)[:200])}"
+        finish = finish if isinstance(finish, str) and len(finish) <= 64 else "stop"
         stats.total_ms = (time.monotonic() - t0) * 1000
-        if usage:
-            stats.prompt_tokens = usage.get("prompt_tokens") or 0
-            stats.output_tokens = usage.get("completion_tokens") or 0
-            stats.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            stats.prompt_tokens = _count(usage.get("prompt_tokens"))
+            stats.output_tokens = _count(usage.get("completion_tokens"))
+            stats.cached_tokens = _count(details.get("cached_tokens") if isinstance(details, dict) else None)
             stats.computed_tokens = stats.prompt_tokens - stats.cached_tokens
         if stats.output_tokens and stats.ttft_ms is not None and stats.total_ms > stats.ttft_ms:
             stats.decode_tok_s = max(0, stats.output_tokens - 1) / ((stats.total_ms - stats.ttft_ms) / 1000)
@@ -573,11 +595,11 @@ class RemoteBackend(ChatBackend):
         """Text of token ids through the server's /detokenize (vLLM's); "" when it has none."""
         try:
             r = self._http.post("/detokenize", json={"model": self.model_name, "tokens": list(token_ids)}, timeout=5)
-            if r.status_code == 200:
-                return r.json().get("prompt", "")
+            body = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            pass
-        return ""
+            return ""
+        text = body.get("prompt") if isinstance(body, dict) else None
+        return scalars(text[:MAX_TEXT]) if isinstance(text, str) else ""
 
     def close(self, timeout: float = 1.0) -> None:
         if self._sub is not None:

@@ -20,6 +20,9 @@ into text through a `detokenize(token_ids) -> str` callable (the local tokenizer
 /detokenize), decoding at most `LABEL_TOKENS` tokens per node and caching at most `LABEL_CACHE`
 labels; a branch's label starts where it differs from its siblings ("… and why does it").
 
+`to_text` is a human view: its labels and names are inert (kvplay/inert.py); `to_json` keeps them
+as they are (JSON escapes them).
+
 Pure: no Textual, no SQLite, no network.
 """
 from __future__ import annotations
@@ -28,6 +31,8 @@ import gc
 import time
 from collections import Counter, OrderedDict
 from typing import Callable, Iterable
+
+from kvplay.inert import inert
 
 SHOWN_CHILDREN = 8      # children a view lists before "+ N more branches"
 LABEL_TOKENS = 48       # tokens decoded for a node's label (the rest is "…")
@@ -489,9 +494,12 @@ def to_text(tree: PrefixTree, labels: Labels, limit: int = SHOWN_CHILDREN, now: 
 
 
 def node_line(tree: PrefixTree, node: Node, labels: Labels, now: float, width: int = 100) -> str:
-    facts = f" · {len(node.keys)} blk {node.tokens} tok · {node.creator or '?'}"
+    """One node as a line of text; its label and the session ids inert."""
+    facts = f" · {len(node.keys)} blk {node.tokens} tok · {inert(node.creator or '?', limit=64)}"
     if node.reusers:
-        facts += " → " + ", ".join(map(str, node.reusers))
+        facts += " → " + ", ".join(inert(r, limit=64) for r in node.reusers[:16])
+        if len(node.reusers) > 16:
+            facts += f", + {len(node.reusers) - 16:,} more"
     if node.hits:
         facts += f" · {node.hits} hits"
     if node.last_ts:
@@ -499,7 +507,7 @@ def node_line(tree: PrefixTree, node: Node, labels: Labels, now: float, width: i
     if node.orphan:
         facts += " · parent not cached"
     room = max(8, width - len(facts) - 2)
-    text = labels(tree, node)
+    text = inert(labels(tree, node), limit=room)
     if len(text) > room:
         text = text[:room - 1] + "…"
     return f"\"{text}\"{facts}"

@@ -20,9 +20,10 @@ import os
 import sys
 import time
 
-from kvplay.engine.options import KvplayError, add_db_arg
+from kvplay.commands.watch import add_source_args, sources_from_args
+from kvplay.inert import inert
+from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
-from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
@@ -75,7 +76,7 @@ def server_trees(args) -> tuple[dict, dict, object]:
     # start-up time: imported when this first runs
     from kvplay.wire.remote import RemoteBackend
 
-    from .attach_cli import check_url
+    from kvplay.commands.attach import check_url
 
     if not args.sources:
         raise KvplayError("a server's tree comes from its KV events: give --events EP (or --events-bind EP)")
@@ -129,13 +130,13 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     where = head.get("session") and f"session {head['session']} after event {head['at']} of {head['events']}"
-    print(f"kvplay tree: {where or head['url']} · {head.get('model') or '?'}")
+    print(inert(f"kvplay tree: {where or head['url']} · {head.get('model') or '?'}", limit=1024))  # a server's model id
     if not trees:
         print("(no cached blocks)")
     for pod, t in trees.items():
         if pod is not None:
             state = head["pods"].get(pod) if url else None
-            print(f"pod {pod}" + (f" ({state})" if state else ""))
+            print(inert(f"pod {pod}" + (f" ({state})" if state else ""), limit=1024))
         for line in to_text(t, labels, args.children, now):
             print(line)
     return 0

@@ -1,34 +1,25 @@
-"""`kvplay run SCRIPT.toml [--json] [engine flags] [--db PATH] [--no-record]`: play a script headless
-through one Engine and report, per finished turn, how much of the prompt came from the cache
-and whose blocks it was. Records the session in the sessions DB unless --no-record.
-
-Exit code: 0 every turn ok, 1 some turn failed, 2 bad input (one line, no traceback).
+"""Playing a script headless through one Engine (`kvplay run`): the turns as player jobs, a
+table (or JSON lines) of each finished turn's cache use and whose blocks it was, the run's
+summary, and start_engine (the model loads with a line before and after; `kvplay serve` and the
+headless replay use it too). Each turn is recorded in the sessions DB unless asked not to.
+What a row quotes (names, replies, errors, the model) is inert (kvplay/inert.py): a row's cells
+are `Text`, never markup.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from typing import TYPE_CHECKING
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.inert import inert
 
 from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
-from .script import Script, load_script, sampling_for
+from .script import Script, sampling_for
 
 if TYPE_CHECKING:  # the player imports the engine (torch): only when a script really runs
     from .player import Done, Job
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("script", help="TOML script ([engine], [system], [[users]], [[turns]])")
-    parser.add_argument("--json", action="store_true", help="one JSON object per finished turn, then a summary")
-    add_db_arg(parser)
-    parser.add_argument("--no-record", action="store_true", help="do not record this run in the sessions DB")
-    parser.add_argument("--speed", type=float, default=1.0, help="divide every turn's `at` offset by X")
-    add_engine_args(parser)
 
 
 def script_jobs(script: Script) -> list[Job]:
@@ -57,7 +48,7 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     from rich.text import Text
 
     need = {name: len(name) for name in COLUMNS}
-    need["user"] = max([4, *map(len, users)])
+    need["user"] = max([4, *(len(inert(u, limit=64)) for u in users)])
     need["reply"] = 8
     names = list(COLUMNS)
     kw_table: dict = {}
@@ -68,7 +59,7 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     widths: dict[str, int] = {}
     if width is not None:  # exact widths: Rich never shrinks a no-wrap column, so decide here
         for i, name in enumerate(names):
-            widths[name] = max([need[name], *(Text.from_markup(r[i]).cell_len for r in rows)])
+            widths[name] = max([need[name], *(as_text(r[i]).cell_len for r in rows)])
         overhead = 2 * (len(names) - 1) if kw_table else 3 * len(names) + 1
         fixed = sum(widths[n] for n in names if n not in ("cached", "reply"))
         room = width - overhead - fixed
@@ -89,6 +80,14 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     return table
 
 
+def as_text(cell):
+    """A row's cell as Text: a Text as it is, a string as markup (the columns' own)."""
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
+    return cell if isinstance(cell, Text) else Text.from_markup(cell)
+
+
 class TurnTable:
     """Finished turns in turn order, whatever order they finish in. On a terminal: a live table
     that fits its width. Otherwise (piped, redirected): plain columns, one line per turn, each
@@ -100,7 +99,7 @@ class TurnTable:
         self.rows: dict[int, list[str]] = {}
         self.printed = 0
         self.live = None
-        w_user = max([4, *map(len, users)])
+        w_user = max([4, *(len(inert(u, limit=64)) for u in users)])
         self.users = users
         self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 8, 7, 6, 0]
 
@@ -130,13 +129,10 @@ class TurnTable:
             self._print_plain(self.rows[self.order[self.printed]])
             self.printed += 1
 
-    def _print_plain(self, cells: list[str]) -> None:
-        # start-up time: imported when this first runs
-        from rich.text import Text
-
+    def _print_plain(self, cells: list) -> None:
         out = []
         for i, (cell, w) in enumerate(zip(cells, self.widths)):
-            text = Text.from_markup(cell).plain
+            text = as_text(cell).plain
             right = COLUMNS[i] not in ("user", "cached", "reply")
             out.append(text.rjust(w) if right else text.ljust(w))
         print("  ".join(out).rstrip(), file=self.console.file, flush=True)
@@ -150,16 +146,20 @@ class TurnTable:
                     self._print_plain(self.rows[t])
 
 
-def table_row(done: Done) -> list[str]:
+def table_row(done: Done) -> list:
+    """A finished turn's cells (Text where they quote a user or the model)."""
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
     st = done.result.stats if done.result else None
     if st is None or done.error:
-        reply = f"[red]error: {done.error}[/red]"
+        reply = Text(f"error: {excerpt(done.error, 200)}", style="red")
     else:
-        reply = excerpt(done.result.text, 48)
+        reply = Text(excerpt(done.result.text, 48))
         if done.result.finish_reason == "pool_exhausted":
-            reply = "[yellow](stopped: the pool is full)[/yellow] " + reply
-    cached = cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user)
-    return [str(done.job.turn), done.job.user, fmt_num(st.prompt_tokens if st else None), cached,
+            reply = Text.assemble(("(stopped: the pool is full)", "yellow"), " ", reply)
+    cached = Text(cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user))
+    return [str(done.job.turn), Text(inert(done.job.user, limit=64)), fmt_num(st.prompt_tokens if st else None), cached,
             fmt_num(st.computed_tokens if st else None), fmt_num(st.ttft_ms if st else None, 1),
             fmt_num(st.decode_tok_s if st else None, 1), reply]
 
@@ -180,17 +180,21 @@ def summary_object(engine, dones: list[Done], wall_s: float, session_id: str | N
 
 
 def print_summary(console, summ: dict) -> None:
+    # start-up time: imported when this first runs
+    from rich.text import Text
+
     b = summ["blocks"]
     lines = [
-        f"[bold]{summ['turns']} turns[/bold] ({summ['failed']} failed) on {summ['model']} in {summ['wall_s']:.1f} s, "
-        f"isolation {summ['isolation']}{', deterministic' if summ['deterministic'] else ''}",
+        Text.assemble((f"{summ['turns']} turns", "bold"), f" ({summ['failed']} failed) on {inert(summ['model'])} in "
+                      f"{summ['wall_s']:.1f} s, isolation {summ['isolation']}"
+                      f"{', deterministic' if summ['deterministic'] else ''}"),
         f"hit rate {summ['hit_rate']:.1%} ({summ['hit_tokens']}/{summ['query_tokens']} prompt tokens from the cache)",
         f"blocks {b['total']}: {b['cached']} cached, {b['in_use']} in use, {b['free']} free; "
         f"evictions {summ['evictions']}, preemptions {summ['preemptions']}; "
         f"saved {human_bytes(summ['bytes_saved'])} vs a cache per user",
     ]
     if summ.get("session"):
-        lines.append(f"recorded as session {summ['session']} in {summ['db']}")
+        lines.append(Text(f"recorded as session {summ['session']} in {inert(summ['db'])}"))
     for line in lines:
         console.print(line, highlight=False)
 
@@ -226,7 +230,7 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
 
 def start_engine(config):
     t = time.perf_counter()
-    print(f"kvplay: loading {config.model} …", file=sys.stderr, flush=True)  # before torch's import
+    print(f"kvplay: loading {inert(config.model)} …", file=sys.stderr, flush=True)  # before torch's import
     # start-up time: imported when this first runs
     from kvplay.engine.model import check_model_spec
 
@@ -235,23 +239,22 @@ def start_engine(config):
     from kvplay.engine.engine import Engine
 
     engine = Engine(config).start()
-    print(f"kvplay: {engine.model_name} ready in {time.perf_counter() - t:.1f} s "
+    print(f"kvplay: {inert(engine.model_name)} ready in {time.perf_counter() - t:.1f} s "
           f"({engine.num_blocks} blocks of {config.block_size} tokens; decode attention: "
           f"{engine.decode_attention()})", file=sys.stderr, flush=True)
     return engine
 
 
-def main(args: argparse.Namespace) -> int:
+def run_script(script: Script, config, db: str | None = None, record: bool = True, as_json: bool = False,
+               speed: float = 1.0) -> dict:
+    """Play `script` through a fresh Engine on `config`, printing each finished turn (a table
+    row, or a JSON line), recorded in the sessions DB `db` unless not `record`; the summary."""
     # start-up time: imported when this first runs
     from .store import open_db
 
-    if args.speed <= 0:
-        raise KvplayError(f"--speed must be positive (got {args.speed})")
-    script = load_script(args.script)
-    config = config_from_args(args, script.engine, where=f"{args.script}: [engine]")
     jobs = script_jobs(script)
-    if not args.no_record:
-        open_db(args.db).close()  # refuse a bad DB before spending time on the model
+    if record:
+        open_db(db).close()  # refuse a bad DB before spending time on the model
     engine = start_engine(config)
     for u in script.users:  # identity is bound here, once; turns carry only the user name
         engine.register_user(u.name, u.group)
@@ -260,18 +263,13 @@ def main(args: argparse.Namespace) -> int:
 
     rec = None
     try:
-        if not args.no_record:
-            rec = Recorder.open(args.db, config, engine.model_name, "run", script.system, script_path=script.path)
+        if record:
+            rec = Recorder.open(db, config, engine.model_name, "run", script.system, script_path=script.path)
             rec.attach(engine)
             for u in script.users:
                 rec.add_user(u.name, group=u.group, colour=u.colour, seed=u.seed, temperature=u.temperature,
                              max_tokens=u.max_tokens, top_p=u.top_p, top_k=u.top_k)
-        dones, wall = run_jobs(engine, jobs, script.system, args.json, rec, args.speed)
-        summ = summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
+        dones, wall = run_jobs(engine, jobs, script.system, as_json, rec, speed)
+        return summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
     finally:
         close_run(rec, engine)
-    if args.json:
-        print_json(summ)
-    else:
-        print_summary(make_console(), summ)
-    return 1 if summ["failed"] else 0

@@ -1,25 +1,23 @@
-"""`kvplay sessions [--db PATH] [--json] [--limit N]`: list recorded sessions, newest first."""
+"""`kvplay sessions [--db PATH] [--json] [--limit N]`: list recorded sessions, newest first; what
+they recorded (titles, models, paths) is shown inert (kvplay/inert.py), as Text cells."""
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import os
 
-from kvplay.engine.options import add_db_arg
+from kvplay.inert import inert
+from kvplay.options import add_db_arg
 
-from .query import list_sessions
-from .report import console, print_json
-from .store import open_db, resolve_path
+from kvplay.sessions.query import list_sessions
+from kvplay.sessions.report import console, print_json
+from kvplay.sessions.store import open_db, resolve_path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_db_arg(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per session")
     parser.add_argument("--limit", type=int, default=None, help="show at most N sessions")
-
-
-def when(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def hit_rate(row: dict) -> float | None:
@@ -54,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     piped = not con.is_terminal
     if piped:  # every cell whole (ids to copy, paths to grep): as wide as the longest row needs
         con = console(width=10_000)
-    con.print(table_of(rows, f"sessions in {path}{hidden}", None if piped else con.width))
+    con.print(table_of(rows, inert(f"sessions in {path}{hidden}"), None if piped else con.width))
     return 0
 
 
@@ -80,12 +78,13 @@ def table_of(rows: list[dict], title: str, width: int | None):
     ~90 columns it is left out). `width` None (piped): every cell whole."""
     # start-up time: imported when this first runs
     from rich.table import Table
+    from rich.text import Text
 
     cells = []
     for r in rows:
         hr = hit_rate(r)
-        model = r["model"] or "-"
-        what = " ".join(x for x in (r["source"], note_of(r)) if x)
+        model = inert(r["model"] or "-", limit=256)
+        what = inert(" ".join(x for x in (r["source"], note_of(r)) if x), limit=256)
         cells.append([r["id"], short_when(r["created"]), str(r["users"]), str(r["turns"]),
                       "-" if hr is None else f"{hr:.1%}", what, model if width is None else model.rsplit("/", 1)[-1]])
     names = ["id", "when", "users", "turns", "hit", "what", "model"]
@@ -99,11 +98,12 @@ def table_of(rows: list[dict], title: str, width: int | None):
             model = min(widths[6], max(8, room // 3))
             widths[5] = min(widths[5], room - model)
             widths[6] = min(widths[6], room - widths[5])
-    table = Table(title=title, header_style="bold underline", box=None, padding=(0, 1, 0, 0), title_justify="left")
+    table = Table(title=Text(title, style="table.title"), header_style="bold underline", box=None,
+                  padding=(0, 1, 0, 0), title_justify="left")
     for i, name in enumerate(names):
         table.add_column(name, no_wrap=True, overflow="ellipsis", width=widths[i], justify="right" if 2 <= i <= 4 else "left")
     for c in cells:
-        table.add_row(*c)
+        table.add_row(*map(Text, c))
     return table
 
 

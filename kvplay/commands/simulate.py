@@ -13,10 +13,11 @@ import os
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
+from kvplay.inert import inert
+from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 
-from .report import console, print_json
-from .simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
+from kvplay.sessions.report import console, print_json
+from kvplay.sessions.simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,13 +65,13 @@ def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple
         raise KvplayError(f"{source}: {what} (give a trace file or a session id from `kvplay sessions`)")
     if os.path.isfile(source):
         # start-up time: imported when this first runs
-        from .traces import read_trace_file
+        from kvplay.sessions.traces import read_trace_file
 
         read = read_trace_file(source, block_size=block_size)
         return read.trace, read.error
     # start-up time: imported when this first runs
-    from .store import open_db
-    from .traces import session_trace
+    from kvplay.sessions.store import open_db
+    from kvplay.sessions.traces import session_trace
 
     db = open_db(db_path, create=False)
     try:
@@ -112,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
     trace, bad = load_source(args.source, args.db, args.block_size)
     rc = _report(args, trace, policies)
     if bad:
-        print(f"kvplay: error: {bad} (simulated the records before it)", file=sys.stderr)
+        print(f"kvplay: error: {inert(bad)} (simulated the records before it)", file=sys.stderr)
         return 2
     return rc
 
@@ -140,11 +141,13 @@ def _report(args, trace: Trace, policies: list[str]) -> int:
         return 0
     # start-up time: imported when this first runs
     from rich.table import Table
+    from rich.text import Text
 
     con = console()
     n = len(trace.requests)
-    con.print(f"[bold]{trace.source}[/bold]: {n} requests, {trace.prompt_tokens()} prompt tokens; recorded "
-              f"{c.eviction} on {c.num_blocks} blocks of {c.block_size} tokens, isolation {c.isolation}", highlight=False)
+    con.print(Text.assemble((inert(trace.source), "bold"), f": {n} requests, {trace.prompt_tokens()} prompt tokens; "
+                            f"recorded {c.eviction} on {c.num_blocks} blocks of {c.block_size} tokens, isolation "
+                            f"{c.isolation}"), highlight=False)
     if recorded is not None and not trace.source.startswith("session "):
         con.print(f"the server's events show {recorded:.1%} of prompt tokens reused ({trace.recorded_hit_tokens}/"
                   f"{trace.recorded_query_tokens}); replayed in kvplay's pool as set here: {own.hit_rate:.1%}",

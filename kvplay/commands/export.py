@@ -5,23 +5,26 @@ toml: a `kvplay run` script that reproduces the session. The trace formats (sess
 vllm-jsonl / vllm-msgpack: the cache events as vLLM KV-event batches (one JSON object per line,
 or the msgpack payloads back to back); mooncake: one request per line {timestamp,
 input_length, output_length, hash_ids}. `kvplay import` and `kvplay simulate` read all three.
+
+jsonl and the trace formats keep every byte (JSON escapes what it quotes). md is a transcript for
+people, to a terminal or into a file alike: what the session recorded is shown inert
+(kvplay/inert.py: a control or bidi character is shown, never obeyed; bodies keep their lines);
+the bytes are jsonl's. toml escapes such characters (sessions/script.py), so the script replays
+byte for byte.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
-
-from .cli_list import when
-from .cli_show import load
-from .history import session_batches
-from .query import resolve_session, session_script
-from .report import attribution
-from .script import dump_script
-from .store import open_db
-from .traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
+from kvplay.inert import inert, json_dumps
+from kvplay.options import KvplayError, add_db_arg, check_output_file
+from kvplay.sessions.history import session_batches
+from kvplay.sessions.query import load_session, resolve_session, session_script
+from kvplay.sessions.report import attribution, when
+from kvplay.sessions.script import dump_script
+from kvplay.sessions.store import open_db
+from kvplay.sessions.traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,23 +36,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def to_jsonl(s: dict) -> str:
     head = {k: v for k, v in s.items() if k not in ("turns", "events")}
-    lines = [json.dumps({"type": "session", **head}, ensure_ascii=False)]
-    lines += [json.dumps({"type": "turn", **t}, ensure_ascii=False) for t in s["turns"]]
-    lines += [json.dumps({"type": "event", **e}, ensure_ascii=False) for e in s.get("events", [])]
+    lines = [json_dumps({"type": "session", **head})]
+    lines += [json_dumps({"type": "turn", **t}) for t in s["turns"]]
+    lines += [json_dumps({"type": "event", **e}) for e in s.get("events", [])]
     return "\n".join(lines) + "\n"
 
 
+def _body(text: str | None) -> str:
+    """A prompt or a reply in the transcript: its lines kept, whole, inert."""
+    return inert(text or "", lines=True, limit=None)
+
+
 def to_md(s: dict) -> str:
-    out = [f"# kvplay session {s['id']}", "",
-           f"- source: {s['source']}; model: {s['model']}; recorded {when(s['created'])}",
-           "- engine: " + ", ".join(f"`{k}={v}`" for k, v in s["engine_config"].items() if v is not None)]
+    out = [f"# kvplay session {inert(s['id'])}", "",
+           f"- source: {inert(s['source'])}; model: {inert(s['model'])}; recorded {when(s['created'])}",
+           "- engine: " + ", ".join(f"`{k}={inert(v)}`" for k, v in s["engine_config"].items() if v is not None)]
     if s.get("replay_of"):
-        out.append(f"- replay of {s['replay_of']}")
-    out += ["", "## System prompt", "", s.get("system_prompt") or "", "", "## Turns", ""]
+        out.append(f"- replay of {inert(s['replay_of'])}")
+    out += ["", "## System prompt", "", _body(s.get("system_prompt")), "", "## Turns", ""]
     for t in s["turns"]:
-        out.append(f"### {t['seq']}. {t['user']}")
-        out += ["", "> " + t["text"].replace("\n", "\n> "), ""]
-        out.append(t["reply"] if not t.get("error") else f"**error:** {t['error']}")
+        out.append(f"### {t['seq']}. {inert(t['user'])}")
+        out += ["", "> " + _body(t["text"]).replace("\n", "\n> "), ""]
+        out.append(_body(t["reply"]) if not t.get("error") else f"**error:** {inert(t['error'])}")
         att = attribution(t["cached_from"], t["user"])
         out += ["", f"*prompt {t['prompt_tokens']} tokens, cached {t['cached_tokens']}"
                 + (f" ({att})" if att else "") + f", computed {t['computed_tokens']}, "
@@ -67,10 +75,10 @@ def main(args: argparse.Namespace) -> int:
             text = trace_export(db, args.id, args.format)
         elif args.format == "toml":
             session = resolve_session(db, args.id)
-            text = f"# kvplay session {session['id']} ({session['source']}, {session['model']})\n" + \
+            text = f"# kvplay session {session['id']} ({inert(session['source'])}, {inert(session['model'])})\n" + \
                 dump_script(session_script(db, session))
         else:
-            s = load(db, args.id, events=args.format == "jsonl")
+            s = load_session(db, args.id, events=args.format == "jsonl")
             text = to_jsonl(s) if args.format == "jsonl" else to_md(s)
     finally:
         db.close()

@@ -21,16 +21,16 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvplay.commands.app import APP_SYSTEM, parse_users
+from kvplay.commands.screenshot import parse_size
+from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.engine.errors import EngineError
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.inert import inert
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.script import load_script
-from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
+from kvplay.tui.lifecycle import run_app, run_until_done
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import Unreachable, discover
-
-from .lifecycle import run_app, run_until_done
-
-from .cli import APP_SYSTEM, parse_users
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -75,14 +75,14 @@ def discover_or_none(url: str, api_key: str | None, topic: str = "", curve=None)
     except Unreachable as exc:
         raise KvplayError(str(exc)) from None
     except EngineError as exc:
-        print(f"kvplay: {exc}; the map stays empty", file=sys.stderr)
+        print(f"kvplay: {inert(exc)}; the map stays empty", file=sys.stderr)
         return []
     for s in found.sources:
         if topic:
             s.topic = topic
         s.curve = curve
-    print(f"kvplay: KV events from {found.via}: " + ", ".join(
-        f"{s.name} {'bind' if s.bind else 'connect'} {s.endpoint}" for s in found.sources), file=sys.stderr)
+    print(inert(f"kvplay: KV events from {found.via}: " + ", ".join(  # the server's endpoints
+        f"{s.name} {'bind' if s.bind else 'connect'} {s.endpoint}" for s in found.sources), limit=2048), file=sys.stderr)
     return found.sources
 
 
@@ -105,9 +105,6 @@ def open_backend(args):
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from .screenshot import parse_size
-
     users = parse_users(args.users or "alice,bob,carol")
     system, turns = APP_SYSTEM, None
     if args.script:
@@ -124,13 +121,13 @@ def main(args: argparse.Namespace) -> int:
         size = parse_size(args.size)
     backend = open_backend(args)
     # start-up time: imported when this first runs
-    from .attach import AttachApp
+    from kvplay.tui.attach import AttachApp
 
     app = AttachApp(backend, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)
     try:
         if args.screenshot:
             # start-up time: imported when this first runs
-            from .screenshot import take_screenshot
+            from kvplay.tui.screenshot import take_screenshot
 
             run_until_done(take_screenshot(app, Path(args.screenshot), size))
             print(f"kvplay: saved {args.screenshot}", file=sys.stderr)
@@ -139,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     if app.recorder_error:
-        print(f"kvplay: recording failed: {app.recorder_error}", file=sys.stderr)
+        print(f"kvplay: recording failed: {inert(app.recorder_error)}", file=sys.stderr)
     if app.recorder is not None:
         print(f"kvplay: recorded session {app.recorder.session_id} in {app.recorder.path}", file=sys.stderr)
     return 0

@@ -16,7 +16,8 @@ import signal
 import ssl
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.inert import inert
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +70,9 @@ def main(args: argparse.Namespace) -> int:
     from kvplay.wire import curve as wire_curve
     from kvplay.wire.publisher import KVEventsConfig
 
-    from .core_proc import CoreParams, build_side
-    from .keys import load_keys
-    from .server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
+    from kvplay.serve.core_proc import CoreParams, build_side
+    from kvplay.serve.keys import load_keys
+    from kvplay.serve.server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
 
     if args.gen_curve_keys:
         d = wire_curve.generate(args.gen_curve_keys)
@@ -125,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
             side = local[2]
         else:
             # start-up time: imported when this first runs
-            from .core_client import RemoteSide
+            from kvplay.serve.core_client import RemoteSide
 
             side = RemoteSide(params)
     except BaseException:
@@ -141,8 +142,8 @@ def main(args: argparse.Namespace) -> int:
         who = (f"{len(keys)} API keys ({', '.join(sorted({i.user for i in keys.values()}))})" if keys
                else "no API keys: user from the body's `user`")
         scheme = "https" if args.ssl_certfile else "http"
-        print(f"kvplay: serving {state.model_name} on {scheme}://{host}:{sock.getsockname()[1]}/v1 — {who}, "
-              f"isolation {config.isolation}", file=sys.stderr, flush=True)
+        print(inert(f"kvplay: serving {state.model_name} on {scheme}://{host}:{sock.getsockname()[1]}/v1 — {who}, "
+                    f"isolation {config.isolation}", limit=None), file=sys.stderr, flush=True)  # names: serve/keys.py
         if keys is not None and config.isolation == "shared":
             print("kvplay: isolation shared: every key holder can tell from cached_tokens, cached_from and "
                   "time to first token whether another user sent a prompt (and who); use --isolation user to "
