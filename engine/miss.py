@@ -251,7 +251,7 @@ def miss_object(spans: list, diverged_at: int | None = None, excerpt: tuple[str,
     clean = []
     for sp in spans:
         start, n, reason, who, by = sp
-        if reason not in reasons:
+        if reason not in reasons or n <= 0:  # (a damaged recording: never a traceback)
             continue
         reasons[reason] += n
         if reason == "evicted":
@@ -271,6 +271,22 @@ def miss_object(spans: list, diverged_at: int | None = None, excerpt: tuple[str,
         "isolated_from": isolated_from, "cleared_at": cleared_at if reasons["cleared"] else None,
         "spans": clean,
     }
+
+
+def miss_from_event(e) -> dict:
+    """The miss object of a MissExplained event (or its recorded dict)."""
+    get = e.get if isinstance(e, dict) else lambda k, d=None: getattr(e, k, d)
+    ex_p, ex_c = get("excerpt_prompt", "") or "", get("excerpt_cached", "") or ""
+    return miss_object([list(s) for s in get("spans", []) or []], get("diverged_at"),
+                       (ex_p, ex_c) if ex_p or ex_c else None, get("evicted_at"), get("eviction_policy") or None,
+                       get("cleared_at"))
+
+
+def same_reasons(a: dict | None, b: dict | None) -> bool:
+    """Two miss objects give the same reasons (counts per reason, and where it diverged)."""
+    if a is None or b is None:
+        return a is b
+    return a.get("reasons") == b.get("reasons") and a.get("diverged_at") == b.get("diverged_at")
 
 
 def redact(miss: dict | None, user: str) -> dict | None:

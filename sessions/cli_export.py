@@ -18,7 +18,7 @@ from .cli_list import when
 from .cli_show import load
 from .history import session_events
 from .query import resolve_session, session_script
-from .report import attribution
+from .report import attribution, computed_cell
 from .script import dump_script
 from .store import open_db
 from .traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
@@ -52,7 +52,7 @@ def to_md(s: dict) -> str:
         out.append(t["reply"] if not t.get("error") else f"**error:** {t['error']}")
         att = attribution(t["cached_from"], t["user"])
         out += ["", f"*prompt {t['prompt_tokens']} tokens, cached {t['cached_tokens']}"
-                + (f" ({att})" if att else "") + f", computed {t['computed_tokens']}, "
+                + (f" ({att})" if att else "") + f", computed {computed_cell(t['computed_tokens'], t.get('miss'), t['user'])}, "
                 f"TTFT {t['ttft_ms'] or 0:.1f} ms, {t['output_tokens']} tokens out*", ""]
     return "\n".join(out)
 

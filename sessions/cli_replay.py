@@ -1,7 +1,8 @@
 """Headless `kvplay replay ID --headless`: re-drive the recorded turns through a fresh Engine,
 making the recorded engine changes (settings, clears, groups) again before the turns that
 followed them, and print, per turn, equal or differs (first differing token and its position),
-and cached tokens then vs now with whether they and their creators match; the replay is recorded
+and cached tokens then vs now with whether they, their creators and the reasons for the computed
+tokens match (engine/miss.py; a difference in reasons shows both); the replay is recorded
 as a new session (replay_of = ID) unless --no-record. A session reproduces when every turn's
 output and cache match (outputs alone when its turns overlapped: then arrival order decides who
 computes a shared block). Exit code 1 when a session recorded in deterministic mode no longer
@@ -11,6 +12,8 @@ turns overlapped (`at`). The command itself (and the replay in the app) is tui/r
 from __future__ import annotations
 
 import time
+
+from kvplay.engine.miss import miss_text
 
 from .query import settings_timeline
 from .recorder import Recorder, close_run
@@ -26,6 +29,8 @@ def _row(c) -> list[str]:
     else:
         verdict = f"[yellow]differs[/yellow] at token {c.first_diff}: {c.then_token!r} → {c.now_token!r}"
     cached = f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}"
+    if not c.error and not c.miss_equal:
+        cached += f" (missed {miss_text(c.miss_then, c.user)} → {miss_text(c.miss_now, c.user)})"
     if not c.error and not c.cache_equal:
         cached = f"[yellow]{cached} differs[/yellow]"
     return [str(c.seq), c.user, excerpt(c.text, 28), verdict, cached,
@@ -73,6 +78,7 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
     errors = sum(1 for c in comps if c.error)
     text_differs = sum(1 for c in comps if not c.equal and not c.error)
     cache_differs = sum(1 for c in comps if not c.cache_equal and not c.error)
+    miss_differs = sum(1 for c in comps if not c.miss_equal and not c.error)
     # When turns overlapped (`at`), arrival order decides who computes a shared block, so who is
     # credited (and how much hits) can change from run to run: then a cache difference is shown
     # and counted, but the verdict rests on the outputs alone (`cache_compared` says which).
@@ -83,7 +89,8 @@ def headless(args, session: dict, turns: list[dict], users: list[dict], events: 
     # the exit code is the determinism claim (the same output tokens)
     failed = errors > 0 or (strict and text_differs > 0)
     summ = {"summary": True, "replay_of": session["id"], "turns": len(comps), "equal": same, "differs": differs,
-            "text_differs": text_differs, "cache_differs": cache_differs, "cache_compared": cache_compared,
+            "text_differs": text_differs, "cache_differs": cache_differs, "miss_differs": miss_differs,
+            "cache_compared": cache_compared,
             "errors": errors, "deterministic": recorded_det, "reproduces": differs == 0,
             "wall_s": round(time.perf_counter() - t0, 3),
             "session": rec.session_id if rec else None, "db": rec.path if rec else None}

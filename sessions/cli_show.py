@@ -8,8 +8,8 @@ from kvplay.engine.options import add_db_arg
 
 from .cli_list import when
 from .event_log import count_events, read_events
-from .query import resolve_session, session_turns, session_users
-from .report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json
+from .query import resolve_session, session_turns, session_users, with_misses
+from .report import cached_cell, computed_cell, console, excerpt, fmt_num, human_bytes, print_json
 from .store import open_db
 
 
@@ -24,7 +24,7 @@ def load(db, ident: str, events: bool = False) -> dict:
     s = resolve_session(db, ident)
     out = dict(s)
     out["users"] = session_users(db, s["id"])
-    out["turns"] = session_turns(db, s["id"])
+    out["turns"] = with_misses(db, s["id"], session_turns(db, s["id"]))
     for u in out["users"]:
         u.pop("session_id", None)
     for t in out["turns"]:
@@ -76,12 +76,13 @@ def main(args: argparse.Namespace) -> int:
               highlight=False)
     table = Table(header_style="bold")
     for name in ("#", "user", "text", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"):
-        table.add_column(name, no_wrap=name == "cached")
+        table.add_column(name, no_wrap=name in ("cached", "computed"))
     for t in s["turns"]:
         cached = cached_cell(t["cached_tokens"], None, t["cached_from"], t["user"])
         reply = f"[red]error: {t['error']}[/red]" if t.get("error") else excerpt(t["reply"], 48)
         table.add_row(str(t["seq"]), t["user"], excerpt(t["text"], 30), fmt_num(t["prompt_tokens"]), cached,
-                      fmt_num(t["computed_tokens"]), fmt_num(t["ttft_ms"]), fmt_num(t["decode_tok_s"]), reply)
+                      computed_cell(t["computed_tokens"], t.get("miss"), t["user"]), fmt_num(t["ttft_ms"]),
+                      fmt_num(t["decode_tok_s"]), reply)
     con.print(table)
     if "events" in s:
         for e in s["events"]:

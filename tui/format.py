@@ -7,6 +7,7 @@ from rich.text import Text
 
 import time
 
+from kvplay.engine.miss import miss_text
 from kvplay.sessions.report import mib
 
 from .theme import FREE_STYLE, UNKNOWN_COLOUR, UserLook
@@ -20,9 +21,11 @@ def _look(looks: dict[str, UserLook], name: str) -> UserLook:
 
 
 def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
-    """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`; attached, also
-    `as predicted` or `predicted 480 ≠` (the mirror's prefix match before sending vs the usage),
-    or `salted: no prediction` (the server's salt decides and is not known yet)."""
+    """`prompt 532 · cached 512 (alice 496, own 16) · missed 20: 4 diverged at 513, 16 tail ·
+    TTFT 0.14 s · 18 tok/s` (`missed 4 (tail)` when only the last block was computed; why: see
+    engine/miss.py); attached, also `as predicted` or `predicted 480 ≠` (the mirror's prefix
+    match before sending vs the usage), or `salted: no prediction` (the server's salt decides
+    and is not known yet)."""
     t = Text(style=DIM)
     t.append(f"prompt {stats.prompt_tokens} · cached {stats.cached_tokens}")
     if stats.cached_from:
@@ -34,6 +37,9 @@ def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
             label = "own" if who == stats.user else who
             t.append(f"{label} {n}", style=_look(looks, who).style)
         t.append(")")
+    why = miss_text(getattr(stats, "miss", None), stats.user)
+    if why:
+        t.append(f" · missed {why}")
     predicted = getattr(stats, "predicted_tokens", None)  # attach: what the mirror said before sending
     if predicted is not None:
         if predicted == stats.cached_tokens:

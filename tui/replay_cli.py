@@ -11,7 +11,8 @@ import argparse
 
 from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.cli_replay import headless
-from kvplay.sessions.query import resolve_session, session_script, session_turns, session_users, timeline_events
+from kvplay.sessions.query import (resolve_session, session_script, session_turns, session_users, timeline_events,
+                                   with_misses)
 from kvplay.sessions.store import open_db
 
 
@@ -33,6 +34,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         session = resolve_session(db, args.id)
         turns = session_turns(db, session["id"])
+        if args.headless:  # the recorded reasons for the computed tokens, compared per turn
+            with_misses(db, session["id"], turns)
         users = session_users(db, session["id"])
         # the app replays the session as a script (session_script reads its events itself)
         events = timeline_events(db, session["id"]) if args.headless else []
