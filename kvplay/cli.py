@@ -23,6 +23,7 @@ COMMANDS = {
     "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
     "replay": ("kvplay.tui.replay_cli", "replay a recorded session and compare outputs"),
     "simulate": ("kvplay.sessions.cli_simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
+    "explain": ("kvplay.commands.explain", "why prompt tokens missed the cache, the cache breakers, and what each fix would give"),
     "scrub": ("kvplay.tui.scrub_cli", "step, play and seek through a recorded session's cache, no model loaded"),
     "import": ("kvplay.sessions.cli_trace", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
     "lab": ("kvplay.labs.cli", "measure a claim about shared KV caches"),

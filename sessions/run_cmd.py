@@ -105,7 +105,7 @@ class TurnTable:
         self.live = None
         w_user = max([4, *map(len, users)])
         self.users = users
-        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 30, 7, 6, 0]
+        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 36, 7, 6, 0]
 
     def table(self):
         return make_table(self.title, [self.rows[t] for t in self.order if t in self.rows],
