@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass, validated in one place.
 
 Every front end (the app, ``kvplay run``, replay, labs, bench) builds an EngineConfig from the
-same command-line flags (see engine/options.py) or a script's ``[engine]`` table.
+same command-line flags (see kvplay/options.py) or a script's ``[engine]`` table.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`kvplay` command line: one parser, subcommands implemented next to what they drive.
+"""`kvplay` command line: one parser; each subcommand is a module of kvplay/commands/ named for it.
 
 Every user-facing failure is one line on stderr and exit code 2 (KvplayError/EngineError);
 never a traceback.
@@ -10,29 +10,27 @@ import importlib
 import sys
 
 from kvplay.engine.errors import EngineError
-# the shared command-line vocabulary lives in engine/options.py (below every subcommand);
-# re-exported for callers that import it from here
-from kvplay.engine.options import KvplayError, check_output_file, save_plot  # noqa: F401
 
-# name -> (module, help). The module defines configure(parser) and main(args) -> int.
+# name -> (module, help). The module defines configure(parser) and main(args) -> int; it is
+# imported only when its command runs.
 COMMANDS = {
-    "app": ("kvplay.tui.cli", "open the multi-user chat playground (the default)"),
-    "run": ("kvplay.sessions.run_cmd", "play a TOML script headless and report per-turn cache use"),
-    "sessions": ("kvplay.sessions.cli_list", "list recorded sessions"),
-    "show": ("kvplay.sessions.cli_show", "show one recorded session"),
-    "export": ("kvplay.sessions.cli_export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
-    "replay": ("kvplay.tui.replay_cli", "replay a recorded session and compare outputs"),
-    "simulate": ("kvplay.sessions.cli_simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
+    "app": ("kvplay.commands.app", "open the multi-user chat playground (the default)"),
+    "run": ("kvplay.commands.run", "play a TOML script headless and report per-turn cache use"),
+    "sessions": ("kvplay.commands.sessions", "list recorded sessions"),
+    "show": ("kvplay.commands.show", "show one recorded session"),
+    "export": ("kvplay.commands.export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
+    "replay": ("kvplay.commands.replay", "replay a recorded session and compare outputs"),
+    "simulate": ("kvplay.commands.simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
     "explain": ("kvplay.commands.explain", "why prompt tokens missed the cache, the cache breakers, and what each fix would give"),
-    "scrub": ("kvplay.tui.scrub_cli", "step, play and seek through a recorded session's cache, no model loaded"),
-    "import": ("kvplay.sessions.cli_trace", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
-    "lab": ("kvplay.labs.cli", "measure a claim about shared KV caches"),
-    "bench": ("kvplay.bench.cli", "kvplay vs Hugging Face generate and friends, as ratios"),
-    "screenshot": ("kvplay.tui.screenshot", "play a script in the app headless and save an SVG"),
-    "serve": ("kvplay.serve.cli", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
-    "watch": ("kvplay.sessions.watch_cmd", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
-    "tree": ("kvplay.tui.tree_cli", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),
-    "attach": ("kvplay.tui.attach_cli", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
+    "scrub": ("kvplay.commands.scrub", "step, play and seek through a recorded session's cache, no model loaded"),
+    "import": ("kvplay.commands.import_", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
+    "lab": ("kvplay.commands.lab", "measure a claim about shared KV caches"),
+    "bench": ("kvplay.commands.bench", "kvplay vs Hugging Face generate and friends, as ratios"),
+    "screenshot": ("kvplay.commands.screenshot", "play a script in the app headless and save an SVG"),
+    "serve": ("kvplay.commands.serve", "serve the engine over OpenAI-compatible HTTP, with vLLM's KV events"),
+    "watch": ("kvplay.commands.watch", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
+    "tree": ("kvplay.commands.tree", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),
+    "attach": ("kvplay.commands.attach", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
 }
 
 

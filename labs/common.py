@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from kvplay.sessions.report import console as make_console
 from typing import Any
 
-from kvplay.engine.options import pyplot  # noqa: F401 (labs import it from here)
+from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
 
 

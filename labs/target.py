@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvplay.engine.errors import EngineError
-from kvplay.engine.options import KvplayError, check_output_file, save_plot
+from kvplay.options import KvplayError, check_output_file, save_plot
 from kvplay.serve.client import HttpPeer
 
 from . import stats
@@ -389,7 +389,7 @@ def _det_verdict(s: dict, target: Target) -> str:
 
 # --- the CLI --------------------------------------------------------------------------------------
 def main(args, mod_params) -> int:
-    """`kvplay lab leak|determinism --target URL …` (called by labs/cli.py with its parsed params)."""
+    """`kvplay lab leak|determinism --target URL …` (called by kvplay/commands/lab.py with its parsed params)."""
     if args.lab not in ("leak", "determinism"):
         raise KvplayError(f"--target works with the leak and determinism labs (not {args.lab!r})")
     if args.plot and args.lab != "leak":

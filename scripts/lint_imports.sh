@@ -15,9 +15,8 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/kvplay"
 cp kvplay/*.py "$stage/kvplay/"
-for sub in kvplay/*/; do  # kvplay's own subpackages (kvplay/commands/)
-  if [ -f "$sub/__init__.py" ]; then mkdir -p "$stage/$sub" && cp "$sub"*.py "$stage/$sub"; fi
-done
+mkdir "$stage/kvplay/commands"
+cp kvplay/commands/*.py "$stage/kvplay/commands/"
 for folder in engine wire sessions serve tui labs bench; do
   mkdir "$stage/kvplay/$folder"
   cp "$folder"/*.py "$stage/kvplay/$folder/"

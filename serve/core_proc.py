@@ -60,7 +60,7 @@ def build_side(p: CoreParams):
     """(engine, recorder, side) for `p`; anything that fails is one line (EngineError)."""
     # start-up time: imported when this first runs
     from kvplay.sessions.recorder import Recorder, close_run
-    from kvplay.sessions.run_cmd import start_engine
+    from kvplay.sessions.headless import start_engine
 
     engine = start_engine(p.config)
     rec = side = None

@@ -1,7 +1,7 @@
 """Assemble and run a server: engine + keys + recorder + metrics + KV events -> uvicorn.
 
 `build_state` puts the engine's side (serve/engine_side.py) in this process: the tests and
-scripts/serve_ttft.py use it. `kvplay serve` (serve/cli.py) runs that same side in an
+scripts/serve_ttft.py use it. `kvplay serve` (kvplay/commands/serve.py) runs that same side in an
 engine-core process (serve/core_proc.py) and builds the state around its `RemoteSide`. Both go
 through `create_app` and `ServerThread`/`serve_forever`.
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvplay.engine.miss import miss_from_event
 
-from .event_log import read_events
+from .event_log import count_events, read_events
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
 
@@ -169,3 +169,23 @@ def session_script(db, session: dict, timed: bool = False) -> Script:
             users.append(UserSpec(t["user"]))
             names.add(t["user"])
     return Script(engine=cfg, system=session.get("system_prompt") or "", users=users, turns=turns)
+
+
+def load_session(db, ident: str, events: bool = False) -> dict:
+    """A session (id or unique prefix) as one dict: its row, users and turns, and its recorded
+    events (`events`; `bad_events` counts damaged ones) or their count."""
+    s = resolve_session(db, ident)
+    out = dict(s)
+    out["users"] = session_users(db, s["id"])
+    out["turns"] = with_misses(db, s["id"], session_turns(db, s["id"]))
+    for u in out["users"]:
+        u.pop("session_id", None)
+    for t in out["turns"]:
+        t.pop("session_id", None)
+    if events:
+        out["events"], bad = read_events(db, s["id"])
+        if bad:
+            out["bad_events"] = bad
+    else:
+        out["event_count"] = count_events(db, s["id"])
+    return out

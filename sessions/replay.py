@@ -165,3 +165,24 @@ def replay(engine, turns: list[dict], system: str = "", groups: dict | None = No
         yield item
     if failure:
         raise failure[0]
+
+
+def replay_summary(comps: list[Comparison], turns: list[dict], recorded_det: bool, strict: bool) -> dict:
+    """What a replay's comparisons add up to: counts, whether the cache was compared and whether
+    the session reproduces; `failed` is the exit code's claim (a turn failed, or a session
+    recorded and replayed in deterministic mode gave other output tokens)."""
+    errors = sum(1 for c in comps if c.error)
+    text_differs = sum(1 for c in comps if not c.equal and not c.error)
+    cache_differs = sum(1 for c in comps if not c.cache_equal and not c.error)
+    miss_differs = sum(1 for c in comps if not c.miss_equal and not c.error)  # (counted in cache_differs too)
+    # When turns overlapped (`at`), arrival order decides who computes a shared block, so who is
+    # credited (and how much hits) can change from run to run: then a cache difference is shown
+    # and counted, but the verdict rests on the outputs alone (`cache_compared` says which).
+    cache_compared = not any(t.get("at") is not None for t in turns)
+    same = sum((c.reproduces if cache_compared else c.equal) for c in comps)
+    differs = len(comps) - same
+    return {"turns": len(comps), "equal": same, "differs": differs, "text_differs": text_differs,
+            "cache_differs": cache_differs, "miss_differs": miss_differs, "cache_compared": cache_compared,
+            "errors": errors,
+            "deterministic": recorded_det, "reproduces": differs == 0,
+            "failed": errors > 0 or (strict and text_differs > 0)}

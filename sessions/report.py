@@ -1,6 +1,7 @@
-"""Formatting shared by `kvplay run`, `replay` and `show`: per-turn rows and JSON objects."""
+"""Formatting shared by `kvplay run`, `replay`, `show` and `export`: per-turn rows, JSON objects, times."""
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -126,3 +127,8 @@ def console(stderr: bool = False, width: int = 120):
     stream = sys.stderr if stderr else sys.stdout
     con = Console(file=stream)
     return con if con.is_terminal else Console(file=stream, width=width)
+
+
+def when(ts: float | None) -> str:
+    """A recorded timestamp, local time to the second ('-' for none)."""
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")

@@ -9,7 +9,7 @@ import torch
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
-from kvplay.engine.options import add_engine_args, config_from_args
+from kvplay.options import add_engine_args, config_from_args
 from kvplay.engine.runner import Row
 from kvplay.engine.sampling import SamplingParams
 

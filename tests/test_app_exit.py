@@ -61,7 +61,7 @@ DRIVER = textwrap.dedent('''
             from kvplay.engine.model import load_model
             from kvplay.serve.server import ServerThread, build_state, close_state
             from kvplay.tui.attach import AttachApp
-            from kvplay.tui.attach_cli import open_backend
+            from kvplay.commands.attach import open_backend
             eng = Engine(EngineConfig(model=model, num_blocks=64), load_model(model, "cpu", "float32")).start()
             state = build_state(eng, None, None)
             srv = ServerThread(state).start()
@@ -73,7 +73,7 @@ DRIVER = textwrap.dedent('''
                 await chat_then_quit(app, pilot, lambda: app.backend is not None)
         elif mode == "scrub":
             from kvplay.tui.scrub import ScrubApp
-            from kvplay.tui.scrub_cli import load
+            from kvplay.commands.scrub import load
             import sqlite3
             (sid,), = sqlite3.connect(db).execute("select id from sessions").fetchall()
             app = ScrubApp(load(db, sid), None)

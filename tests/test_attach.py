@@ -13,7 +13,7 @@ from test_watch_subscriber import free_port
 from kvplay.cli import build_parser, main as cli_main
 from kvplay.sessions.script import UserSpec
 from kvplay.tui.attach import AttachApp
-from kvplay.tui.attach_cli import open_backend
+from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
 from kvplay.tui.widgets import KvFooter
 from kvplay.wire.publisher import KVEventsConfig

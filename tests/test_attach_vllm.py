@@ -10,7 +10,7 @@ from test_attach import attach_args, make_app, say, status
 from test_tui_app import badges, wait_until
 from test_watch_vllm import VllmServer, hits_total
 
-from kvplay.tui.attach_cli import open_backend
+from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
 
 

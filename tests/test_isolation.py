@@ -227,7 +227,7 @@ def test_a_lone_request_stopped_by_a_full_pool_finishes_pool_exhausted(make_engi
 
 def test_pool_exhausted_is_shown_in_kvplay_run_rows(make_engine):
     from kvplay.sessions.player import Done, Job
-    from kvplay.sessions.run_cmd import table_row
+    from kvplay.sessions.headless import table_row
 
     eng = make_engine(num_blocks=4)
     sp = SamplingParams(max_tokens=100, stop_on_eos=False)

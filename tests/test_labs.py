@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvplay.labs import collide, determinism, leak, response_cache, stats
-from kvplay.labs.cli import build_params, configure
+from kvplay.commands.lab import build_params, configure
 from kvplay.labs.common import LabContext
 
 

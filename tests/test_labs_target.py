@@ -15,7 +15,7 @@ import pytest
 from serve_util import ALICE, BOB, keys, serve  # noqa: F401 - the fixture
 
 from kvplay.engine.errors import EngineError
-from kvplay.labs import cli as lab_cli
+from kvplay.commands import lab as lab_cli
 from kvplay.labs import target as tg
 
 
@@ -95,7 +95,7 @@ def test_cli_leak_target_json_and_bad_input(serve):  # noqa: F811
     assert rc == 0
     res = json.loads(out.getvalue())
     assert res["lab"] == "leak" and [x["salt"] for x in res["data"]["results"]] == ["none", "per-user"]
-    from kvplay.cli import KvplayError
+    from kvplay.options import KvplayError
 
     with pytest.raises(SystemExit):  # collide has no --target option (`kvplay lab collide --help`)
         _args("collide", "--target", srv.url)

@@ -174,7 +174,7 @@ def test_piped_table_lists_turns_in_turn_order_with_whole_headers(tmp_path, caps
 def test_terminal_table_fits_the_width_and_never_clips_a_header(width):
     from rich.console import Console
 
-    from kvplay.sessions.run_cmd import COLUMNS, make_table
+    from kvplay.sessions.headless import COLUMNS, make_table
 
     rows = [["1", "alice", "532", "512 (alice 496, own 16)", "20", "140.2", "18.3", "a reply " * 12],
             ["2", "bob", "40", "0", "40", "12.0", "220.0", "short"]]

@@ -12,7 +12,7 @@ from serve_util import ALICE, chat, keys, serve  # noqa: F401 (fixture)
 from test_attach import attach_args
 from test_watch_subscriber import free_port
 
-from kvplay.tui.attach_cli import open_backend
+from kvplay.commands.attach import open_backend
 from kvplay.wire.discovery import discover
 from kvplay.wire.publisher import KVEventsConfig
 

@@ -154,13 +154,13 @@ def test_cli_refuses_open_events_without_keys_before_loading(tmp_path, capsys):
 
 
 def test_watch_subscribes_with_curve_keys(tmp_path):
-    """`kvplay watch`'s flags give the subscriber's sockets the keys (sessions/watch_cmd.py)."""
+    """`kvplay watch`'s flags give the subscriber's sockets the keys (kvplay/commands/watch.py)."""
     import argparse
 
     from kvplay.wire import curve
     from kvplay.wire.publisher import ZmqEventPublisher
     from kvplay.wire.subscriber import Subscriber
-    from kvplay.sessions.watch_cmd import configure, sources_from_args
+    from kvplay.commands.watch import configure, sources_from_args
 
     d = curve.generate(tmp_path / "keys")
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=curve.ServerCurve.load(d))
@@ -186,10 +186,10 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
 
 def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
     """`kvplay attach URL` finds a CURVE server's endpoints and subscribes with its flags' keys;
-    without them its map stays empty (tui/attach_cli.py)."""
+    without them its map stays empty (kvplay/commands/attach.py)."""
     from kvplay.cli import build_parser
     from kvplay.serve.server import ServerThread, build_state, close_state
-    from kvplay.tui.attach_cli import open_backend
+    from kvplay.commands.attach import open_backend
     from kvplay.wire import curve
 
     d = curve.generate(tmp_path / "keys")

@@ -285,7 +285,7 @@ def test_sessions_at_80_columns_keep_whole_ids_and_numbers(tmp_path):
 
     from rich.console import Console
 
-    from kvplay.sessions.cli_list import table_of
+    from kvplay.commands.sessions import table_of
     from kvplay.sessions.query import list_sessions
 
     p, rows = _listed_db(tmp_path)

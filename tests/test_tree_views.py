@@ -16,7 +16,7 @@ from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import TurnSpec, UserSpec
 from kvplay.tui.app import KvplayApp
 from kvplay.tui.attach import AttachApp
-from kvplay.tui.attach_cli import open_backend
+from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
 from kvplay.tui.tree_view import MirrorTrees, TreeScreen
 from kvplay.wire.mirror import Mirror

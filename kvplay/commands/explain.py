@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvplay.commands.simulate import load_source
 from kvplay.engine.miss import REASONS
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
-from kvplay.sessions.cli_simulate import load_source
+from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 from kvplay.sessions.report import console, print_json
 
 

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
 
 LABS = {
     "determinism": "kvplay.labs.determinism",
@@ -193,11 +193,11 @@ def main(args: argparse.Namespace) -> int:
     from kvplay.engine.engine import Engine
     from kvplay.sessions.recorder import close_run
 
-    from .common import LabContext, Progress, dump_json, open_recorder, render
+    from kvplay.labs.common import LabContext, Progress, dump_json, open_recorder, render
 
     if getattr(args, "target", None):
         # start-up time: imported when this first runs
-        from .target import main as target_main
+        from kvplay.labs.target import main as target_main
 
         return target_main(args, params)
     if args.lab == "collide":

@@ -7,9 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvplay.engine.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
-
-from .workloads import WORKLOADS
+from kvplay.bench.workloads import WORKLOADS
+from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args, save_plot
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +49,8 @@ def _progress(start: float):
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .report import plot_report, print_report
-    from .run import PEER_ORDER, run_bench
+    from kvplay.bench.report import plot_report, print_report
+    from kvplay.bench.run import PEER_ORDER, run_bench
 
     config = config_from_args(args)
     check_output_file(args.plot, "--plot", ".png")
@@ -62,8 +61,8 @@ def main(args: argparse.Namespace) -> int:
             if v:
                 raise KvplayError(f"--workload scale measures the engine alone: drop {flag}")
         # start-up time: imported when this first runs
-        from .report import print_scale_report
-        from .run import run_scale_report
+        from kvplay.bench.report import print_scale_report
+        from kvplay.bench.run import run_scale_report
 
         report = run_scale_report(progress=_progress(time.perf_counter()))
         return _show(report, args.json, print_scale_report)
@@ -72,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
             if v:
                 raise KvplayError(f"--workload scrub measures the scrubber alone: drop {flag}")
         # start-up time: imported when this first runs
-        from . import scrub_bench
+        from kvplay.bench import scrub_bench
 
         return _show(scrub_bench.run(), args.json, scrub_bench.print_report)
     if args.workload == "miss":
@@ -80,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
             if v:
                 raise KvplayError(f"--workload miss measures the attribution alone: drop {flag}")
         # start-up time: imported when this first runs
-        from . import miss_bench
+        from kvplay.bench import miss_bench
 
         return _show(miss_bench.run(progress=_progress(time.perf_counter())), args.json, miss_bench.print_report)
     if args.script and not Path(args.script).is_file():

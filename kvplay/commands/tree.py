@@ -20,9 +20,9 @@ import os
 import sys
 import time
 
-from kvplay.engine.options import KvplayError, add_db_arg
+from kvplay.commands.watch import add_source_args, sources_from_args
+from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
-from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
@@ -73,7 +73,7 @@ def server_trees(args) -> tuple[dict, dict, object]:
     # start-up time: imported when this first runs
     from kvplay.wire.remote import RemoteBackend
 
-    from .attach_cli import check_url
+    from kvplay.commands.attach import check_url
 
     if not args.sources:
         raise KvplayError("a server's tree comes from its KV events: give --events EP (or --events-bind EP)")

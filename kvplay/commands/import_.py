@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES
-from kvplay.engine.options import KvplayError, add_db_arg
+from kvplay.options import KvplayError, add_db_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .store import open_db
-    from .traces import import_trace, read_trace_file
+    from kvplay.sessions.store import open_db
+    from kvplay.sessions.traces import import_trace, read_trace_file
 
     if args.block_size <= 0 or (args.num_blocks is not None and args.num_blocks <= 0):
         raise KvplayError("--block-size and --num-blocks must be positive")

@@ -16,7 +16,7 @@ import signal
 import ssl
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +69,9 @@ def main(args: argparse.Namespace) -> int:
     from kvplay.wire import curve as wire_curve
     from kvplay.wire.publisher import KVEventsConfig
 
-    from .core_proc import CoreParams, build_side
-    from .keys import load_keys
-    from .server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
+    from kvplay.serve.core_proc import CoreParams, build_side
+    from kvplay.serve.keys import load_keys
+    from kvplay.serve.server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
 
     if args.gen_curve_keys:
         d = wire_curve.generate(args.gen_curve_keys)
@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
             side = local[2]
         else:
             # start-up time: imported when this first runs
-            from .core_client import RemoteSide
+            from kvplay.serve.core_client import RemoteSide
 
             side = RemoteSide(params)
     except BaseException:

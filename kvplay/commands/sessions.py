@@ -5,21 +5,17 @@ import argparse
 import datetime as dt
 import os
 
-from kvplay.engine.options import add_db_arg
+from kvplay.options import add_db_arg
 
-from .query import list_sessions
-from .report import console, print_json
-from .store import open_db, resolve_path
+from kvplay.sessions.query import list_sessions
+from kvplay.sessions.report import console, print_json
+from kvplay.sessions.store import open_db, resolve_path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_db_arg(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per session")
     parser.add_argument("--limit", type=int, default=None, help="show at most N sessions")
-
-
-def when(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def hit_rate(row: dict) -> float | None:

@@ -7,9 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.commands.screenshot import parse_size
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
-from .lifecycle import run_app, run_until_done
+from kvplay.tui.lifecycle import run_app, run_until_done
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,18 +34,9 @@ def load(db_path: str | None, ident: str):
         db.close()
 
 
-async def save_svg(app, out: Path, size: tuple[int, int]) -> Path:
-    async with app.run_test(size=size) as pilot:
-        await pilot.pause(0.3)
-        app.set_focus(None)
-        await pilot.pause(0.1)
-        app.save_screenshot(filename=out.name, path=str(out.parent))
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .scrub import ScrubApp
+    from kvplay.tui.scrub import ScrubApp
 
     rec = load(args.db, args.id)
     cursor = args.at
@@ -58,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     app = ScrubApp(rec, cursor)
     if args.screenshot:
         # start-up time: imported when this first runs
-        from .screenshot import parse_size
+        from kvplay.tui.screenshot import save_svg
 
         check_output_file(args.screenshot, "--screenshot", ".svg")
         out = run_until_done(save_svg(app, Path(args.screenshot), parse_size(args.size)))

@@ -13,10 +13,10 @@ import os
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
+from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
 
-from .report import console, print_json
-from .simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
+from kvplay.sessions.report import console, print_json
+from kvplay.sessions.simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,13 +64,13 @@ def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple
         raise KvplayError(f"{source}: {what} (give a trace file or a session id from `kvplay sessions`)")
     if os.path.isfile(source):
         # start-up time: imported when this first runs
-        from .traces import read_trace_file
+        from kvplay.sessions.traces import read_trace_file
 
         read = read_trace_file(source, block_size=block_size)
         return read.trace, read.error
     # start-up time: imported when this first runs
-    from .store import open_db
-    from .traces import session_trace
+    from kvplay.sessions.store import open_db
+    from kvplay.sessions.traces import session_trace
 
     db = open_db(db_path, create=False)
     try:

@@ -21,16 +21,15 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvplay.commands.app import APP_SYSTEM, parse_users
+from kvplay.commands.screenshot import parse_size
+from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.engine.errors import EngineError
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.script import load_script
-from kvplay.sessions.watch_cmd import add_source_args, sources_from_args
+from kvplay.tui.lifecycle import run_app, run_until_done
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import Unreachable, discover
-
-from .lifecycle import run_app, run_until_done
-
-from .cli import APP_SYSTEM, parse_users
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -105,9 +104,6 @@ def open_backend(args):
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from .screenshot import parse_size
-
     users = parse_users(args.users or "alice,bob,carol")
     system, turns = APP_SYSTEM, None
     if args.script:
@@ -124,13 +120,13 @@ def main(args: argparse.Namespace) -> int:
         size = parse_size(args.size)
     backend = open_backend(args)
     # start-up time: imported when this first runs
-    from .attach import AttachApp
+    from kvplay.tui.attach import AttachApp
 
     app = AttachApp(backend, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)
     try:
         if args.screenshot:
             # start-up time: imported when this first runs
-            from .screenshot import take_screenshot
+            from kvplay.tui.screenshot import take_screenshot
 
             run_until_done(take_screenshot(app, Path(args.screenshot), size))
             print(f"kvplay: saved {args.screenshot}", file=sys.stderr)

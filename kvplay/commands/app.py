@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.script import UserSpec, load_script
 
 
@@ -42,7 +42,7 @@ APP_SYSTEM = (
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
-    from .app import run_app
+    from kvplay.tui.app import run_app
 
     base, turns, system = {}, None, APP_SYSTEM
     users = parse_users(args.users or "alice,bob,carol")

@@ -2,8 +2,9 @@
 `replay`, `lab`, `bench`, `screenshot`) and how they combine with a script's `[engine]` table,
 `--db`, the one-line user error (KvplayError) and output-path checks.
 
-Layers (pyproject.toml, [tool.importlinter]): it lives in the engine, the bottom layer, so every
-subcommand (sessions/ … bench/) uses it without importing the CLI (kvplay/cli.py) above them.
+Layers (pyproject.toml, [tool.importlinter]): its own layer, directly above the engine (it needs
+EngineConfig and EngineError) and below everything else, so every layer that raises KvplayError
+or saves a plot uses it without importing the CLI above them.
 
 Flags given on the command line override the script; flags left out keep the script's value,
 then the EngineConfig default.

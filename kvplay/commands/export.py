@@ -12,16 +12,13 @@ import argparse
 import json
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file
-
-from .cli_list import when
-from .cli_show import load
-from .history import session_events
-from .query import resolve_session, session_script
-from .report import attribution, computed_cell
-from .script import dump_script
-from .store import open_db
-from .traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
+from kvplay.options import KvplayError, add_db_arg, check_output_file
+from kvplay.sessions.history import session_events
+from kvplay.sessions.query import load_session, resolve_session, session_script
+from kvplay.sessions.report import attribution, computed_cell, when
+from kvplay.sessions.script import dump_script
+from kvplay.sessions.store import open_db
+from kvplay.sessions.traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
             text = f"# kvplay session {session['id']} ({session['source']}, {session['model']})\n" + \
                 dump_script(session_script(db, session))
         else:
-            s = load(db, args.id, events=args.format == "jsonl")
+            s = load_session(db, args.id, events=args.format == "jsonl")
             text = to_jsonl(s) if args.format == "jsonl" else to_md(s)
     finally:
         db.close()

@@ -1,34 +1,21 @@
-"""`kvplay run SCRIPT.toml [--json] [engine flags] [--db PATH] [--no-record]`: play a script headless
-through one Engine and report, per finished turn, how much of the prompt came from the cache
-and whose blocks it was. Records the session in the sessions DB unless --no-record.
-
-Exit code: 0 every turn ok, 1 some turn failed, 2 bad input (one line, no traceback).
+"""Playing a script headless through one Engine (`kvplay run`): the turns as player jobs, a
+table (or JSON lines) of each finished turn's cache use and whose blocks it was, the run's
+summary, and start_engine (the model loads with a line before and after; `kvplay serve` and the
+headless replay use it too). Each turn is recorded in the sessions DB unless asked not to.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from typing import TYPE_CHECKING
 
-from kvplay.engine.options import KvplayError, add_db_arg, add_engine_args, config_from_args
-
 from .report import cached_cell, computed_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
-from .script import Script, load_script, sampling_for
+from .script import Script, sampling_for
 
 if TYPE_CHECKING:  # the player imports the engine (torch): only when a script really runs
     from .player import Done, Job
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("script", help="TOML script ([engine], [system], [[users]], [[turns]])")
-    parser.add_argument("--json", action="store_true", help="one JSON object per finished turn, then a summary")
-    add_db_arg(parser)
-    parser.add_argument("--no-record", action="store_true", help="do not record this run in the sessions DB")
-    parser.add_argument("--speed", type=float, default=1.0, help="divide every turn's `at` offset by X")
-    add_engine_args(parser)
 
 
 def script_jobs(script: Script) -> list[Job]:
@@ -245,17 +232,16 @@ def start_engine(config):
     return engine
 
 
-def main(args: argparse.Namespace) -> int:
+def run_script(script: Script, config, db: str | None = None, record: bool = True, as_json: bool = False,
+               speed: float = 1.0) -> dict:
+    """Play `script` through a fresh Engine on `config`, printing each finished turn (a table
+    row, or a JSON line), recorded in the sessions DB `db` unless not `record`; the summary."""
     # start-up time: imported when this first runs
     from .store import open_db
 
-    if args.speed <= 0:
-        raise KvplayError(f"--speed must be positive (got {args.speed})")
-    script = load_script(args.script)
-    config = config_from_args(args, script.engine, where=f"{args.script}: [engine]")
     jobs = script_jobs(script)
-    if not args.no_record:
-        open_db(args.db).close()  # refuse a bad DB before spending time on the model
+    if record:
+        open_db(db).close()  # refuse a bad DB before spending time on the model
     engine = start_engine(config)
     for u in script.users:  # identity is bound here, once; turns carry only the user name
         engine.register_user(u.name, u.group)
@@ -264,18 +250,13 @@ def main(args: argparse.Namespace) -> int:
 
     rec = None
     try:
-        if not args.no_record:
-            rec = Recorder.open(args.db, config, engine.model_name, "run", script.system, script_path=script.path)
+        if record:
+            rec = Recorder.open(db, config, engine.model_name, "run", script.system, script_path=script.path)
             rec.attach(engine)
             for u in script.users:
                 rec.add_user(u.name, group=u.group, colour=u.colour, seed=u.seed, temperature=u.temperature,
                              max_tokens=u.max_tokens, top_p=u.top_p, top_k=u.top_k)
-        dones, wall = run_jobs(engine, jobs, script.system, args.json, rec, args.speed)
-        summ = summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
+        dones, wall = run_jobs(engine, jobs, script.system, as_json, rec, speed)
+        return summary_object(engine, dones, wall, rec.session_id if rec else None, rec.path if rec else None)
     finally:
         close_run(rec, engine)
-    if args.json:
-        print_json(summ)
-    else:
-        print_summary(make_console(), summ)
-    return 1 if summ["failed"] else 0

@@ -4,13 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvplay.engine.options import add_db_arg
-
-from .cli_list import when
-from .event_log import count_events, read_events
-from .query import resolve_session, session_turns, session_users, with_misses
-from .report import cached_cell, computed_cell, console, excerpt, fmt_num, human_bytes, print_json
-from .store import open_db
+from kvplay.options import add_db_arg
+from kvplay.sessions.query import load_session
+from kvplay.sessions.report import cached_cell, computed_cell, console, excerpt, fmt_num, human_bytes, print_json, when
+from kvplay.sessions.store import open_db
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,31 +17,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", action="store_true", help="also list the recorded cache events")
 
 
-def load(db, ident: str, events: bool = False) -> dict:
-    s = resolve_session(db, ident)
-    out = dict(s)
-    out["users"] = session_users(db, s["id"])
-    out["turns"] = with_misses(db, s["id"], session_turns(db, s["id"]))
-    for u in out["users"]:
-        u.pop("session_id", None)
-    for t in out["turns"]:
-        t.pop("session_id", None)
-    if events:
-        out["events"], bad = read_events(db, s["id"])
-        if bad:
-            out["bad_events"] = bad
-    else:
-        out["event_count"] = count_events(db, s["id"])
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
     from rich.table import Table
 
     db = open_db(args.db, create=False)
     try:
-        s = load(db, args.id, args.events)
+        s = load_session(db, args.id, args.events)
     finally:
         db.close()
     if args.json:

@@ -1,0 +1,126 @@
+"""The watch loop (`kvplay watch`): subscribe to the pods' KV events, mirror them in a Fleet
+(wire/mirror.py), record them as a session (watch_recording.py) and report as it goes, until the
+duration is up, Ctrl-C or SIGTERM; the summary of each pod is what it returns.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+from kvplay.options import KvplayError
+from kvplay.wire.codec import WireError
+from kvplay.wire.mirror import Fleet
+from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber
+
+from .watch_recording import WatchRecording
+
+
+def summary_of(fleet: Fleet, sub: Subscriber) -> dict:
+    """The fleet's summary with each pod's state and trouble counts."""
+    out = fleet.summary()
+    for name, s in out["pods"].items():
+        info = sub.pod_info(name)
+        s.update({"state": info["state"], **{k: info[k] for k in TROUBLE}})
+    return out
+
+
+def _human_line(fleet: Fleet, sub: Subscriber, last: dict) -> str:
+    parts = []
+    for name, m in fleet.pods.items():
+        prev = last.get(name, (0, 0))
+        top = ", ".join(f"{k} {v}" for k, v in m.by_session.most_common(4))
+        info = sub.pod_info(name)
+        trouble = "".join(f" {k.replace('_', ' ')} {info[k]}" for k in TROUBLE if info[k])
+        parts.append(f"{name} [{m.pod_state}] seq {m.last_seq} blocks {len(m.blocks)}"
+                     f"{' (' + top + ')' if top else ''} +{m.stored - prev[0]} -{m.removed - prev[1]}"
+                     f" gaps {m.gaps} replayed {m.replayed} restarts {m.restarts}{trouble}")
+        last[name] = (m.stored, m.removed)
+    return time.strftime("%H:%M:%S ") + " | ".join(parts)
+
+
+def watch(sources: list[PodSource], duration: float | None = None, replay_timeout: float = 3.0,
+          db: str | None = None, record: bool = True, as_json: bool = False,
+          drops: list[tuple[str, list[int]]] = (), out=None) -> dict:
+    """Mirror `sources` until `duration` seconds are up (None: until Ctrl-C or SIGTERM), printing
+    one JSON line per applied batch to `out` (stdout) when `as_json`, else one line per second
+    per pod; the watched events are recorded as a session in `db` when `record`. `drops`: live
+    batches to drop on purpose (pod, seqs), for tests of the gap handling. Returns the summary."""
+    out = out or sys.stdout
+    fleet = Fleet()
+    for s in sources:
+        fleet.pod(s.name)
+    recording = None
+
+    def on_batch(pod, seq, batch, counts, replayed):
+        if recording is not None:
+            recording.on_batch(pod, seq, counts.events)
+        if as_json:
+            d = {"pod": pod, "seq": seq, "stored": counts[0], "removed": counts[1], "cleared": counts[2]}
+            if replayed:
+                d["replayed"] = True
+            out.write(json.dumps(d) + "\n")
+
+    def on_restart(pod):
+        if recording is not None:
+            recording.on_restart(pod)
+
+    def on_state(pod, state):
+        print(f"kvplay: pod {pod} is {state}", file=sys.stderr, flush=True)
+
+    last: dict = {}
+
+    def tick():
+        if recording is not None:
+            recording.flush()
+        if as_json:
+            out.flush()
+        else:
+            print(_human_line(fleet, sub, last), flush=True)
+
+    try:
+        sub = Subscriber(sources, fleet, on_batch=on_batch, on_state=on_state, on_restart=on_restart,
+                         replay_timeout=replay_timeout).open()
+    except WireError as exc:
+        raise KvplayError(str(exc)) from None
+    if record:  # after the sockets opened: a refused watch records nothing
+        try:
+            recording = WatchRecording(db, fleet, title="watch " + " ".join(s.name for s in sources))
+        except BaseException:
+            sub.close()
+            raise
+        for s in sources:
+            recording.watch(s.name)
+    for pod, seqs in drops:
+        sub.drop_live(pod, seqs)
+    if recording is not None:
+        print(f"kvplay: recording the watched events as session {recording.session_id} in {recording.path}",
+              file=sys.stderr)
+    if not as_json:
+        for s in sources:
+            how = "bound" if s.bind else "connected to"
+            print(f"kvplay: pod {s.name}: {how} {sub.endpoint(s.name)}"
+                  f"{', replay ' + s.replay if s.replay else ', no replay endpoint'}", file=sys.stderr)
+    def on_signal(signum, frame):
+        # SIGTERM or Ctrl-C: the loop ends within one poll and the summary follows. The loop is
+        # never interrupted mid-batch (a KeyboardInterrupt could land inside a callback or a
+        # socket swap); a second Ctrl-C while it winds down interrupts for real.
+        if signum == signal.SIGINT and sub.stopping:
+            raise KeyboardInterrupt
+        sub.stop()
+
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    old_int = signal.signal(signal.SIGINT, on_signal)
+    try:
+        sub.run(duration, tick=tick)
+    except KeyboardInterrupt:
+        pass  # a second Ctrl-C: the summary still follows
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+        summary = summary_of(fleet, sub)
+        sub.close()
+        if recording is not None:
+            recording.close()
+    return summary
