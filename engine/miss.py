@@ -20,7 +20,10 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
   3. it is the first missed block and a cached block under the same keys at the same chain
      position (a child of the last matched block, or a root when none matched) starts with the
      same token: ``diverged`` (``diverged_at``: the first differing prompt position, with a short
-     decoded excerpt of both sides); later blocks that are none of 0-2 are ``diverged`` too;
+     decoded excerpt of both sides); after a matched prefix, any cached child under the same
+     keys counts, even one that differs from its first token (a breaker that falls on a block
+     boundary: ``diverged_at`` is then the boundary); a first block that shares no token with
+     any root is ``cold``, not diverged. Later blocks that are none of 0-2 are ``diverged`` too;
   4. else ``cold``: no block with this content was ever stored (that kvplay remembers).
 
 - ``collision``: the first missed block's hash is cached but verify-on-hit found other tokens
@@ -513,8 +516,11 @@ class MissTracker:
                     content_ok = False
             if found is None and k == j:  # (3) a sibling under the same keys starts the same
                 parent = matched[-1] if matched else -1
-                best, who, sib = self._sibling(pool, tokens[start:start + bs], (parent, sig_for(k), tokens[start]))
-                if best:
+                sig = sig_for(k)
+                best, who, sib = self._sibling(pool, tokens[start:start + bs], (parent, sig, tokens[start]))
+                if sib < 0 and matched:  # a cached continuation that differs from its first token
+                    who, sib = self._any_child(pool, parent, sig)
+                if sib >= 0:
                     diverged_at = start + best
                     found = ("diverged", who, "")
                     if self.decode is not None:
@@ -548,6 +554,18 @@ class MissTracker:
             if n > best:
                 best, who, bid = n, pool.blocks[b].creator or "", b
         return best, who, bid
+
+    def _any_child(self, pool, parent: int, sig) -> tuple[str, int]:
+        """(creator, id) of the oldest cached child of `parent` under `sig`; ("", -1) if none."""
+        kids = pool.children.get(parent)
+        if kids is None:
+            return "", -1
+        cands = [b for b in (kids if isinstance(kids, set) else (kids,))
+                 if b in self.live and self.live[b][1] == sig][:MAX_SIBLINGS]
+        if not cands:
+            return "", -1
+        b = min(cands, key=lambda b: pool.blocks[b].created_seq)
+        return pool.blocks[b].creator or "", b
 
     def _excerpt(self, pool, tokens: list[int], n_prompt: int, at: int, within: int, sibling: int):
         """~`EXCERPT_CHARS` decoded characters on each side of the divergence point, for the

@@ -295,7 +295,7 @@ def figure(report: dict, plt):
     ax.set_xlabel("turn")
     ax.set_ylabel("prompt tokens")
     ax.set_title("why each prompt token was computed")
-    ax.legend(fontsize=8, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.legend(fontsize=8, ncols=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     labels, vals = ["as recorded"], [report["simulated_hit_rate"] * 100]
     for b in report["breakers"]:

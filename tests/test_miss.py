@@ -84,6 +84,18 @@ def test_a_timestamp_in_the_system_prompt_diverges_exactly_there(make_engine):
     assert miss_text(m, "bob").startswith(f"{m['tokens']}: {m['reasons']['diverged']} diverged at {at}")
 
 
+def test_a_divergence_on_a_block_boundary_is_still_a_divergence(make_engine):
+    eng = make_engine()
+    p = ids(11, 80)
+    ask(eng, "alice", p)
+    q = p[:32] + [x + 1 if x < 99 else 10 for x in p[32:]]  # differs from token 32 on: a block's first
+    m = check_sum(ask(eng, "bob", q).stats)
+    assert m["diverged_at"] == 32 and m["diverged_from"] == "alice"
+    assert m["reasons"]["diverged"] == limit_tokens(80) - 32
+    r = ask(eng, "carol", [x + 2 if x < 98 else 11 for x in p])  # nothing in common: cold, not diverged at 0
+    assert r.stats.miss["reasons"]["cold"] == limit_tokens(80) and r.stats.miss["diverged_at"] is None
+
+
 def test_a_pool_too_small_for_two_users_says_who_evicted(make_engine):
     eng = make_engine(num_blocks=24, isolation="user")
     removed = []
