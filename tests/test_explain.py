@@ -119,3 +119,17 @@ def test_bad_input_is_one_line(argv, msg, capsys):
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_example_on_the_embedded_model_names_its_breaker_in_text(capsys):
+    """What docs/miss.md shows: on SmolLM2's tokens the request id starts a block, and the
+    breaker is still found, with its text."""
+    turns, summary = run(capsys, str(EXAMPLE), "--model", "default")
+    assert turns[1]["miss"]["diverged_at"] == turns[1]["cached_tokens"]  # on a block boundary
+    assert "[request 9a07" in turns[1]["miss"]["excerpt"]["prompt"]
+    assert "[request 4f1c" in turns[1]["miss"]["excerpt"]["cached"]
+    assert turns[4]["miss"]["reasons"]["evicted"] > 0 and turns[3]["miss"]["reasons"]["isolated"] > 0
+    assert cli(["explain", summary["session"], "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)["breakers"][0]
+    assert b["before"].endswith("[request ") and b["variants"][0]["text"] == "4f1c at 2026-12-05T10:00:01"
