@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.miss import MissTracker
 
-Progress = Callable[[str], None]
-
-
-def _quiet(msg: str) -> None:
-    pass
+from .scale import Progress, _quiet, play_rounds, tiny_and_load
 
 
 class _Clock:
@@ -58,24 +53,6 @@ class _Clock:
             setattr(MissTracker, name, orig)
 
 
-def _play(engine, workload) -> tuple[float, int]:
-    """(process CPU seconds, forwards) of the workload's rounds on `engine`."""
-    # start-up time: imported when this first runs
-    from kvplay.engine.sampling import SamplingParams
-
-    from .peers import submit_together
-
-    sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
-    f0 = engine.runner.forwards
-    c0 = time.process_time()
-    for rnd in workload.rounds:
-        for h in submit_together(engine, rnd, sampling):
-            r = h.result(600)
-            if r.error:
-                raise RuntimeError(f"request failed: {r.error}")
-    return time.process_time() - c0, engine.runner.forwards - f0
-
-
 def engine_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> dict:
     # start-up time: imported when this first runs
     from kvplay.engine.engine import Engine
@@ -97,7 +74,7 @@ def engine_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> 
                 engine.call(lambda: engine.scheduler.kv.set_attribution(on))
                 engine.clear_cache()
                 with _Clock() as clock:
-                    cpu, forwards = _play(engine, workload)
+                    cpu, forwards = play_rounds(engine, workload, time.process_time, warm=False)
                 per_step[on].append(cpu / max(1, forwards))
                 if on:
                     own.append(clock.seconds / max(1, forwards))
@@ -145,17 +122,8 @@ def simulate_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -
 
 
 def run(loaded=None, reps: int = 5, progress: Progress = _quiet) -> dict:
-    if loaded is None:
-        # start-up time: imported when this first runs
-        from kvplay.engine.model import load_model
-
-        loaded = load_model("tiny:llama", device="cpu", dtype="float32")
-    import os
-
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
+    """Both measurements on both workloads; `loaded`: the tiny model (loaded here when None)."""
+    loaded, load = tiny_and_load(loaded)
     out = {"model": loaded.name, "load_avg_before": load, "engine": {}, "simulate": {}}
     for name in ("shared-system", "pressure"):
         out["engine"][name] = engine_ab(loaded, name, reps, progress)
