@@ -43,10 +43,13 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
-def with_misses(db, sid: str, turns: list[dict]) -> list[dict]:
+def with_misses(db, sid: str, turns: list[dict], events: list[dict] | None = None) -> list[dict]:
     """Give each turn its `miss` object (why its uncached prompt tokens were computed), from the
-    session's MissExplained events; None for turns recorded before kvplay explained misses."""
-    misses = {e.get("request_id"): miss_from_event(e) for e in read_events(db, sid, ("MissExplained",))[0]}
+    session's MissExplained events (`events`: the session's events, when already read); None for
+    turns recorded before kvplay explained misses."""
+    if events is None:
+        events = read_events(db, sid, ("MissExplained",))[0]
+    misses = {e.get("request_id"): miss_from_event(e) for e in events if e.get("kind") == "MissExplained"}
     for t in turns:
         t["miss"] = misses.get(t.get("request_id"))
     return turns

@@ -300,3 +300,16 @@ def test_default_sizes_are_what_the_docs_say():
     for reason in ("evicted", "cleared", "config"):
         log.blooms[reason] = RotatingBloom()
     assert log.nbytes / 2**20 == pytest.approx(1.875, abs=0.01)  # 1.9 MiB with all six filters
+
+
+def test_the_event_log_has_a_line_for_it(make_engine):
+    from kvplay.tui.format import event_line
+
+    eng = make_engine()
+    seen = []
+    eng.subscribe(lambda e: seen.append(e) if isinstance(e, MissExplained) else None)
+    p = ids(12, 60)
+    ask(eng, "alice", p)
+    ask(eng, "bob", p[:40] + ids(13, 20))
+    line = event_line(seen[-1], {})
+    assert line.endswith("missed  bob: 28: 16 diverged at 40, 12 tail"), line

@@ -7,7 +7,7 @@ from rich.text import Text
 
 import time
 
-from kvplay.engine.miss import miss_text
+from kvplay.engine.miss import miss_from_event, miss_text
 from kvplay.sessions.report import mib
 
 from .theme import FREE_STYLE, UNKNOWN_COLOUR, UserLook
@@ -139,6 +139,8 @@ def event_line(ev, looks: dict[str, UserLook]) -> str | None:
         return f"{ev.seq:>5} PREEMPT {ev.user}: freed {ev.freed_blocks} blocks"
     if k == "CollisionCaught":
         return f"{ev.seq:>5} COLLISION caught for {ev.user} at block {ev.block_id}"
+    if k == "MissExplained":
+        return f"{ev.seq:>5} missed  {ev.user}: {miss_text(miss_from_event(ev), ev.user)}"
     if k == "RequestFinished":
         return f"{ev.seq:>5} done    {ev.user} ({ev.finish_reason})" + (f": {ev.error}" if ev.error else "")
     if k == "SettingsChanged":
