@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.events import MissExplained
-from kvplay.engine.miss import REASONS, Removal, RemovedLog, RotatingBloom, miss_object, miss_text, redact
+from kvplay.engine.miss import (REASONS, Removal, RemovedLog, RotatingBloom, miss_from_event, miss_object, miss_text,
+                                redact)
 from kvplay.engine.prefix import BlockHasher
 from kvplay.engine.sampling import SamplingParams
+from kvplay.tui.format import event_line
 
 BS = 16
 G = SamplingParams(max_tokens=3, stop_on_eos=False)
@@ -191,11 +193,10 @@ def test_the_event_carries_the_same_object(make_engine):
     r = ask(eng, "bob", p[:50] + ids(9, 30))
     ev = next(e for e in seen if e.request_id == r.request_id)
     assert ev.cached_tokens == r.stats.cached_tokens and ev.prompt_tokens == r.stats.prompt_tokens
-    again = miss_object([list(s) for s in ev.spans], ev.diverged_at,
-                        (ev.excerpt_prompt, ev.excerpt_cached) if ev.excerpt_prompt else None,
-                        ev.evicted_at, ev.eviction_policy, ev.cleared_at)
-    assert again == r.stats.miss
+    assert miss_from_event(ev) == r.stats.miss == miss_from_event(ev.to_dict())  # live, or recorded
     assert r.stats.miss["diverged_at"] == 50
+    # 80 tokens: 48 cached (50 // 16 blocks), 16 diverged, 16 tail (the last token's block)
+    assert event_line(ev, {}).endswith("missed  bob: 32: 16 diverged at 50, 16 tail")
     fin = r.stats.to_dict()
     assert fin["miss"] == r.stats.miss  # RequestFinished.stats (and so recordings) carry it
 
@@ -300,16 +301,3 @@ def test_default_sizes_are_what_the_docs_say():
     for reason in ("evicted", "cleared", "config"):
         log.blooms[reason] = RotatingBloom()
     assert log.nbytes / 2**20 == pytest.approx(1.875, abs=0.01)  # 1.9 MiB with all six filters
-
-
-def test_the_event_log_has_a_line_for_it(make_engine):
-    from kvplay.tui.format import event_line
-
-    eng = make_engine()
-    seen = []
-    eng.subscribe(lambda e: seen.append(e) if isinstance(e, MissExplained) else None)
-    p = ids(12, 60)
-    ask(eng, "alice", p)
-    ask(eng, "bob", p[:40] + ids(13, 20))
-    line = event_line(seen[-1], {})
-    assert line.endswith("missed  bob: 28: 16 diverged at 40, 12 tail"), line
