@@ -109,9 +109,10 @@ def _agree(x: list[int], i: int, y: list[int], j: int) -> int:
     return n
 
 
-def find_breakers(trace: Trace, turns: list[Turn]) -> list[Breaker]:
+def find_breakers(trace: Trace, turns: list[Turn], top: int = TOP) -> list[Breaker]:
     """Positions where at least two requests diverged from the same prefix and realign after a
-    short span, biggest cost first."""
+    short span, biggest cost first: the first `top` found, looking at the costliest candidate
+    positions only (at most 4 x `top` + 16 of them: each costs a pass over the trace)."""
     agree = 2 * trace.config.block_size  # what "shared again" takes: two blocks
     prompts = {r.request_id: r.prompt_ids for r in trace.requests}
     groups: dict[tuple, list[Turn]] = {}
@@ -123,9 +124,11 @@ def find_breakers(trace: Trace, turns: list[Turn]) -> list[Breaker]:
             continue
         groups.setdefault((d, hash(tuple(p[:d]))), []).append(t)
     out = []
-    for (d, _), members in groups.items():
-        if len(members) < 2:
-            continue
+    cands = sorted(((d, ms) for (d, _), ms in groups.items() if len(ms) >= 2),
+                   key=lambda c: (-sum(t.miss["reasons"]["diverged"] for t in c[1]), c[0]))
+    for d, members in cands[:4 * top + 16]:
+        if len(out) >= top:
+            break
         prefix = prompts[members[0].request_id][:d]
         same = [r for r in trace.requests if len(r.prompt_ids) > d and r.prompt_ids[:d] == prefix]
         ref = same[0].prompt_ids
@@ -231,7 +234,7 @@ def explain(trace: Trace, recorded: dict[str, dict] | None = None, turn_numbers:
         "missed": {"tokens": sum(reasons.values()), "reasons": reasons},
     }
     # the breakers, each with its projection
-    breakers = find_breakers(trace, turns)[:top]
+    breakers = find_breakers(trace, turns, top)
     out_b = []
     for b in breakers:
         b.projected = simulate(_with_prompts(trace, b.rewrite))
