@@ -65,7 +65,7 @@ class Scheduler:
         self.runner = runner
         self.model_key = model_key
         self.emit = emit
-        self.kv = KVManager(config, pool, hasher, model_key, emit)
+        self.kv = KVManager(config, pool, hasher, model_key, emit, decode=getattr(tokenizer, "decode", None))
         self.output = OutputProcessor(tokenizer, eos_ids, runner.max_positions, emit)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
