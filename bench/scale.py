@@ -58,23 +58,25 @@ def _workload(tokenizer):
     return build_workload("shared-system", tokenizer, users=4, turns=2, new_tokens=16)
 
 
-def _run_rounds(engine, workload) -> tuple[float, int]:
-    """Play the workload's rounds; returns (wall seconds, forwards)."""
+def play_rounds(engine, workload, clock: Callable[[], float] = time.perf_counter, warm: bool = True) -> tuple[float, int]:
+    """Play the workload's rounds (after a warm-up request, unless `warm` is False); returns
+    (seconds on `clock`, forwards)."""
     # start-up time: imported when this first runs
     from kvplay.engine.sampling import SamplingParams
 
     from .peers import submit_together, warm_up_engine
 
-    warm_up_engine(engine, workload.turns[0].prompt_ids)
+    if warm:
+        warm_up_engine(engine, workload.turns[0].prompt_ids)
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
     f0 = engine.forwards
-    t0 = time.perf_counter()
+    t0 = clock()
     for rnd in workload.rounds:
         for h in submit_together(engine, rnd, sampling):
             r = h.result(600)
             if r.error:
                 raise RuntimeError(f"request failed: {r.error}")
-    return time.perf_counter() - t0, engine.forwards - f0
+    return clock() - t0, engine.forwards - f0
 
 
 def _per_call_us(fn, n: int) -> float:
@@ -106,7 +108,7 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
             engine.start()
             ready[n].append(time.perf_counter() - t0)
             try:
-                wall, forwards = _run_rounds(engine, workload)
+                wall, forwards = play_rounds(engine, workload)
                 per_step[n].append(wall / max(1, forwards))
                 if n == large and rep == reps - 1:
                     progress(f"scale: stats() and block-map calls at {n:,} blocks")
@@ -185,9 +187,8 @@ def ready_at(blocks: int = HUGE, progress: Progress = _quiet) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = HUGE, reps: int = 5,
-              progress: Progress = _quiet) -> dict:
-    """All three measurements; `loaded`: the tiny model (loaded here when None)."""
+def tiny_and_load(loaded=None) -> tuple:
+    """(`loaded`, or the tiny model loaded now; the load averages before measuring, or None)."""
     if loaded is None:
         # start-up time: imported when this first runs
         from kvplay.engine.model import load_model
@@ -197,6 +198,13 @@ def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = H
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
+    return loaded, load
+
+
+def run_scale(loaded=None, small: int = SMALL, large: int = LARGE, huge: int = HUGE, reps: int = 5,
+              progress: Progress = _quiet) -> dict:
+    """All three measurements; `loaded`: the tiny model (loaded here when None)."""
+    loaded, load = tiny_and_load(loaded)
     out = {"model": loaded.name, "load_avg_before": load}
     out["step"] = step_and_stats(loaded, small, large, reps, progress)
     out["ready"] = ready_at(huge, progress)

@@ -102,7 +102,7 @@ class Engine:
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
-        self.kv = KVManager(cfg, self.pool, self.hasher, self.model_name, emit)
+        self.kv = KVManager(cfg, self.pool, self.hasher, self.model_name, emit, decode=self.tokenizer.decode)
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.runner.max_positions, emit)
         self.scheduler = Scheduler(cfg, self.kv, self.output, emit)
         self._end_step()
@@ -362,6 +362,11 @@ class Engine:
         """Drop every cached block (blocks in use by running requests keep serving them); the
         pool emits `AllBlocksCleared(reason="cleared")` on the engine thread, where it applies."""
         return self.call(lambda: self.pool.clear("cleared"))
+
+    def set_miss_attribution(self, on: bool) -> None:
+        """Explain why each miss was computed (engine/miss.py) or not, from the next admission on
+        (on by default; the bench measures what it costs)."""
+        self.call(lambda: self.kv.set_attribution(on))
 
     def needs_fresh_cache(self, **changes) -> bool:
         """Would these config changes invalidate what is cached? (hash, seed, determinism)."""

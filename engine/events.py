@@ -90,6 +90,9 @@ class BlockRemoved(Event):
     reason: _Text = "evicted"  # evicted | cleared | reconfigured
     creators: _Texts = []
     group_idx: _Size = 0
+    by_user: _Text = ""  # evicted: the user whose request's allocation pushed them out
+    by_request: _Text = ""  # ... and that request
+    policy: _Text = ""  # evicted: the eviction policy that picked them (lru | lfu | fifo | belady)
 
 
 class BlocksAllocated(Event):
@@ -127,6 +130,29 @@ class BlockHit(Event):
     token_ids: _Tokens = []
     block_size: _Size = 0
     extra_keys: _Extras = []
+
+
+_Span = tuple[int, int, _Text, _Text, _Text]
+
+
+class MissExplained(Event):
+    """Why the prompt tokens a request did not get from the cache were computed (engine/miss.py),
+    once, at its first admission (a re-admission after preemption is recompute, not a miss):
+    `spans` are [start, tokens, reason, who, by] runs that cover every uncached prompt token
+    exactly once (reasons: cold, evicted, isolated, diverged, tail, cleared, config, collision;
+    `who`: the user whose block is the evidence; `by`: who evicted it). `engine.miss.miss_object`
+    turns it into the miss object (RequestStats.miss)."""
+    request_id: _Text = ""
+    user: _Text = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    spans: Annotated[list[_Span], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)] = []
+    diverged_at: Optional[int] = None
+    excerpt_prompt: _Text = ""
+    excerpt_cached: _Text = ""
+    evicted_at: Optional[float] = None
+    eviction_policy: _Text = ""
+    cleared_at: Optional[float] = None
 
 
 class CollisionCaught(Event):
@@ -229,7 +255,7 @@ class EventQueue:
 REF_EVENTS = (BlocksAllocated, BlocksTouched, BlocksReleased)
 CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, *REF_EVENTS)
 EVENT_TYPES = {cls.__name__: cls for cls in (
-    BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, *REF_EVENTS, RequestQueued,
+    BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, MissExplained, *REF_EVENTS, RequestQueued,
     RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged, SettingsChanged)}
 AnyEvent = Union[tuple(EVENT_TYPES.values())]
 

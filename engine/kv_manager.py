@@ -14,7 +14,11 @@ the block pool (``pool.py``: blocks, free queue, index, eviction):
 - **register**: every block that became full enters the prefix index (BlockStored), unless the
   request was admitted under an older cache generation (then nobody could reach it);
 - the token-level cache counters and the BlockHit event (first admission only: recomputing
-  after a preemption is no hit, cf. vllm#25780).
+  after a preemption is no hit, cf. vllm#25780);
+- **miss attribution** (engine/miss.py): at a first admission, a reason for every prompt token
+  not served from the cache (``RequestStats.miss``, the ``MissExplained`` event), from the
+  cache as the lookup saw it, before the allocation evicts anything; the pool tells the tracker
+  what leaves the index and whose allocation pushed it out.
 
 It decides nothing about *when* a request runs: that is the scheduler's job.
 """
@@ -24,7 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .events import BlockHit, CollisionCaught, Event
+from .events import BlockHit, CollisionCaught, Event, MissExplained
+from .miss import MissTracker
 from .pool import BlockPool, NoFreeBlocks
 from .prefix import BlockHasher, salt_for, salted_extras
 from .request import HashKeys, Request
@@ -36,11 +41,12 @@ class Admission:
     matched: list[int]
     cached_tokens: int
     by_creator: dict[str, int]
+    miss: dict | None = None  # why the rest was computed (first admission, attribution on)
 
 
 class KVManager:
     def __init__(self, config, pool: BlockPool, hasher: BlockHasher, model_key: str,
-                 emit: Callable[[Event], None]):
+                 emit: Callable[[Event], None], decode: Callable[[list[int]], str] | None = None):
         self.config = config
         self.pool = pool
         self.hasher = hasher
@@ -50,6 +56,19 @@ class KVManager:
         self.query_tokens = 0  # prompt tokens of first admissions
         self.hit_tokens = 0  # of those, tokens whose K/V came from the pool
         self.collisions_caught = 0
+        self.miss: MissTracker | None = None
+        self._decode = decode
+        self.set_attribution(True)
+
+    def set_attribution(self, on: bool) -> None:
+        """Turn miss attribution on (a fresh tracker: it knows the blocks stored from now on)
+        or off (no tracker, no MissExplained, RequestStats.miss stays None): `kvplay bench`'s A/B."""
+        if on and self.miss is None:
+            self.miss = MissTracker(self.bs, self._decode)
+            self.pool.on_removed = self.miss.removed_blocks
+        elif not on:
+            self.miss = None
+            self.pool.on_removed = None
 
     @property
     def bs(self) -> int:
@@ -70,6 +89,14 @@ class KVManager:
         if req.keys != keys:
             req.keys = keys
             req.hashes = []
+
+    def sig(self, req: Request, j: int) -> tuple:
+        """What block j of `req` is hashed under besides its tokens: (cache generation, salt),
+        the salt None for blocks wholly inside the system prompt in `system` isolation."""
+        k = req.keys
+        if k.salt is not None and k.isolation == "system" and j < req.system_tokens // self.bs:
+            return (k.epoch, None)
+        return (k.epoch, k.salt)
 
     def extras(self, req: Request, n_blocks: int):
         k = req.keys
@@ -147,8 +174,12 @@ class KVManager:
             return None
         now = time.time()
         first = not req.admitted_once
+        miss = None
+        if first and self.miss is not None:  # the cache as the lookup saw it, before any eviction
+            miss = self.miss.explain(self.pool, req.prompt_ids, req.hashes, self.reusable_blocks(req), matched,
+                                     lambda j: self.sig(req, j), len(req.prompt_ids))
         self.pool.touch(matched, now, hit=first)  # a re-admission re-references, it is no new hit
-        req.block_table = matched + self.pool.allocate(need, now)
+        req.block_table = matched + self.pool.allocate(need, now, by=(req.user, req.request_id))
         req.num_computed = len(matched) * self.bs
         req.registered = len(matched)
         cached = req.num_computed
@@ -169,14 +200,23 @@ class KVManager:
                                    block_hashes=[req.keys.hasher.hex(blocks[b].hash) for b in matched],
                                    cached_tokens=cached, by_creator=dict(by), token_ids=tokens, block_size=self.bs,
                                    extra_keys=[[list(k) for k in blocks[b].extra] for b in matched]))
-        return Admission(matched, cached, by)
+            if miss is not None:
+                req.stats.miss = miss
+                ex = miss["excerpt"] or {}
+                self.emit(MissExplained(
+                    request_id=req.request_id, user=req.user, prompt_tokens=len(req.prompt_ids), cached_tokens=cached,
+                    spans=[tuple(s) for s in miss["spans"]], diverged_at=miss["diverged_at"],
+                    excerpt_prompt=ex.get("prompt", ""), excerpt_cached=ex.get("cached", ""),
+                    evicted_at=miss["evicted_at"], eviction_policy=miss["eviction_policy"] or "",
+                    cleared_at=miss["cleared_at"]))
+        return Admission(matched, cached, by, miss)
 
     def reserve_slot(self, req: Request) -> bool:
         """Make sure the block for position req.num_computed exists; False when the pool has
         no block left (the scheduler then preempts someone)."""
         while req.num_computed // self.bs >= len(req.block_table):
             try:
-                req.block_table += self.pool.allocate(1)
+                req.block_table += self.pool.allocate(1, by=(req.user, req.request_id))
             except NoFreeBlocks:
                 return False
         return True
@@ -210,7 +250,9 @@ class KVManager:
         for j in range(req.registered, full):
             bid = req.block_table[j]
             parent = req.block_table[j - 1] if j > 0 else None
-            self.pool.register(bid, req.hashes[j], parent, toks[j * bs:(j + 1) * bs], extras[j],
-                               req.user, req.request_id)
+            tokens = tuple(toks[j * bs:(j + 1) * bs])
+            if self.pool.register(bid, req.hashes[j], parent, tokens, extras[j], req.user, req.request_id) \
+                    and self.miss is not None:
+                self.miss.stored(bid, parent, tokens, self.sig(req, j))
             self.pool.blocks[bid].users_seen.add(req.user)
         req.registered = full

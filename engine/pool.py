@@ -226,6 +226,8 @@ class BlockPool:
         self._seq = 0
         # indexed parent -> its indexed child, or a set of them when it has several (rare)
         self.children: dict[int, int | set[int]] = {}
+        # called with (dropped, reason, ts, by user, policy) whenever blocks leave the index
+        self.on_removed: Callable[[list, str, float, str, str], None] | None = None
 
     # --- queries ----------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -292,8 +294,9 @@ class BlockPool:
         return self.events.take()
 
     # --- state changes ------------------------------------------------------------------------
-    def allocate(self, n: int, now: float | None = None) -> list[int]:
-        """Take `n` blocks (ref 1), evicting cached ones when no free block is left."""
+    def allocate(self, n: int, now: float | None = None, by: tuple[str, str] | None = None) -> list[int]:
+        """Take `n` blocks (ref 1), evicting cached ones when no free block is left. `by`: the
+        (user, request id) the blocks are for, named in the BlockRemoved of what they evict."""
         if n > self.available():
             raise NoFreeBlocks(n)
         now = time.time() if now is None else now
@@ -324,7 +327,7 @@ class BlockPool:
                 cseq[bid] = self._seq
         if evicted:
             self.evictions += len(evicted)
-            self._emit_removed(evicted, "evicted")
+            self._emit_removed(evicted, "evicted", now, by)
         if out:
             self.emit(BlocksAllocated(block_ids=out[:]))
         return out
@@ -362,7 +365,7 @@ class BlockPool:
                 continue
             h = self._hash[b]
             c = self._creator[b]
-            dropped.append((self.hex(h), b, self.users[c] if c >= 0 else ""))
+            dropped.append((h, b, self.users[c] if c >= 0 else ""))
             if self.index.get(h) == b:
                 del self.index[h]
             self._indexed[b] = 0
@@ -400,9 +403,17 @@ class BlockPool:
         kids = self.children.get(parent)
         return () if kids is None else tuple(kids) if isinstance(kids, set) else (kids,)
 
-    def _emit_removed(self, dropped: list, reason: str) -> None:
-        self.emit(BlockRemoved(block_hashes=[h for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
-                               creators=[c for _, _, c in dropped], reason=reason))
+    def _emit_removed(self, dropped: list, reason: str, now: float | None = None,
+                      by: tuple[str, str] | None = None) -> None:
+        """`dropped`: (hash, block id, creator) of the blocks that left the index."""
+        policy = self.policy.name if reason == "evicted" else ""
+        user, rid = by or ("", "")
+        if self.on_removed is not None:  # the KV manager's miss attribution (engine/miss.py)
+            self.on_removed(dropped, reason, time.time() if now is None else now, user, policy)
+        hex_ = self.hex
+        self.emit(BlockRemoved(block_hashes=[hex_(h) for h, _, _ in dropped], block_ids=[b for _, b, _ in dropped],
+                               creators=[c for _, _, c in dropped], reason=reason, by_user=user, by_request=rid,
+                               policy=policy))
 
     def touch(self, block_ids: list[int], now: float | None = None, *, hit: bool = True) -> None:
         """A request reuses these cached/in-use blocks: ref += 1, and hit += 1 unless `hit` is
@@ -516,7 +527,7 @@ class BlockPool:
                 stack.extend(self._children_of(b))
         if order:
             users, hashes, creator = self.users, self._hash, self._creator
-            dropped = [(self.hex(hashes[b]), b, users[creator[b]] if creator[b] >= 0 else "") for b in order]
+            dropped = [(hashes[b], b, users[creator[b]] if creator[b] >= 0 else "") for b in order]
             idx = np.asarray(order, dtype=np.int64)
             np.frombuffer(self._indexed, np.int8)[idx] = 0
             freed = idx[np.frombuffer(self._ref, np.int32)[idx] == 0]

@@ -31,6 +31,7 @@ class RequestStats:
     collisions_caught: int = 0
     finish_reason: str | None = None
     seed: int | None = None  # the sampling seed actually used (replays need it)
+    miss: dict | None = None  # why the uncached prompt tokens were computed (engine/miss.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

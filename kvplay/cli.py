@@ -22,6 +22,7 @@ COMMANDS = {
     "export": ("kvplay.commands.export", "export a session as jsonl, md, a toml script, vLLM KV events or a Mooncake trace"),
     "replay": ("kvplay.commands.replay", "replay a recorded session and compare outputs"),
     "simulate": ("kvplay.commands.simulate", "what other pool sizes, policies, isolation would have reused, vs the optimum"),
+    "explain": ("kvplay.commands.explain", "why prompt tokens missed the cache, the cache breakers, and what each fix would give"),
     "scrub": ("kvplay.commands.scrub", "step, play and seek through a recorded session's cache, no model loaded"),
     "import": ("kvplay.commands.import_", "record a trace file (vLLM KV events, Mooncake JSONL) as a session"),
     "lab": ("kvplay.commands.lab", "measure a claim about shared KV caches"),

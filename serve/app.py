@@ -9,8 +9,12 @@ GET /kv_event_sources, GET /server_info, POST /detokenize.
 Who is asking comes from the bearer token (serve/keys.py) when the server has API keys, else
 from the body's `user` (a loopback playground, shared isolation only). Every response carries
 ``usage.prompt_tokens_details.cached_tokens`` and a ``kvplay`` object (``cached_from``: the
-users whose blocks the prompt reused, in tokens). Errors are OpenAI-style JSON with the right
-status; a client that goes away mid-request has its request cancelled (blocks freed) at once.
+users whose blocks the prompt reused, in tokens; with ``"return_miss_details": true`` in the
+body also ``miss``, why the other prompt tokens were computed: in full for an admin key or a
+server without keys, else as `engine.miss.redact` leaves it for the key's own user, since
+another tenant's name, text, or the mere fact that another tenant holds the same tokens, is
+what isolation hides). Errors are OpenAI-style JSON with the right status; a client that goes
+away mid-request has its request cancelled (blocks freed) at once.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvplay.engine.chat import encode_chat
 from kvplay.engine.errors import EngineError
+from kvplay.engine.miss import redact
 from kvplay.engine.sampling import SamplingParams
 
 from .bridge import HandleStream
@@ -187,18 +192,30 @@ def usage_of(*results) -> dict:
 def kvplay_of_all(turns: list, user: str) -> dict:
     """The kvplay extension for a response: one request's details, or with n > 1 the first
     choice's at the top level and every choice's under `choices`."""
-    out = kvplay_of(turns[0].result, user)
+    view = turns[0].miss_view
+    out = kvplay_of(turns[0].result, user, view)
     if len(turns) > 1:
-        out["choices"] = [kvplay_of(t.result, user) for t in turns]
+        out["choices"] = [kvplay_of(t.result, user, view) for t in turns]
     return out
 
 
-def kvplay_of(result, user: str) -> dict:
+def miss_view(g: GenRequest, ident: Identity | None) -> str | None:
+    """What the sender of `g` may see of its miss object: None (not asked for), "full" (an admin
+    key, or a server without keys: one machine, no tenants) or "own" (`engine.miss.redact`)."""
+    if not g.miss_details:
+        return None
+    return "full" if ident is None or ident.admin else "own"
+
+
+def kvplay_of(result, user: str, view: str | None = None) -> dict:
     st = result.stats
-    return {"request_id": result.request_id, "user": user, "cached_tokens": st.cached_tokens,
-            "cached_from": dict(st.cached_from), "computed_tokens": st.computed_tokens,
-            "finish_reason": result.finish_reason, "ttft_ms": st.ttft_ms, "queued_ms": st.queued_ms,
-            "preemptions": st.preemptions}
+    out = {"request_id": result.request_id, "user": user, "cached_tokens": st.cached_tokens,
+           "cached_from": dict(st.cached_from), "computed_tokens": st.computed_tokens,
+           "finish_reason": result.finish_reason, "ttft_ms": st.ttft_ms, "queued_ms": st.queued_ms,
+           "preemptions": st.preemptions}
+    if view is not None:
+        out["miss"] = st.miss if view == "full" else redact(st.miss, user)
+    return out
 
 
 UNAVAILABLE = ("shut down", "not started", "did not answer", "does not answer")
@@ -240,8 +257,9 @@ class Turn:
     """One accepted request on its way through the engine."""
 
     def __init__(self, state: ServeState, g: GenRequest, user: str, rid: str, sampling: SamplingParams,
-                 stream: HandleStream, index: int = 0, rid_base: str | None = None):
+                 stream: HandleStream, index: int = 0, rid_base: str | None = None, miss_view: str | None = None):
         self.state, self.g, self.user, self.rid, self.sampling, self.stream = state, g, user, rid, sampling, stream
+        self.miss_view = miss_view  # see miss_view()
         self.index = index  # the choice this request answers (n > 1)
         self.result = None
         self.matcher = StopMatcher(g.stop)
@@ -382,7 +400,7 @@ async def stream_turn(turns: list[Turn], slot=None):
                 yield "data: [DONE]\n\n"
                 return
             final = t.chunk(None if t.g.kind == "chat" else "", finish=t.finish)
-            final["kvplay"] = kvplay_of(res, t.user)
+            final["kvplay"] = kvplay_of(res, t.user, t.miss_view)
             yield sse(final)
         if turn.g.include_usage:
             yield sse({"id": turn.id, "object": "chat.completion.chunk" if turn.g.kind == "chat" else "text_completion",
@@ -467,7 +485,8 @@ def create_app(state: ServeState) -> FastAPI:
                 for t in turns:  # the choices already queued go too: the request failed as a whole
                     t.stream.cancel()
                 raise ApiError(503 if engine_unavailable(str(exc)) else 400, str(exc)) from None
-            turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle), index=i, rid_base=rid))
+            turns.append(Turn(state, g, user, rid_i, sampling_i, HandleStream(handle), index=i, rid_base=rid,
+                              miss_view=miss_view(g, ident)))
         if g.stream:
             return StreamingResponse(stream_turn(turns, slot), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})

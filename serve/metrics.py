@@ -4,14 +4,19 @@ vLLM's (labels ``model_name``, ``engine``): prefix-cache queries and hits in tok
 prompt tokens cached, KV-cache usage (a fraction, as vLLM reports it), preemptions, requests
 running/waiting, prompt and generation tokens, finished requests by reason.
 kvplay's own (``kvplay:``): cached tokens by the user who created the blocks and the user who
-reused them, evictions, blocks by state.
+reused them, evictions, blocks by state, and prompt tokens computed by miss reason
+(``kvplay:prefix_cache_miss_tokens_total{reason}``, engine/miss.py; labelled by reason only,
+never by user or content; a scrape that may not see the per-user series counts `isolated`
+tokens as `cold`, since a rising `isolated` count would tell a tenant that another one holds
+the tokens it just sent).
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
 
-from kvplay.engine.events import BlockHit, RequestFinished
+from kvplay.engine.events import BlockHit, MissExplained, RequestFinished
+from kvplay.engine.miss import REASONS
 
 
 def _esc(v: str) -> str:
@@ -32,6 +37,7 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = defaultdict(int)  # finish reason -> requests
+        self.miss = dict.fromkeys(REASONS, 0)  # miss reason -> prompt tokens computed
         self._unsub = engine.subscribe_batches(self._on_batch)
 
     def close(self) -> None:
@@ -44,6 +50,11 @@ class ServerMetrics:
                 with self._lock:
                     for creator, n in ev.by_creator.items():
                         self.cached_by[(creator, ev.user)] += n
+            elif cls is MissExplained:
+                with self._lock:
+                    for _, n, reason, _, _ in ev.spans:
+                        if reason in self.miss:
+                            self.miss[reason] += n
             elif cls is RequestFinished:
                 st = ev.stats or {}
                 with self._lock:
@@ -57,7 +68,8 @@ class ServerMetrics:
         with self._lock:
             return {"cached_by": [(c, u, n) for (c, u), n in sorted(self.cached_by.items())],
                     "finished": dict(self.finished), "prompt_tokens": self.prompt_tokens,
-                    "prompt_cached": self.prompt_cached, "generation_tokens": self.generation_tokens}
+                    "prompt_cached": self.prompt_cached, "generation_tokens": self.generation_tokens,
+                    "miss": dict(self.miss)}
 
 
 def render(stats: dict, snap: dict, model_name: str, users: bool = True) -> str:
@@ -100,6 +112,13 @@ def render(stats: dict, snap: dict, model_name: str, users: bool = True) -> str:
         metric("kvplay:cached_tokens_total", "counter",
                "Prompt tokens served from the cache, by the user who created the blocks and the user who reused them.",
                [({"creator": c, "user": u}, n) for (c, u), n in sorted(cached_by.items())])
+    miss = dict.fromkeys(REASONS, 0)
+    miss.update({k: v for k, v in (snap.get("miss") or {}).items() if k in miss})
+    if not users:  # that another tenant holds these tokens is what isolation hides
+        miss["cold"] += miss.pop("isolated")
+    metric("kvplay:prefix_cache_miss_tokens_total", "counter",
+           "Prompt tokens not served from the prefix cache, by why they were computed (first admission).",
+           [({"reason": r}, n) for r, n in miss.items()])
     metric("kvplay:evictions_total", "counter", "Cached blocks evicted.", [({}, stats.get("evictions", 0))])
     metric("kvplay:collisions_caught_total", "counter", "Hash hits whose stored tokens did not match.",
            [({}, stats.get("collisions_caught", 0))])

@@ -5,10 +5,12 @@ Accepted (as the OpenAI API and vLLM have them): model, messages | prompt (a str
 ids), stream, stream_options.include_usage, temperature, top_p, max_tokens (chat also
 max_completion_tokens), seed, stop, n (1 only), user, logprobs (chat: logprobs + top_logprobs;
 completions: logprobs = N; the model's raw log-probabilities, as vLLM's default); vLLM's top_k, ignore_eos and
-vllm_xargs.kv_cache_report_mode. Other fields (cache_salt, session_id, logprobs, …) are
-ignored; in particular nothing in the body chooses an identity or a salt. A `user` (the name a
-keyless playground goes by) with a control, bidi or invisible character (kvplay/inert.py) is
-refused (400): it would be shown to people and published as the KV events' session_id.
+vllm_xargs.kv_cache_report_mode; kvplay's return_miss_details (true: the response's `kvplay`
+object gets `miss`, why the uncached prompt tokens were computed, as the key may see it: see
+docs/miss.md). Other fields (cache_salt, session_id, logprobs, …) are ignored; in particular
+nothing in the body chooses an identity or a salt. A `user` (the name a keyless playground goes
+by) with a control, bidi or invisible character (kvplay/inert.py) is refused (400): it would be
+shown to people and published as the KV events' session_id.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class GenRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1  # choices: n requests for the same prompt (the later ones reuse its blocks)
+    miss_details: bool = False  # return_miss_details: the miss object in the kvplay extension
 
 
 def _num(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open=False):
@@ -218,6 +221,7 @@ def parse(body, kind: str) -> GenRequest:
             raise bad(f"'stop' takes at most {MAX_STOP} strings", "stop")
         req.stop = [s for s in stop if s]
     req.ignore_eos = _bool(body, "ignore_eos", False)
+    req.miss_details = _bool(body, "return_miss_details", False)
     if kind == "chat":
         req.logprobs = _bool(body, "logprobs", False)
         req.top_logprobs = _num(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS, integer=True)

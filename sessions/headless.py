@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvplay.inert import inert
 
-from .report import cached_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
+from .report import cached_cell, computed_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
 from .script import Script, sampling_for
 
@@ -36,13 +36,15 @@ def script_jobs(script: Script) -> list[Job]:
 
 
 COLUMNS = ["turn", "user", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"]
+FLEXIBLE = ("cached", "computed", "reply")  # text columns that shrink (with an ellipsis) to fit
 
 
 def make_table(title: str | None = None, rows: list[list[str]] = (), width: int | None = None,
                users: list[str] = ()):
     """A Rich table of finished turns that fits `width` columns. No header is ever clipped (each
-    column is at least as wide as its name and the user names); the attribution and the reply
-    take what is left and end in an ellipsis. Narrow terminals get no border, then no reply."""
+    column is at least as wide as its name and the user names); the attribution, why tokens
+    were computed and the reply take what is left and end in an ellipsis. Narrow terminals get
+    no border, then no reply."""
     # start-up time: imported when this first runs
     from rich.table import Table
     from rich.text import Text
@@ -61,18 +63,19 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
         for i, name in enumerate(names):
             widths[name] = max([need[name], *(as_text(r[i]).cell_len for r in rows)])
         overhead = 2 * (len(names) - 1) if kw_table else 3 * len(names) + 1
-        fixed = sum(widths[n] for n in names if n not in ("cached", "reply"))
+        fixed = sum(widths[n] for n in names if n not in FLEXIBLE)
         room = width - overhead - fixed
         reply_min = need["reply"] if "reply" in names else 0
-        widths["cached"] = max(need["cached"], min(widths["cached"], room - reply_min))
+        widths["cached"] = max(need["cached"], min(widths["cached"], room - reply_min - need["computed"]))
+        widths["computed"] = max(need["computed"], min(widths["computed"], room - reply_min - widths["cached"]))
         if "reply" in names:
-            widths["reply"] = max(need["reply"], room - widths["cached"])
+            widths["reply"] = max(need["reply"], room - widths["cached"] - widths["computed"])
     table = Table(title=title, show_lines=False, header_style="bold", **kw_table)
     for name in names:
         kw = {"min_width": need[name], "no_wrap": True, "overflow": "ellipsis"}
         if name in widths:
             kw["width"] = widths[name]
-        if name not in ("user", "cached", "reply"):
+        if name not in ("user", *FLEXIBLE):
             kw["justify"] = "right"
         table.add_column(name, **kw)
     for row in rows:
@@ -101,7 +104,7 @@ class TurnTable:
         self.live = None
         w_user = max([4, *(len(inert(u, limit=64)) for u in users)])
         self.users = users
-        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 8, 7, 6, 0]
+        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 36, 7, 6, 0]
 
     def table(self):
         return make_table(self.title, [self.rows[t] for t in self.order if t in self.rows],
@@ -133,7 +136,7 @@ class TurnTable:
         out = []
         for i, (cell, w) in enumerate(zip(cells, self.widths)):
             text = as_text(cell).plain
-            right = COLUMNS[i] not in ("user", "cached", "reply")
+            right = COLUMNS[i] not in ("user", *FLEXIBLE)
             out.append(text.rjust(w) if right else text.ljust(w))
         print("  ".join(out).rstrip(), file=self.console.file, flush=True)
 
@@ -160,7 +163,8 @@ def table_row(done: Done) -> list:
             reply = Text.assemble(("(stopped: the pool is full)", "yellow"), " ", reply)
     cached = Text(cached_cell(st.cached_tokens if st else None, None, st.cached_from if st else None, done.job.user))
     return [str(done.job.turn), Text(inert(done.job.user, limit=64)), fmt_num(st.prompt_tokens if st else None), cached,
-            fmt_num(st.computed_tokens if st else None), fmt_num(st.ttft_ms if st else None, 1),
+            Text(computed_cell(st.computed_tokens if st else None, st.miss if st else None, done.job.user)),
+            fmt_num(st.ttft_ms if st else None, 1),
             fmt_num(st.decode_tok_s if st else None, 1), reply]
 
 

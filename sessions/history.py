@@ -178,7 +178,7 @@ class Recording:
 
 
 def load_recording(db, ident: str) -> Recording:
-    from .query import resolve_session, session_turns, session_users
+    from .query import resolve_session, session_turns, session_users, with_misses
     from .store import StoreError
 
     s = resolve_session(db, ident)
@@ -186,4 +186,6 @@ def load_recording(db, ident: str) -> Recording:
     if not batches:
         raise StoreError(f"session {s['id']} has no recorded cache events to scrub through")
     n = recorded_pool_size(s, batches) or 1
-    return Recording(s, session_users(db, s["id"]), session_turns(db, s["id"]), batches, n)
+    events = flat_events(batches)
+    return Recording(s, session_users(db, s["id"]), with_misses(db, s["id"], session_turns(db, s["id"]), events),
+                     batches, n)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvplay.engine.events import AllBlocksCleared, RequestQueued, SettingsChanged, UserGroupChanged
+from kvplay.engine.events import AllBlocksCleared, MissExplained, RequestQueued, SettingsChanged, UserGroupChanged
+from kvplay.engine.miss import miss_from_event
 
 from .event_log import count_events, event_dicts, read_batches
 from .script import Script, TurnSpec, UserSpec
@@ -43,8 +44,24 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
+def with_misses(db, sid: str, turns: list[dict], events: list | None = None) -> list[dict]:
+    """Give each turn its `miss` object (why its uncached prompt tokens were computed), from the
+    session's MissExplained events (`events`: the session's events, when already read); None for
+    turns recorded before kvplay explained misses."""
+    if events is None:
+        events = [e for b in read_batches(db, sid, ("MissExplained",))[0] for e in b.events]
+    misses = {e.request_id: miss_from_event(e) for e in events if type(e) is MissExplained}
+    for t in turns:
+        t["miss"] = misses.get(t.get("request_id"))
+    return turns
+
+
 TIMELINE_KINDS = ("UserGroupChanged", "SettingsChanged", "AllBlocksCleared", "RequestQueued")
-CLEAR_REASONS = ("cleared", "reconfigured")  # an engine's own clears (not a watched server's restart)
+# The clears a replay makes again: F4 / an admin reset ("cleared"). A "reconfigured" clear is
+# made by the settings change right before it (hash, seed, determinism), which the replay makes
+# again too: clearing first would turn its blocks' reason from `config` into `cleared`. A watched
+# server's restart is no change of this engine.
+CLEAR_REASONS = ("cleared",)
 
 
 def timeline_events(db, sid: str) -> list:
@@ -71,8 +88,9 @@ def settings_timeline(users: list[dict], turns: list[dict], events: list) -> tup
     A group only salts its own user's requests, so a change applies at that user's next turn. A
     settings change or a clear applies to the whole engine, so it lands on the next turn queued
     after it (changes after the last turn change nothing that was recorded). Several changes
-    between two turns merge: the last value of each field, and `clear` when any of them emptied
-    the cache (clearing first, then setting, ends in the same state as any order of the two).
+    between two turns merge: the last value of each field, and `clear` when any of them was a
+    clear (F4; clearing first, then setting, ends in the same state as any order of the two; a
+    change that needs a fresh cache empties it by itself, see CLEAR_REASONS).
     The users table holds a user's group as first registered (`kvplay run`) or as last set (the
     app): the first change's `old_group` is the starting one either way."""
     start = {u["name"]: u.get("group") for u in users}
@@ -162,7 +180,7 @@ def load_session(db, ident: str, events: bool = False) -> dict:
     s = resolve_session(db, ident)
     out = dict(s)
     out["users"] = session_users(db, s["id"])
-    out["turns"] = session_turns(db, s["id"])
+    out["turns"] = with_misses(db, s["id"], session_turns(db, s["id"]))
     for u in out["users"]:
         u.pop("session_id", None)
     for t in out["turns"]:

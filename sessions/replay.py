@@ -8,8 +8,10 @@ its recorded offset divided by `speed`. The engine changes recorded during the s
 followed them.
 
 A turn reproduces when its output tokens and its cache are what they were: the same cached
-tokens, from the same creators. A replay that matches the text but not the cache does not
-reproduce the session.
+tokens, from the same creators, and the same reasons for the tokens it computed (per reason,
+and where it diverged: engine/miss.py). A replay that matches the text but not the cache does
+not reproduce the session. Turns recorded before kvplay explained misses have no reasons to
+compare: there the cached tokens and creators decide alone.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from kvplay.engine.miss import same_reasons
 from kvplay.engine.sampling import SamplingParams
 
 from .player import Done, Job, play
@@ -48,7 +51,10 @@ class Comparison:
     ttft_now: float | None
     error: str | None
     done: Done
-    cache_equal: bool = True  # cached tokens and their creators match
+    cache_equal: bool = True  # cached tokens and their creators match (and the miss reasons, when recorded)
+    miss_then: dict | None = None
+    miss_now: dict | None = None
+    miss_equal: bool = True  # the reasons per computed token match (True when the recording has none)
 
     @property
     def reproduces(self) -> bool:
@@ -57,6 +63,9 @@ class Comparison:
     def to_dict(self) -> dict:
         d = {"turn": self.seq}
         d.update((k, v) for k, v in dataclasses.asdict(self).items() if k not in ("seq", "done", "then_ids", "now_ids"))
+        for k in ("miss_then", "miss_now"):  # the reasons, not the spans
+            if d[k] is not None:
+                d[k] = {x: d[k].get(x) for x in ("tokens", "reasons", "diverged_at")}
         d["reproduces"] = self.reproduces
         for k in ("ttft_then", "ttft_now"):
             d[k] = None if d[k] is None else round(d[k], 2)
@@ -110,7 +119,9 @@ def compare(turn: dict, done: Done, tokenizer) -> Comparison:
     cached_now = st.cached_tokens if st else None
     from_then = turn.get("cached_from") or {}
     from_now = dict(st.cached_from) if st else {}
-    cache_equal = err is None and turn.get("cached_tokens") == cached_now and from_then == from_now
+    miss_then, miss_now = turn.get("miss"), st.miss if st else None
+    miss_equal = miss_then is None or same_reasons(miss_then, miss_now)
+    cache_equal = err is None and turn.get("cached_tokens") == cached_now and from_then == from_now and miss_equal
     return Comparison(
         seq=turn["seq"], user=turn["user"], text=turn["text"], equal=equal, first_diff=diff,
         then_token=tok(then_ids, diff), now_token=tok(now_ids, diff), then_ids=then_ids, now_ids=now_ids,
@@ -118,7 +129,7 @@ def compare(turn: dict, done: Done, tokenizer) -> Comparison:
         cached_then=turn.get("cached_tokens"), cached_now=cached_now,
         cached_from_then=from_then, cached_from_now=from_now,
         ttft_then=turn.get("ttft_ms"), ttft_now=st.ttft_ms if st else None, error=err, done=done,
-        cache_equal=cache_equal)
+        cache_equal=cache_equal, miss_then=miss_then, miss_now=miss_now, miss_equal=miss_equal)
 
 
 def replay(engine, turns: list[dict], system: str = "", groups: dict | None = None, speed: float | None = None,
@@ -163,6 +174,7 @@ def replay_summary(comps: list[Comparison], turns: list[dict], recorded_det: boo
     errors = sum(1 for c in comps if c.error)
     text_differs = sum(1 for c in comps if not c.equal and not c.error)
     cache_differs = sum(1 for c in comps if not c.cache_equal and not c.error)
+    miss_differs = sum(1 for c in comps if not c.miss_equal and not c.error)  # (counted in cache_differs too)
     # When turns overlapped (`at`), arrival order decides who computes a shared block, so who is
     # credited (and how much hits) can change from run to run: then a cache difference is shown
     # and counted, but the verdict rests on the outputs alone (`cache_compared` says which).
@@ -170,6 +182,7 @@ def replay_summary(comps: list[Comparison], turns: list[dict], recorded_det: boo
     same = sum((c.reproduces if cache_compared else c.equal) for c in comps)
     differs = len(comps) - same
     return {"turns": len(comps), "equal": same, "differs": differs, "text_differs": text_differs,
-            "cache_differs": cache_differs, "cache_compared": cache_compared, "errors": errors,
+            "cache_differs": cache_differs, "miss_differs": miss_differs, "cache_compared": cache_compared,
+            "errors": errors,
             "deterministic": recorded_det, "reproduces": differs == 0,
             "failed": errors > 0 or (strict and text_differs > 0)}

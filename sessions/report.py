@@ -8,6 +8,7 @@ import datetime as dt
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvplay.engine.miss import miss_text
 from kvplay.inert import inert, json_dumps
 
 if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
@@ -31,6 +32,14 @@ def cached_cell(cached: int | None, prompt: int | None, cached_from: dict[str, i
     return f"{cached}" + ("" if prompt is None else f"/{prompt}") + (f" ({who})" if who else "")
 
 
+def computed_cell(computed: int | None, miss: dict | None, user: str | None = None) -> str:
+    """Computed prompt tokens and why: "42: 26 diverged at 497, 16 tail", "10 (tail)"; the bare
+    count when the turn has no miss object (recorded before kvplay explained misses)."""
+    if computed is None:
+        return "-"
+    return miss_text(miss, user) or str(computed)
+
+
 def excerpt(text: str, width: int = 60) -> str:
     """`text` on one line, at most `width` characters of it, inert."""
     flat = " ".join((text or "").split())
@@ -45,6 +54,7 @@ def turn_object(done: Done) -> dict:
         "cached_tokens": st.cached_tokens if st else None,
         "cached_from": dict(st.cached_from) if st else {},
         "computed_tokens": st.computed_tokens if st else None,
+        "miss": st.miss if st else None,
         "ttft_ms": None if not st or st.ttft_ms is None else round(st.ttft_ms, 2),
         "output_tokens": st.output_tokens if st else None,
         "decode_tok_s": None if not st or st.decode_tok_s is None else round(st.decode_tok_s, 2),

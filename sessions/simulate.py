@@ -191,6 +191,7 @@ class SimResult:
     preemptions: int = 0
     cached: dict = field(default_factory=dict)  # request id -> cached tokens at first admission
     events: list = field(default_factory=list)  # (event, forwards) when asked to keep them
+    miss: dict = field(default_factory=dict)  # request id -> its miss object (engine/miss.py)
     of_optimum: float | None = None
 
     @property
@@ -214,8 +215,10 @@ def _future(trace: Trace, config: EngineConfig, hasher: BlockHasher) -> FutureUs
 
 
 def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = None,
-             isolation: str | None = None, keep_events: bool = False) -> SimResult:
-    """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused."""
+             isolation: str | None = None, keep_events: bool = False, attribution: bool = True) -> SimResult:
+    """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused;
+    with `attribution`, also why each request's uncached tokens were computed (the engine's own
+    miss attribution, engine/miss.py)."""
     # Imported here for start-up time: the scheduler pulls in torch (seconds), and `kvplay
     # export --help` / `simulate --help` import this module for its names alone.
     from kvplay.engine.kv_manager import KVManager
@@ -259,9 +262,12 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
 
     queue = Events()
     emit = queue.put
+    tokenizer = _SilentTokenizer()
     pool = BlockPool(config.num_blocks, config.block_size, evict, events=queue, hex_fn=hasher.fn.hex)
-    kv = KVManager(config, pool, hasher, trace.model_key, emit)
-    sched = Scheduler(config, kv, OutputProcessor(_SilentTokenizer(), {runner.eos}, runner.max_positions, emit), emit)
+    kv = KVManager(config, pool, hasher, trace.model_key, emit, decode=tokenizer.decode)
+    if not attribution:
+        kv.set_attribution(False)
+    sched = Scheduler(config, kv, OutputProcessor(tokenizer, {runner.eos}, runner.max_positions, emit), emit)
     reqs = {}
     for i, r in enumerate(requests):
         runner.outputs[r.request_id] = list(r.output_ids)
@@ -306,7 +312,8 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
         k += 1
     return SimResult(policy, config.num_blocks, config.isolation, sched.hit_tokens, sched.query_tokens,
                      pool.evictions, sched.preemptions,
-                     {rid: r.stats.cached_tokens for rid, r in reqs.items() if r.admitted_once}, events)
+                     {rid: r.stats.cached_tokens for rid, r in reqs.items() if r.admitted_once}, events,
+                     {rid: r.stats.miss for rid, r in reqs.items() if r.stats.miss is not None})
 
 
 def _queued(item: TraceRequest):

@@ -323,3 +323,22 @@ def test_cli_json_and_errors(capsys):
     assert main(["bench", "--model", "tiny:llama", "--users", "0"]) == 2
     assert main(["bench", "--model", "tiny:llama", "--peers", "vllm"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_miss_workload_measures_on_and_off_in_one_process(tiny_llama, capsys):
+    """`kvplay bench --workload miss` in small: both sides run, the attribution's own time is
+    counted, the clock wrapper is removed afterwards (no ratio is asserted: timings are the
+    bench's job)."""
+    from kvplay.bench import miss_bench
+    from kvplay.engine.miss import MissTracker
+
+    explain = MissTracker.explain
+    e = miss_bench.engine_ab(tiny_llama, "shared-system", reps=1)
+    assert e["steps"] > 0 and e["step_ms_on"] > 0 and e["step_ms_off"] > 0 and e["attribution_ms_per_step"] > 0
+    assert MissTracker.explain is explain
+    s = miss_bench.simulate_ab(tiny_llama, "pressure", reps=1)
+    assert s["ms_on"] > 0 and s["ms_off"] > 0 and 0 < s["hit_rate"] < 1
+    miss_bench.print_report({"model": "tiny:llama", "load_avg_before": None, "engine": {"shared-system": e},
+                             "simulate": {"pressure": s}})
+    out = capsys.readouterr().out
+    assert "engine step, shared-system" in out and "simulate, pressure" in out

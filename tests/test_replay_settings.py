@@ -90,7 +90,9 @@ def test_app_style_changes_are_recorded_replayed_and_exported(make_engine, tmp_p
     objs = json_lines(capsys.readouterr().out)
     comps, summ = {c["turn"]: c for c in objs[:-1]}, objs[-1]
     assert [(comps[i + 1]["cached_now"], comps[i + 1]["cached_from_now"]) for i in range(len(STEPS))] == cached
-    assert all(c["cache_equal"] and c["reproduces"] for c in comps.values())
+    assert all(c["cache_equal"] and c["miss_equal"] and c["reproduces"] for c in comps.values())
+    assert comps[4]["miss_then"]["reasons"]["config"] > 0  # dave: the F5 emptied the cache (a config change)
+    assert comps[6]["miss_now"]["reasons"]["cleared"] > 0  # frank: the F4
     assert summ["reproduces"] and summ["cache_differs"] == 0
 
     out = tmp_path / "exported.toml"
@@ -100,7 +102,7 @@ def test_app_style_changes_are_recorded_replayed_and_exported(make_engine, tmp_p
     assert script.engine["isolation"] == "shared" and script.engine["deterministic"] is False  # as it began
     assert [(t.engine, t.clear) for t in script.turns] == [
         (None, None), ({"isolation": "user"}, None), ({"isolation": "shared"}, None),
-        ({"deterministic": True}, True), ({"eviction": "lfu"}, None), (None, True)]
+        ({"deterministic": True}, None), ({"eviction": "lfu"}, None), (None, True)]  # the F5 clears by itself
     # and the exported script, run, makes the same hits
     assert cli(["run", str(out), "--json", "--no-record"]) == 0
     again = json_lines(capsys.readouterr().out)[:-1]

@@ -98,7 +98,8 @@ async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
         await say(app, pilot, "bob", "What is a KV cache in a transformer?")
         stats = app.cache.requests[-1]
         assert stats.user == "bob" and "alice" not in stats.cached_from
-        assert "alice" not in badges(app, "bob")[-1]
+        cached, _, why = badges(app, "bob")[-1].partition(" · missed ")
+        assert "alice" not in cached and "isolated from alice" in why  # whose blocks would have hit
         assert not app.query_one(BlockMap).hit
         await pilot.pause(0.2)
         assert "isolation user" in str(app.query_one("#status").render())

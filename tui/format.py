@@ -8,6 +8,7 @@ from rich.text import Text
 
 import time
 
+from kvplay.engine.miss import miss_from_event, miss_text
 from kvplay.inert import inert
 from kvplay.sessions.report import mib
 
@@ -22,9 +23,11 @@ def _look(looks: dict[str, UserLook], name: str) -> UserLook:
 
 
 def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
-    """`prompt 532 · cached 512 (alice 496, own 16) · TTFT 0.14 s · 18 tok/s`; attached, also
-    `as predicted` or `predicted 480 ≠` (the mirror's prefix match before sending vs the usage),
-    or `salted: no prediction` (the server's salt decides and is not known yet)."""
+    """`prompt 532 · cached 512 (alice 496, own 16) · missed 20: 4 diverged at 513, 16 tail ·
+    TTFT 0.14 s · 18 tok/s` (`missed 4 (tail)` when only the last block was computed; why: see
+    engine/miss.py); attached, also `as predicted` or `predicted 480 ≠` (the mirror's prefix
+    match before sending vs the usage), or `salted: no prediction` (the server's salt decides
+    and is not known yet)."""
     t = Text(style=DIM)
     t.append(f"prompt {stats.prompt_tokens} · cached {stats.cached_tokens}")
     if stats.cached_from:
@@ -36,6 +39,9 @@ def badge(stats, looks: dict[str, UserLook], timings: bool = True) -> Text:
             label = "own" if who == stats.user else inert(who, limit=64)
             t.append(f"{label} {n}", style=_look(looks, who).style)
         t.append(")")
+    why = miss_text(getattr(stats, "miss", None), stats.user)
+    if why:
+        t.append(f" · missed {why}")
     predicted = getattr(stats, "predicted_tokens", None)  # attach: what the mirror said before sending
     if predicted is not None:
         if predicted == stats.cached_tokens:
@@ -136,6 +142,8 @@ def event_line(ev, looks: dict[str, UserLook]) -> str | None:
         return f"{ev.seq:>5} PREEMPT {ev.user}: freed {ev.freed_blocks} blocks"
     if k == "CollisionCaught":
         return f"{ev.seq:>5} COLLISION caught for {ev.user} at block {ev.block_id}"
+    if k == "MissExplained":
+        return f"{ev.seq:>5} missed  {ev.user}: {miss_text(miss_from_event(ev), ev.user)}"
     if k == "RequestFinished":
         return f"{ev.seq:>5} done    {ev.user} ({ev.finish_reason})" + (f": {ev.error}" if ev.error else "")
     if k == "SettingsChanged":

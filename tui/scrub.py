@@ -217,7 +217,8 @@ class ScrubScreen(Screen):
                     st = SimpleNamespace(user=name, prompt_tokens=turn.get("prompt_tokens") or 0,
                                          cached_tokens=turn.get("cached_tokens") or 0,
                                          cached_from=turn.get("cached_from") or {}, ttft_ms=turn.get("ttft_ms"),
-                                         decode_tok_s=turn.get("decode_tok_s"), preemptions=turn.get("preemptions") or 0)
+                                         decode_tok_s=turn.get("decode_tok_s"), preemptions=turn.get("preemptions") or 0,
+                                         miss=turn.get("miss"))
                     t.append_text(badge(st, self.looks, timings=True))
                 else:
                     t.append("…", style=DIM)

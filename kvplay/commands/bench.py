@@ -16,12 +16,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="shared-system only, 2 turns (under two minutes on a 2-core CPU)")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a bar chart (matplotlib)")
-    parser.add_argument("--workload", choices=WORKLOADS + ("all", "scale", "scrub"), default=None,
+    parser.add_argument("--workload", choices=WORKLOADS + ("all", "scale", "scrub", "miss"), default=None,
                         help="which workload (default: all; shared-system with --quick). `scale`: the engine "
                              "alone at pool sizes of a GPU workstation (step cost at 500,000 vs 512 blocks, "
                              "stats() cost, ready time and RSS at 1,000,000 blocks; tiny model, a few minutes). "
                              "`scrub`: opening and seeking a recorded session at 1,000,000 vs 512 blocks "
-                             "(no model, seconds)")
+                             "(no model, seconds). `miss`: the engine step and the simulator with miss "
+                             "attribution on vs off (tiny model, CPU time, a minute)")
     parser.add_argument("--users", type=int, default=None, help="users per round (default 4; pressure 8)")
     parser.add_argument("--turns", type=int, default=None,
                         help="turns per user (default 3, 2 with --quick; conversation 6)")
@@ -73,6 +74,14 @@ def main(args: argparse.Namespace) -> int:
         from kvplay.bench import scrub_bench
 
         return _show(scrub_bench.run(), args.json, scrub_bench.print_report)
+    if args.workload == "miss":
+        for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
+            if v:
+                raise KvplayError(f"--workload miss measures the attribution alone: drop {flag}")
+        # start-up time: imported when this first runs
+        from kvplay.bench import miss_bench
+
+        return _show(miss_bench.run(progress=_progress(time.perf_counter())), args.json, miss_bench.print_report)
     if args.script and not Path(args.script).is_file():
         raise KvplayError(f"--script {args.script}: no such file")
     if args.workload is None and args.script:

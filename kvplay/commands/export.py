@@ -21,7 +21,7 @@ from kvplay.inert import inert, json_dumps
 from kvplay.options import KvplayError, add_db_arg, check_output_file
 from kvplay.sessions.history import session_batches
 from kvplay.sessions.query import load_session, resolve_session, session_script
-from kvplay.sessions.report import attribution, when
+from kvplay.sessions.report import attribution, computed_cell, when
 from kvplay.sessions.script import dump_script
 from kvplay.sessions.store import open_db
 from kvplay.sessions.traces import TRACE_FORMATS, to_mooncake, to_vllm_jsonl, to_vllm_msgpack
@@ -60,7 +60,7 @@ def to_md(s: dict) -> str:
         out.append(_body(t["reply"]) if not t.get("error") else f"**error:** {inert(t['error'])}")
         att = attribution(t["cached_from"], t["user"])
         out += ["", f"*prompt {t['prompt_tokens']} tokens, cached {t['cached_tokens']}"
-                + (f" ({att})" if att else "") + f", computed {t['computed_tokens']}, "
+                + (f" ({att})" if att else "") + f", computed {computed_cell(t['computed_tokens'], t.get('miss'), t['user'])}, "
                 f"TTFT {t['ttft_ms'] or 0:.1f} ms, {t['output_tokens']} tokens out*", ""]
     return "\n".join(out)
 

@@ -4,8 +4,9 @@ Without --headless the turns play in the app (as a script, with the recorded set
 clears and group changes at their turns). With it, the recorded turns are re-driven through a
 fresh Engine (sessions/replay.py), making the recorded engine changes again before the turns
 that followed them, and each turn prints equal or differs (first differing token and its
-position) and cached tokens then vs now, with whether they and their creators match; the replay
-is recorded as a new session (replay_of = ID) unless --no-record.
+position) and cached tokens then vs now, with whether they, their creators and the reasons for
+the computed tokens match (engine/miss.py; a difference in reasons shows both); the replay is
+recorded as a new session (replay_of = ID) unless --no-record.
 
 A session reproduces when every turn's output and cache match (outputs alone when its turns
 overlapped: then arrival order decides who computes a shared block). Exit code 1 when a session
@@ -18,10 +19,11 @@ import argparse
 import time
 
 from kvplay.inert import inert
+from kvplay.engine.miss import miss_text
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.headless import start_engine
 from kvplay.sessions.query import (resolve_session, session_script, session_turns, session_users,
-                                   settings_timeline, timeline_events)
+                                   settings_timeline, timeline_events, with_misses)
 from kvplay.sessions.recorder import Recorder, close_run
 from kvplay.sessions.report import console, excerpt, fmt_num, print_json
 from kvplay.sessions.store import open_db
@@ -45,6 +47,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         session = resolve_session(db, args.id)
         turns = session_turns(db, session["id"])
+        if args.headless:  # the recorded reasons for the computed tokens, compared per turn
+            with_misses(db, session["id"], turns)
         users = session_users(db, session["id"])
         # the app replays the session as a script (session_script reads its events itself)
         events = timeline_events(db, session["id"]) if args.headless else []
@@ -76,7 +80,10 @@ def _row(c) -> list:
     else:
         verdict = Text.assemble(("differs", "yellow"), f" at token {c.first_diff}: {inert(repr(c.then_token), limit=64)}"
                                 f" → {inert(repr(c.now_token), limit=64)}")
-    cached = Text(f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}")
+    cached = f"{fmt_num(c.cached_then)} → {fmt_num(c.cached_now)}"
+    if not c.error and not c.miss_equal:
+        cached += f" (missed {inert(miss_text(c.miss_then, c.user))} → {inert(miss_text(c.miss_now, c.user))})"
+    cached = Text(cached)
     if not c.error and not c.cache_equal:
         cached = Text(f"{cached} differs", style="yellow")
     return [str(c.seq), Text(inert(c.user, limit=64)), Text(excerpt(c.text, 28)), verdict, cached,

@@ -10,7 +10,7 @@ import json
 from kvplay.inert import inert
 from kvplay.options import add_db_arg
 from kvplay.sessions.query import load_session
-from kvplay.sessions.report import cached_cell, console, excerpt, fmt_num, human_bytes, print_json, when
+from kvplay.sessions.report import cached_cell, computed_cell, console, excerpt, fmt_num, human_bytes, print_json, when
 from kvplay.sessions.store import open_db
 
 
@@ -60,12 +60,13 @@ def main(args: argparse.Namespace) -> int:
                                          for u in s["users"])), highlight=False)
     table = Table(header_style="bold")
     for name in ("#", "user", "text", "prompt", "cached", "computed", "TTFT ms", "tok/s", "reply"):
-        table.add_column(name, no_wrap=name == "cached")
+        table.add_column(name, no_wrap=name in ("cached", "computed"))
     for t in s["turns"]:
         cached = cached_cell(t["cached_tokens"], None, t["cached_from"], t["user"])
         reply = Text(f"error: {excerpt(t['error'], 200)}", style="red") if t.get("error") else Text(excerpt(t["reply"], 48))
         table.add_row(str(t["seq"]), Text(inert(t["user"], limit=64)), Text(excerpt(t["text"], 30)),
-                      fmt_num(t["prompt_tokens"]), Text(cached), fmt_num(t["computed_tokens"]), fmt_num(t["ttft_ms"]),
+                      fmt_num(t["prompt_tokens"]), Text(cached),
+                      Text(computed_cell(t["computed_tokens"], t.get("miss"), t["user"])), fmt_num(t["ttft_ms"]),
                       fmt_num(t["decode_tok_s"]), reply)
     con.print(table)
     if "events" in s:
