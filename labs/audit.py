@@ -130,7 +130,9 @@ class AuditParams:
         return self
 
     def shape(self, value: float | None) -> tuple[int, float]:
-        """(prompt length, prefix fraction) of a procedure at sweep `value`."""
+        """(prompt length, prefix fraction) of a procedure at sweep `value` (None: the base)."""
+        if value is None:
+            return self.prompt_length, self.prefix_fraction
         if self.sweep == "prefix-fraction":
             return self.prompt_length, float(value)
         if self.sweep == "prompt-length":
@@ -261,7 +263,7 @@ class Server:
                                      f"{str(exc).rsplit(': ', 1)[-1]}") from None
                 raise
             self.model = peer.model
-            self.label = peer.label
+            self.label = f"{peer.model} at {peer.base} ({peer.server}, POST {ENDPOINTS[self.p.endpoint]})"
         return self
 
     def close(self) -> None:
@@ -358,13 +360,22 @@ def check_tokenization(server: Server, p: AuditParams, rng: random.Random) -> di
     a, b = CHECK_LETTERS
     k = (counts[1] - counts[0]) / (b - a)
     # n letters are k*n tokens less the k-1 of the separator after the last one, plus a fixed
-    # head (a chat template, a BOS): head = count - k*n + (k-1) >= 0
-    head = counts[0] - k * a + (k - 1)
-    linear = k >= 1 and k == int(k) and head >= 0
-    if linear and by == "POST /tokenize":  # the full-length prompt too: no merges at any length
+    # number around them (a chat template, a BOS): fixed = count - k*n + (k-1) >= 0
+    fixed = counts[0] - k * a + (k - 1)
+    linear = k >= 1 and k == int(k) and fixed >= 0
+    head = fixed  # tokens before the first letter (all of `fixed` unless measured below)
+    if linear and by == "POST /tokenize":
+        # a hit pair at the run's length: its full length is linear too (no merges at any length),
+        # and the two share exactly head + k*p tokens (the prefix in letters is one in tokens)
         n = p.shape(p.sweep_values[0] if p.sweep else None)[0]
-        toks = server.tokenize(text_of([rng.choice(LETTERS) for _ in range(n)]))
-        linear = toks is not None and len(toks) == head + k * n - (k - 1)
+        keep = max(1, min(n - 1, shared_letters(n, p.prefix_fraction)))
+        victim = [rng.choice(LETTERS) for _ in range(n)]
+        other = victim[:keep] + [next(c for c in LETTERS if c != victim[keep])] + victim[keep + 1:]
+        tv, ta = server.tokenize(text_of(victim)), server.tokenize(text_of(other))
+        common = next((i for i, (x, y) in enumerate(zip(tv or [], ta or [])) if x != y), None)
+        head = None if common is None else common - k * keep
+        linear = (tv is not None and len(tv) == fixed + k * n - (k - 1) and head is not None
+                  and 0 <= head <= fixed)
     if not linear:
         msg = (f"the server's tokenizer does not give a whole number of tokens per letter ({by}: "
                f"{a} letters -> {counts[0]} tokens, {b} -> {counts[1]}): it merges letters, so a shared prefix "
@@ -376,6 +387,8 @@ def check_tokenization(server: Server, p: AuditParams, rng: random.Random) -> di
     note = (f"one token per letter ({by})" if k == 1 else
             f"{k} tokens per letter, not one ({by}; a character-level tokenizer): prompts are {k}x longer in "
             "tokens than in letters, and the shared prefix is still exact")
+    if head:
+        note += f"; {head} tokens before the first letter (a template or BOS, shared by every probe)"
     return {"per_letter": k, "head": head, "by": by, "note": note}
 
 
@@ -520,6 +533,10 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
     else:
         p.check()
         ks = assign_keys(keys, p.levels)
+        planned = sum(requests_of(x, p) for x in plan(p)) + 1
+        if planned > p.max_requests:
+            raise AuditError(f"the plan sends {planned} requests, over --max-requests {p.max_requests}: lower "
+                             "--probes or --victim-sends (or fewer --sweep-values), or raise --max-requests")
         new_params(p, ks)
     server = Server(p, ks)
     try:
@@ -530,10 +547,6 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
         bs, bs_from = server.block_size()
         todo_all = plan(p)
         if log is None:
-            planned = sum(requests_of(x, p) for x in todo_all) + 1
-            if planned > p.max_requests:
-                raise AuditError(f"the plan sends {planned} requests, over --max-requests {p.max_requests}: lower "
-                                 "--probes or --victim-sends (or fewer --sweep-values), or raise --max-requests")
             users = [("attacker", "key 1")] + [(f"victim:{lv}", lv) for lv in p.levels]
             log = ProbeLog.create(db, server.model or "", f"audit {p.url} ({','.join(p.levels)})",
                                   params_json(p), users)
@@ -550,9 +563,9 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
         if progress is not None:
             progress.phase(f"{len(todo)} procedures", left)
         warm = [rng.choice(LETTERS) for _ in range(16)]  # first-call costs (a fresh prompt: never a hit)
-        run._request({"i": -1, "kind": "warmup", "level": p.levels[0], "value": None}, "warmup",
-                     server.attacker_key, warm)
         try:
+            run._request({"i": -1, "kind": "warmup", "level": p.levels[0], "value": None}, "warmup",
+                         server.attacker_key, warm)
             run.go(todo)
         except EngineError as exc:
             raise AuditError(f"{failure_line(exc)} ({len(log.probes())} requests recorded in session "

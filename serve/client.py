@@ -163,8 +163,9 @@ class HttpPeer:
                     if choices and isinstance(choices, list) and isinstance(choices[0], dict):
                         c = choices[0]
                         delta = c.get("delta")
-                        if isinstance(delta, dict) and set(delta) <= {"role"} and not c.get("finish_reason"):
-                            continue  # a chat stream's opening chunk: the role, no token yet
+                        if isinstance(delta, dict) and not delta.get("content") and not c.get("finish_reason") \
+                                and set(delta) <= {"role", "content"}:
+                            continue  # a chat stream's opening chunk: the role (and ""), no token yet
                         if first is None:
                             first = time.perf_counter()
                         chunks += 1
