@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
 from kvplay.engine.errors import EngineError
-from kvplay.serve.client import HttpError, HttpPeer, why
+from kvplay.serve.client import HttpError, HttpPeer
 from kvplay.sessions.probe_log import ProbeLog
 
 from . import audit_report
@@ -45,11 +45,14 @@ LETTERS = string.ascii_letters
 # Gu et al.'s values (Section 4 and their audit.py defaults): `--paper` sets them
 PAPER = {"prompt_length": 5000, "prefix_fraction": 0.95, "probes": 250, "delay": 1.0}
 # a sweep's values when none are given: Figure 5's shape, from most of the prompt shared to none
-SWEEP_VALUES = {"prefix-fraction": [0.95, 0.5, 0.25, 0.1, 0.05, 0.02, 0.0],
-                "prompt-length": [1000, 500, 250, 100, 50, 25]}
+SWEEP_VALUES = {"prefix-fraction": [0.95, 0.5, 0.25, 0.1, 0.05, 0.0],
+                "prompt-length": [500, 250, 100, 50, 25, 10]}
+SWEEP_PROBES = 20  # per value, when --probes is not given: a sweep is many audits
 CHECK_LETTERS = (40, 80)  # two prompt lengths whose token counts give tokens per letter
 MAX_KEY_FILE = 64 << 10
 MAX_KEY = 4096
+MAX_STREAM = 1 << 20  # bytes of one probe's stream (max_tokens=1: a few hundred)
+MAX_INFO = 8 << 20  # bytes of a /tokenize or /server_info answer read
 
 
 class AuditError(EngineError):
@@ -59,10 +62,10 @@ class AuditError(EngineError):
 @dataclass
 class AuditParams:
     url: str = ""
-    prompt_length: int = 1000  # letters (one token each); the paper's 5000 takes ~5x longer per miss on a CPU
+    prompt_length: int = 500  # letters (one token each); a CPU server prefills the paper's 5000 for ~10 s
     prefix_fraction: float = 0.95
     victim_sends: int = 1
-    probes: int = 100  # hit procedures and miss procedures, each (per level, per sweep value)
+    probes: int = 50  # hit procedures and miss procedures, each (per level, per sweep value)
     delay: float = 0.1  # seconds after every request, per worker
     alpha: float = 1e-8
     levels: list[str] = field(default_factory=lambda: ["user"])
@@ -280,7 +283,7 @@ class Server:
         return b
 
     def send(self, key: str | None, text: str) -> dict:
-        got = self.peer(key).stream(ENDPOINTS[self.p.endpoint], self.body(text))
+        got = self.peer(key).stream(ENDPOINTS[self.p.endpoint], self.body(text), max_bytes=MAX_STREAM)
         got["client_ms"] = (got["first"] - got["sent"]) * 1000
         got["total_ms"] = (got["end"] - got["sent"]) * 1000
         ext = got.get("kvplay") or {}
@@ -296,18 +299,8 @@ class Server:
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = text
-        try:
-            r = self.peer(self.attacker_key).client.post("/tokenize", json=body)
-        except Exception as exc:  # noqa: BLE001 - httpx errors: the server is gone; say it in one line
-            raise AuditError(f"{self.p.url}: POST /tokenize failed ({why(exc)})") from None
-        if r.status_code in (404, 405, 501):
-            return None
-        if r.status_code != 200:
-            return None
-        try:
-            tokens = r.json().get("tokens")
-        except (ValueError, AttributeError):
-            return None
+        status, got = self.peer(self.attacker_key).request_json("POST", "/tokenize", MAX_INFO, json=body)
+        tokens = got.get("tokens") if status == 200 and isinstance(got, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return None
         return tokens
@@ -317,12 +310,9 @@ class Server:
         SGLang's page_size, vLLM's cache_config.block_size with VLLM_SERVER_DEV_MODE=1), or None."""
         if self.p.block_size:
             return self.p.block_size, "--block-size"
-        try:
-            r = self.peer(self.attacker_key).client.get("/server_info", params={"config_format": "json"})
-            info = r.json() if r.status_code == 200 else None
-        except Exception:  # noqa: BLE001 - not offered, or not JSON: no block size from here
-            info = None
-        if isinstance(info, dict):
+        status, info = self.peer(self.attacker_key).request_json("GET", "/server_info", MAX_INFO,
+                                                                 params={"config_format": "json"})
+        if status == 200 and isinstance(info, dict):
             page = info.get("page_size")
             if isinstance(page, int) and page > 0:
                 return page, "GET /server_info (page_size)"
@@ -405,12 +395,6 @@ class Run:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.sent = 0
-
-    def remaining(self) -> list[dict]:
-        """Procedures of the plan without a recorded, error-free attacker probe."""
-        done = {r["probe"].get("procedure") for r in self.log.probes()
-                if r["probe"].get("role") == "attacker" and r["error"] is None and r["ttft_ms"] is not None}
-        return [proc for proc in plan(self.p) if proc["i"] not in done]
 
     def _request(self, proc: dict, role: str, key: str | None, letters: list[str], send: int = 0) -> dict:
         text = text_of(letters)
@@ -500,36 +484,59 @@ def params_json(p: AuditParams) -> dict:
 RESUMABLE = ("delay", "concurrency", "max_requests", "force", "alpha", "confidence", "cached_fraction", "block_size")
 
 
+def remaining(p: AuditParams, log: ProbeLog) -> list[dict]:
+    """Procedures of the plan without a recorded, error-free attacker probe."""
+    done = {r["probe"].get("procedure") for r in log.probes()
+            if r["probe"].get("role") == "attacker" and r["error"] is None and r["ttft_ms"] is not None}
+    return [proc for proc in plan(p) if proc["i"] not in done]
+
+
+def _reopen(db: str | None, resume: str, url: str | None, keys: list[str], overrides: dict | None):
+    """(log, params, keys) of a recorded run to continue: its procedure as recorded, the pace and
+    statistics flags as given now, the keys checked against its fingerprints (not needed, and
+    None, when nothing is left to send)."""
+    log = ProbeLog.reopen(db, resume)
+    try:
+        p = AuditParams.from_dict(log.params)
+        for k, v in (overrides or {}).items():
+            if k not in RESUMABLE:
+                raise AuditError(f"--resume continues the recorded procedure: --{k.replace('_', '-')} "
+                                 "cannot change (only the pace, the budget and the statistics can)")
+            setattr(p, k, v)
+        if url and url.rstrip("/") != p.url.rstrip("/"):
+            raise AuditError(f"--resume {log.session_id}: that run audited {p.url}, not {url}")
+        p.check()
+        if not keys and not remaining(p, log) and log.params.get("found"):
+            return log, p, None  # finished: its report again, from the record alone
+        ks = assign_keys(keys, p.levels)
+        prints = [fingerprint(ks["attacker"])] + [fingerprint(ks["victims"][lv]) for lv in p.levels if lv != "user"]
+        if prints != p.key_prints:
+            raise AuditError(f"--resume {log.session_id}: these keys are not the run's (key fingerprints "
+                             f"{', '.join(prints)} vs {', '.join(p.key_prints)})")
+        p.attempt += 1  # fresh prompts for every procedure still to do
+        return log, p, ks
+    except BaseException:
+        log.close(ended=False)
+        raise
+
+
 def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resume: str | None = None,
             overrides: dict | None = None, progress=None, say=None):
     """Run (or continue) an audit; returns its LabResult (labs/audit_report.py). `progress` is a
     labs.common.Progress (or None), `say(line)` prints a note on stderr. Raises AuditError with
     one line on bad input or a refused request, KeyboardInterrupt when interrupted: in both cases
-    every request already sent stays recorded and the run can be resumed."""
+    every request already sent stays recorded and the run can be resumed. Resuming a finished
+    run without keys sends nothing: its report is made again from the record."""
     say = say or (lambda s: None)
     t0 = time.perf_counter()
     log = None
     if resume:
-        log = ProbeLog.reopen(db, resume)
-        try:
-            rec = AuditParams.from_dict(log.params)
-            for k, v in (overrides or {}).items():
-                if k not in RESUMABLE:
-                    raise AuditError(f"--resume continues the recorded procedure: --{k.replace('_', '-')} "
-                                     "cannot change (only the pace, the budget and the statistics can)")
-                setattr(rec, k, v)
-            if p is not None and p.url and p.url.rstrip("/") != rec.url.rstrip("/"):
-                raise AuditError(f"--resume {log.session_id}: that run audited {rec.url}, not {p.url}")
-            p = rec.check()
-            ks = assign_keys(keys, p.levels)
-            prints = [fingerprint(ks["attacker"])] + [fingerprint(ks["victims"][lv]) for lv in p.levels if lv != "user"]
-            if prints != p.key_prints:
-                raise AuditError(f"--resume {log.session_id}: these keys are not the run's (key fingerprints "
-                                 f"{', '.join(prints)} vs {', '.join(p.key_prints)})")
-            p.attempt += 1  # fresh prompts for every procedure still to do
-        except BaseException:
-            log.close(ended=False)
-            raise
+        log, p, ks = _reopen(db, resume, p.url if p is not None else None, keys, overrides)
+        if ks is None:
+            try:
+                return _finish(log, p, log.params["found"], t0)
+            finally:
+                log.close(ended=True)
     else:
         p.check()
         ks = assign_keys(keys, p.levels)
@@ -545,21 +552,22 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
         tok = check_tokenization(server, p, rng)
         say(f"tokenization: {tok['note']}")
         bs, bs_from = server.block_size()
-        todo_all = plan(p)
+        found = {"tokenization": tok, "block_size": bs, "block_size_from": bs_from,
+                 "server": {"url": p.url, "model": server.model, "label": server.label}}
         if log is None:
-            users = [("attacker", "key 1")] + [(f"victim:{lv}", lv) for lv in p.levels]
+            users = [("attacker", None)] + [(f"victim:{lv}", lv) for lv in p.levels]
             log = ProbeLog.create(db, server.model or "", f"audit {p.url} ({','.join(p.levels)})",
-                                  params_json(p), users)
+                                  {**params_json(p), "found": found}, users)
         else:
-            log.save_params(params_json(p))
-        run = Run(p, server, log, progress)
-        todo = run.remaining()
+            log.save_params({**params_json(p), "found": found})
+        todo = remaining(p, log)
         left = sum(requests_of(x, p) for x in todo) + 1
         recorded = len(log.probes())
         if recorded + left > p.max_requests:
             raise AuditError(f"{recorded} requests recorded and {left} to go: over --max-requests {p.max_requests}")
-        say(f"recording to session {log.session_id} in {log.path} ({len(todo)} of {len(todo_all)} procedures, "
+        say(f"recording to session {log.session_id} in {log.path} ({len(todo)} of {len(plan(p))} procedures, "
             f"{left} requests to send)")
+        run = Run(p, server, log, progress)
         if progress is not None:
             progress.phase(f"{len(todo)} procedures", left)
         warm = [rng.choice(LETTERS) for _ in range(16)]  # first-call costs (a fresh prompt: never a hit)
@@ -573,16 +581,10 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
         finally:
             if progress is not None:
                 progress.close()
-        rows = log.probes()
-        if bs is None:
-            bs, bs_from = block_size_from_cached(rows)
-        info = {"params": params_json(p), "tokenization": tok, "block_size": bs, "block_size_from": bs_from,
-                "server": {"url": p.url, "model": server.model, "label": server.label},
-                "session": log.session_id, "requests": len(rows)}
-        report = audit_report.analyze(rows, p, tok, bs)
+        out = _finish(log, p, found, t0)
         log.close(ended=True)
         log = None
-        return audit_report.result(report, p, info, time.perf_counter() - t0)
+        return out
     except KeyboardInterrupt:
         if log is not None:
             say(f"interrupted: {len(log.probes())} requests recorded in session {log.session_id}; continue with "
@@ -592,6 +594,18 @@ def execute(p: AuditParams | None, keys: list[str], db: str | None = None, resum
         server.close()
         if log is not None:
             log.close(ended=False)
+
+
+def _finish(log: ProbeLog, p: AuditParams, found: dict, t0: float):
+    """The report of everything recorded in `log`."""
+    rows = log.probes()
+    bs, bs_from = found.get("block_size"), found.get("block_size_from")
+    if bs is None:
+        bs, bs_from = block_size_from_cached(rows)
+    info = {"params": params_json(p), "tokenization": found["tokenization"], "block_size": bs,
+            "block_size_from": bs_from, "server": found["server"], "session": log.session_id, "requests": len(rows)}
+    report = audit_report.analyze(rows, p, found["tokenization"], bs)
+    return audit_report.result(report, p, info, time.perf_counter() - t0)
 
 
 def block_size_from_cached(rows: list[dict]) -> tuple[int | None, str]:

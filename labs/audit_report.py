@@ -214,19 +214,30 @@ def result(report: dict, p, info: dict, elapsed: float) -> LabResult:
 
 
 def sweep_line(groups: list[dict]) -> str:
-    """The sweep in one line: AP at every point, from the most shared to the least."""
+    """The sweep in one line: AP at every point, from the most shared to the least, and which
+    channel called it."""
     pts = sorted(groups, key=lambda g: -g["shared_tokens"])
-    unit = "blocks" if pts and pts[0]["shared_blocks"] is not None else "tokens"
-    parts = [f"{g['shared_blocks'] if unit == 'blocks' else g['shared_tokens']} {unit}: AP {g['client']['ap']:.2f}"
-             + (" (detected)" if g["detected"] else "") for g in pts if g["client"]["ap"] is not None]
+    blocks = bool(pts) and pts[0]["shared_blocks"] is not None
+
+    def at(g):
+        n = g["shared_blocks"] if blocks else g["shared_tokens"]
+        unit = ("block" if n == 1 else "blocks") if blocks else ("token" if n == 1 else "tokens")
+        by = [name for name, c in (("timing", g["client"]), ("cached_tokens", g["cached"])) if c["detected"]]
+        return f"{n} {unit} ({g['shared_letters']} letters): AP {g['client']['ap']:.2f}" + (
+            f", detected by {' and '.join(by)}" if by else "")
+
     lv = pts[0]["level"] if pts else "?"
-    return f"{lv}: AP of the client time against the shared prefix (chance 0.5) — " + "; ".join(parts) + "."
+    return (f"{lv}: AP of the client time against the shared prefix (chance 0.5) — "
+            + "; ".join(at(g) for g in pts if g["client"]["ap"] is not None) + ".")
 
 
 def plot(res: LabResult, path: str) -> None:
     """Hit vs miss client-time CDFs per level; with a sweep, AP (and its interval) against the
     shared blocks (Gu et al.'s Figure 5 shape) beside the CDFs at the largest shared prefix."""
     plt = pyplot()
+    # start-up time: imported when this first runs (matplotlib is loaded by pyplot() above)
+    from matplotlib import ticker
+
     groups = res.data["groups"]
     sweep = res.data["params"].get("sweep")
     cdf_groups = groups if not sweep else [max(groups, key=lambda g: g["shared_tokens"])]
@@ -247,21 +258,35 @@ def plot(res: LabResult, path: str) -> None:
             lo = [max(c["ap"] - c["ap_lo"], 0) if c["ap_lo"] == c["ap_lo"] else 0 for _, c in pts]
             hi = [max(c["ap_hi"] - c["ap"], 0) if c["ap_hi"] == c["ap_hi"] else 0 for _, c in pts]
             ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=label)
+            if key == "client":  # which point is which: the letters shared
+                for i in order:
+                    if groups[i]["client"]["ap"] is not None:
+                        ax.annotate(f"{groups[i]['shared_letters']}", (xs[i], groups[i]["client"]["ap"]),
+                                    textcoords="offset points", xytext=(6, -10), fontsize=7, color="C0")
         ax.axhline(0.5, color="grey", ls=":", label="chance")
-        ax.set(xlabel=f"shared prefix ({'blocks' if blocks else 'tokens'})", ylabel="average precision",
-               ylim=(0.3, 1.05), title=f"AP vs shared prefix ({sweep} sweep)")
+        ax.set(xlabel=f"shared prefix ({'whole blocks' if blocks else 'tokens'}; labels: letters shared)",
+               ylabel=f"average precision ({res.data['params'].get('confidence', 0.95):.0%} interval)",
+               ylim=(0.3, 1.05),
+               title=f"AP vs shared prefix ({sweep} sweep)")
         ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlim(-0.3, max(xs) * 1.5 + 1)
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.legend()
     for ax, g in zip(axes[1:] if sweep else axes, cdf_groups):
         for kind, colour in (("hit", "C0"), ("miss", "C1")):
-            xs = sorted(g["client"]["samples"][kind]) if "samples" in g["client"] else []
+            xs = sorted(g["client"]["samples"][kind])
             if xs:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=colour,
                         label=f"{kind} (n={len(xs)})")
         c = g["client"]
+        shared = (f"{g['shared_blocks']} blocks" if g["shared_blocks"] is not None
+                  else f"{g['shared_tokens']} tokens")
         ax.set(xlabel="client time to first token (ms)", ylabel="fraction of probes", ylim=(0, 1.02),
-               title=f"{where(g)}: KS p = {_p(c['ks_p'])}, {_ap(c)}")
+               title=f"{g['level']}, {shared} shared\nKS p = {_p(c['ks_p'])}, {_ap(c)}")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -106,6 +106,27 @@ class HttpPeer:
                 return True
         return False
 
+    def request_json(self, method: str, path: str, max_bytes: int, **kw) -> tuple[int, object]:
+        """(status, the body as JSON, or None when it is not JSON or longer than `max_bytes`) of
+        one request (`kw`: httpx's json=, params=); a transport failure raises EngineError."""
+        # start-up time: imported when this first runs
+        import httpx
+
+        raw = bytearray()
+        try:
+            with self.client.stream(method, path, **kw) as r:
+                for chunk in r.iter_bytes():
+                    raw += chunk
+                    if len(raw) > max_bytes:
+                        return r.status_code, None
+                status = r.status_code
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self.base}: {method} {path} failed ({why(exc)})") from None
+        try:
+            return status, json.loads(bytes(raw))
+        except (ValueError, RecursionError):
+            return status, None
+
     # --- one request ----------------------------------------------------------------------------
 
     def complete(self, prompt_ids: list[int] | str, new_tokens: int, extra: dict | None = None) -> dict:
@@ -121,14 +142,14 @@ class HttpPeer:
             got["prompt_tokens"] = len(prompt_ids)
         return got
 
-    def stream(self, path: str, body: dict) -> dict:
+    def stream(self, path: str, body: dict, max_bytes: int | None = None) -> dict:
         """POST `body` (a streamed completion or chat completion) to `path` and read the stream:
         {"sent", "first", "end"} (perf_counter: when the request went, its first chunk with a
         choice, the end), "text", "output_tokens", "prompt_tokens" and "cached_tokens" (None when
         the server reports no usage or no prompt_tokens_details), "logprobs", "kvplay" (the last
         `kvplay` object kvplay serve sends, else None), "request_id" and "processing_ms" (the
         response's X-Request-Id and openai-processing-ms headers, where sent). A refusal raises
-        HttpError with its status; a broken stream raises EngineError."""
+        HttpError with its status; a broken stream, or one longer than `max_bytes`, EngineError."""
         # start-up time: imported when this first runs
         import httpx
 
@@ -138,6 +159,7 @@ class HttpPeer:
         usage = None
         ext = None
         text = []
+        size = 0
         sent = time.perf_counter()
         try:
             with self.client.stream("POST", path, json=body) as r:
@@ -146,6 +168,9 @@ class HttpPeer:
                     raise HttpError(r.status_code, f"{self.base} answered HTTP {r.status_code}: {_error_text(r)}")
                 headers = {k: r.headers.get(k) for k in ("x-request-id", "openai-processing-ms")}
                 for line in r.iter_lines():
+                    size += len(line) + 1
+                    if max_bytes is not None and size > max_bytes:
+                        raise EngineError(f"{self.base}: the stream of {path} ran past {max_bytes} bytes")
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()

@@ -146,6 +146,11 @@ def test_every_request_is_recorded_and_an_interrupted_run_resumes(keyed, tmp_pat
     assert {p["attempt"] for p in rows} == {0, 1} and r.data["session"] == sid
     assert con.execute("select ended from sessions where id = ?", [sid]).fetchone()[0] is not None
     assert con.execute("select count(*) from turns where probe like '%sk-%'").fetchone()[0] == 0
+    # a finished run, resumed without keys: its report again from the record, nothing sent
+    n = con.execute("select count(*) from turns where session_id = ?", [sid]).fetchone()[0]
+    again = audit.execute(None, [], db, resume=sid)
+    assert again.verdict == r.verdict and again.data["requests"] == n
+    assert con.execute("select count(*) from turns where session_id = ?", [sid]).fetchone()[0] == n
 
 
 def test_one_request_at_a_time_unless_asked(keyed, tmp_path):
@@ -202,9 +207,9 @@ def test_cli_json_plot_key_file_and_sessions(keyed, tmp_path):
                       "--db", str(tmp_path / "a.db"))
     verdict = json.loads(out)["verdict"]
     # 4 + 4 probes cannot reach 1e-8 even perfectly separated (1/C(8,4) = 0.014): the verdict says so
-    assert verdict.startswith("user: cached for one key: not detected at this power (p = 0.014, AP 1.00")
+    assert verdict.startswith("user: cached for one key: not detected at this power (p = ")  # timing: not asserted
     assert "4 + 4 probes cannot reach p < 1e-08 even perfectly separated (floor 0.01): raise --probes" in verdict
-    assert "cached_tokens: 4/4 hits vs 0/4 misses" in verdict
+    assert "cached_tokens: 4/4 hits vs 0/4 misses at >= 158 tokens (p = 0.014)" in verdict
     with redirect_stdout(io.StringIO()) as listing:
         assert cli.main(["sessions", "--db", str(tmp_path / "a.db"), "--json"]) == 0
     sessions = [json.loads(x) for x in listing.getvalue().splitlines()]

@@ -17,9 +17,11 @@ max_tokens=1; a one-sided KS test of the attacker's times (hits faster) at --alp
 direction check, average precision and ROC AUC, and CacheProbe's second detector on
 usage.prompt_tokens_details.cached_tokens.
 
-Defaults are scaled for a CPU server (vLLM serving SmolLM2-135M: a verdict in a few minutes):
-1000-letter prompts, 100 + 100 probes, 0.1 s between requests. The paper's values (5000
-letters, 250 + 250 probes, 1 s) are --paper; any flag given after it wins.
+Defaults are scaled for a CPU server: vLLM serving SmolLM2-135M on two cores prefills 500
+tokens in about a second and the paper's 5000 in over ten, so 500-letter prompts, 50 + 50
+probes and 0.1 s between requests give a verdict in about three minutes (and 50 + 50 still call
+a CDF gap of 0.61 at α 1e-8, a normal shift of 1.7 σ; a cache hit there is ~10x faster). The
+paper's values (5000 letters, 250 + 250 probes, 1 s) are --paper; a flag given with it wins.
 
 Keys: --key K (repeatable) or --key-file F (one per line), the attacker's first; --level user
 uses it as the victim's too; org and global take the next keys, in the order the levels are
@@ -60,13 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--paper", action="store_true", help="the paper's values: --prompt-length 5000 --probes 250 "
                    "--delay 1 (about 20 min on a hosted API; hours on a CPU server)")
     g.add_argument("--prompt-length", type=int, metavar="N", help="letters per prompt, one token each "
-                   "(default 1000 [5000]: a CPU server's cold 5000-token prefill takes seconds)")
+                   "(default 500 [5000]: a CPU server's cold 5000-token prefill takes over ten seconds)")
     g.add_argument("--prefix-fraction", type=float, metavar="F", help="share of the victim's prompt a hit "
                    "probe keeps; the next letter is forced to differ (default 0.95 [0.95])")
     g.add_argument("--victim-sends", type=int, metavar="V", help="times the victim sends its prompt before "
                    "the attacker probes: 1, or 5 or 25 where routing spreads requests over caches (default 1 [1])")
     g.add_argument("--probes", type=int, metavar="N", help="hit procedures and miss procedures, each, per level "
-                   "and sweep value (default 100 [250]; 100 + 100 call a CDF gap of 0.43 at α 1e-8)")
+                   "and sweep value (default 50 [250]; 50 + 50 call a CDF gap of 0.61 at α 1e-8, 250 + 250 one of 0.27)")
     g.add_argument("--delay", type=float, metavar="S", help="seconds to wait after every request "
                    "(default 0.1 [1])")
     g.add_argument("--seed", type=int, default=None, help="seed of the procedures' order (default 0); prompts "
@@ -85,8 +87,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="run the procedure at several prefix fractions or prompt lengths (one level) and plot "
                    "AP against the shared blocks: it falls to chance (0.5) as the shared prefix shrinks")
     g.add_argument("--sweep-values", metavar="LIST", help="the values (default prefix-fraction: "
-                   "0.95,0.5,0.25,0.1,0.05,0.02,0; prompt-length: 1000,500,250,100,50,25); with --sweep and no "
-                   "--probes, 40 + 40 probes a value")
+                   "0.95,0.5,0.25,0.1,0.05,0; prompt-length: 500,250,100,50,25,10); with --sweep and no "
+                   "--probes, 20 + 20 probes a value (six values: about 8 minutes on a CPU server)")
     g = parser.add_argument_group("politeness, recording, output")
     g.add_argument("--concurrency", type=int, help="procedures in flight at once (default 1: one request at a "
                    "time; more skews the timing)")
@@ -102,7 +104,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "AP against the shared blocks)")
 
 
-SWEEP_PROBES = 40
 PROCEDURE = ("prompt_length", "prefix_fraction", "victim_sends", "probes", "seed", "model", "endpoint", "sweep")
 
 
@@ -155,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
             for k, v in audit.PAPER.items():
                 setattr(p, k, v)
         if args.sweep and args.probes is None and not args.paper:
-            p.probes = SWEEP_PROBES
+            p.probes = audit.SWEEP_PROBES
         for k in PROCEDURE:
             if getattr(args, k) is not None:
                 setattr(p, k, getattr(args, k))
