@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import json
 import threading
-import time
 
 import httpx
 from starlette.applications import Starlette
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvplay.serve.server import bind_socket
+from kvplay.serve.server import ServerThread, bind_socket
 
 SECRET = b"kvplay-test-gateway"
 
@@ -91,27 +90,15 @@ def gateway_app(upstream: str, keys: list[str], salt: str | None = None, min_max
     ])
 
 
-class GatewayThread:
-    """uvicorn serving the gateway in a background thread on a free loopback port."""
+class GatewayThread(ServerThread):
+    """uvicorn serving the gateway in a background thread on a free loopback port (start, stop
+    and the port handling are kvplay serve's test thread's)."""
 
     def __init__(self, app: Starlette):
         import uvicorn
 
         self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self, timeout: float = 30.0) -> "GatewayThread":
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()

@@ -17,6 +17,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 from gateway_util import GatewayThread, gateway_app
+import serve_util
 from serve_util import serve  # noqa: F401 - the fixture
 
 from kvplay import cli
@@ -24,23 +25,13 @@ from kvplay.labs import audit
 from kvplay.labs.common import Progress
 from kvplay.serve.keys import load_keys
 
-KEYS_TOML = """
-[[keys]]
-key = "sk-alice-0123456789"
-user = "alice"
-group = "team-a"
-
+KEYS_TOML = serve_util.KEYS_TOML + """
 [[keys]]
 key = "sk-carol-0123456789"
 user = "carol"
 group = "team-a"
-
-[[keys]]
-key = "sk-bob-0123456789"
-user = "bob"
-group = "team-b"
 """
-ALICE, CAROL, BOB = "sk-alice-0123456789", "sk-carol-0123456789", "sk-bob-0123456789"
+ALICE, CAROL, BOB = serve_util.ALICE, "sk-carol-0123456789", serve_util.BOB
 N = 30
 LETTERS = 1000
 

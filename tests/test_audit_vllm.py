@@ -10,16 +10,12 @@ tokens on every hit probe. Sizes: 300-letter prompts (one token each with SmolLM
 times faster; 20 + 20 still reach p < 1e-8 with a probe or two overlapping)."""
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 from gateway_util import GatewayThread, gateway_app
+from vllm_util import vllm_cpu
 
 from kvplay.labs import audit
 
-VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
 ALICE, BOB = "sk-gw-alice-0123456789", "sk-gw-bob-0123456789"
 N = 20
 
@@ -27,28 +23,16 @@ N = 20
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_audit_detects_a_pooling_gateway_and_not_a_salting_one(tmp_path):
-    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-    from test_watch_subscriber import free_port
-
-    port = free_port()
-    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_PORT=str(port))
-
-    def vllm(cmd):
-        out = subprocess.run([SCRIPT, cmd, "--port", str(port)], env=env, capture_output=True, text=True, timeout=400)
-        assert out.returncode == 0, out.stderr[-2000:]
-
-    vllm("start")
-    gateways = []
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with vllm_cpu(tmp_path) as url:
         db = str(tmp_path / "a.db")
         results = {}
         for salt in (None, "per-key"):
             gw = GatewayThread(gateway_app(url, [ALICE, BOB], salt=salt)).start()
-            gateways.append(gw)
-            p = audit.AuditParams(url=gw.url, levels=["global"], probes=N, prompt_length=300, delay=0.0)
-            results[salt] = audit.execute(p, [ALICE, BOB], db)
+            try:
+                p = audit.AuditParams(url=gw.url, levels=["global"], probes=N, prompt_length=300, delay=0.0)
+                results[salt] = audit.execute(p, [ALICE, BOB], db)
+            finally:
+                gw.stop()
         pooled = results[None].data["groups"][0]
         assert results[None].data["tokenization"]["per_letter"] == 1 and results[None].data["block_size"] == 32
         assert pooled["shared_tokens"] == 285 and pooled["shared_blocks"] == 8
@@ -60,7 +44,3 @@ def test_audit_detects_a_pooling_gateway_and_not_a_salting_one(tmp_path):
         assert salted["cached"]["hits_flagged"] == 0 and salted["cached"]["median_hit"] == 0
         assert not salted["detected"] and salted["client"]["ks_p"] > 1e-8
         assert "not detected at this power" in results["per-key"].verdict
-    finally:
-        for gw in gateways:
-            gw.stop()
-        vllm("stop")
