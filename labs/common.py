@@ -15,7 +15,7 @@ from kvplay.sessions.report import console as make_console
 from typing import Any
 
 from kvplay.inert import inert
-from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
+from kvplay.options import pyplot, save_plot  # noqa: F401 (labs import pyplot from here)
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
 
 
@@ -89,6 +89,17 @@ def token_pool(tokenizer) -> list[int]:
 def quoted(text: str) -> str:
     """A model's answer inside a sentence or a cell: in quotes, on one line."""
     return f"“{excerpt(text, 400)}”"
+
+
+def emit(result: LabResult, as_json: bool, plot_path: str | None = None, draw=None) -> None:
+    """A result on stdout (JSON, or tables and verdict), and its plot when asked for:
+    `draw(result, path)` draws it."""
+    if as_json:
+        dump_json(result)
+    else:
+        render(result)
+    if plot_path:
+        save_plot(lambda path: draw(result, path), plot_path)
 
 
 def dump_json(result: LabResult, out=None) -> None:

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from kvplay.engine.options import KvplayError, add_db_arg, check_output_file, save_plot
+from kvplay.options import KvplayError, add_db_arg, check_output_file
 
 DESCRIPTION = """\
 Audit an OpenAI-compatible endpoint (vLLM, SGLang, kvplay serve, a gateway, a hosted API) for
@@ -17,11 +17,13 @@ max_tokens=1; a one-sided KS test of the attacker's times (hits faster) at --alp
 direction check, average precision and ROC AUC, and CacheProbe's second detector on
 usage.prompt_tokens_details.cached_tokens.
 
-Defaults are scaled for a CPU server: vLLM serving SmolLM2-135M on two cores prefills 500
-tokens in about a second and the paper's 5000 in over ten, so 500-letter prompts, 50 + 50
-probes and 0.1 s between requests give a verdict in about three minutes (and 50 + 50 still call
-a CDF gap of 0.61 at α 1e-8, a normal shift of 1.7 σ; a cache hit there is ~10x faster). The
-paper's values (5000 letters, 250 + 250 probes, 1 s) are --paper; a flag given with it wins.
+Defaults are scaled for a CPU server: vLLM serving SmolLM2-135M on two busy cores answered a
+cold 500-token probe in ~1.5 s and a 1000-token one in ~3.3 s (the paper's 5000 would take
+tens of seconds each, and exceed the 2048-token context scripts/vllm-cpu.sh gives it), so
+500-letter prompts, 50 + 50 probes and 0.1 s between requests give a verdict in about three
+minutes; 50 + 50 still call a CDF gap of 0.61 at α 1e-8 (a normal shift of 1.7 σ), and a cache
+hit there is ~7x faster. The paper's values (5000 letters, 250 + 250 probes, 1 s) are --paper;
+a flag given with it wins.
 
 Keys: --key K (repeatable) or --key-file F (one per line), the attacker's first; --level user
 uses it as the victim's too; org and global take the next keys, in the order the levels are
@@ -62,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--paper", action="store_true", help="the paper's values: --prompt-length 5000 --probes 250 "
                    "--delay 1 (about 20 min on a hosted API; hours on a CPU server)")
     g.add_argument("--prompt-length", type=int, metavar="N", help="letters per prompt, one token each "
-                   "(default 500 [5000]: a CPU server's cold 5000-token prefill takes over ten seconds)")
+                   "(default 500 [5000]: a CPU server's cold 5000-token prefill takes tens of seconds)")
     g.add_argument("--prefix-fraction", type=float, metavar="F", help="share of the victim's prompt a hit "
                    "probe keeps; the next letter is forced to differ (default 0.95 [0.95])")
     g.add_argument("--victim-sends", type=int, metavar="V", help="times the victim sends its prompt before "
@@ -71,15 +73,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "and sweep value (default 50 [250]; 50 + 50 call a CDF gap of 0.61 at α 1e-8, 250 + 250 one of 0.27)")
     g.add_argument("--delay", type=float, metavar="S", help="seconds to wait after every request "
                    "(default 0.1 [1])")
-    g.add_argument("--seed", type=int, default=None, help="seed of the procedures' order (default 0); prompts "
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the procedures' order (default 0); prompts "
                    "are fresh every run, so a second run never finds the first one's prompts cached")
     g = parser.add_argument_group("statistics")
-    g.add_argument("--alpha", type=float, help="significance level of both detectors (default 1e-8, as CacheProbe "
-                   "and the audit's release)")
-    g.add_argument("--cached-fraction", type=float, help="cached_tokens detector: a probe counts as a hit when "
+    g.add_argument("--alpha", type=float, metavar="A", help="significance level of both detectors (default 1e-8, the level "
+                   "CacheProbe's code applies)")
+    g.add_argument("--cached-fraction", type=float, metavar="F", help="cached_tokens detector: a probe counts as a hit when "
                    "the server reports at least this share of the shared prefix cached, rounded down to whole "
                    "blocks (default 0.9, CacheProbe's)")
-    g.add_argument("--confidence", type=float, help="level of the bootstrap intervals (default 0.95)")
+    g.add_argument("--confidence", type=float, metavar="C", help="level of the bootstrap intervals (default 0.95)")
     g.add_argument("--block-size", type=int, metavar="N", help="the server's block size in tokens (default: "
                    "GET /server_info where the server says it, else the cached_tokens counts)")
     g = parser.add_argument_group("ablation (Gu et al.'s Figure 5)")
@@ -88,16 +90,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "AP against the shared blocks: it falls to chance (0.5) as the shared prefix shrinks")
     g.add_argument("--sweep-values", metavar="LIST", help="the values (default prefix-fraction: "
                    "0.95,0.5,0.25,0.1,0.05,0; prompt-length: 500,250,100,50,25,10); with --sweep and no "
-                   "--probes, 20 + 20 probes a value (six values: about 8 minutes on a CPU server)")
+                   "--probes, 20 + 20 probes a value (six values: about 9 minutes on a CPU server)")
     g = parser.add_argument_group("politeness, recording, output")
-    g.add_argument("--concurrency", type=int, help="procedures in flight at once (default 1: one request at a "
+    g.add_argument("--concurrency", type=int, metavar="N", help="procedures in flight at once (default 1: one request at a "
                    "time; more skews the timing)")
     g.add_argument("--max-requests", type=int, metavar="N", help="refuse a plan that sends more requests than "
                    "this (default 5000)")
     g.add_argument("--force", action="store_true", help="run even when the server's tokenizer merges letters "
                    "(the shared prefix in tokens is then not exact)")
     g.add_argument("--resume", metavar="ID", help="continue an interrupted run (session id or a unique prefix), "
-                   "with the same keys; only the pace, budget and statistics flags may change")
+                   "with the same keys; only the pace, budget and statistics flags may change. A finished run resumed "
+                   "without keys sends nothing and prints its report again")
     add_db_arg(g)
     g.add_argument("--json", action="store_true", help="print the report as JSON (no progress lines)")
     g.add_argument("--plot", metavar="OUT.png", help="save the hit vs miss latency CDFs (and, with --sweep, "
@@ -134,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
     from kvplay.labs import audit
     from kvplay.labs.audit_report import plot
-    from kvplay.labs.common import Progress, dump_json, render
+    from kvplay.labs.common import Progress, emit
 
     check_output_file(args.plot, "--plot", ".png")
     keys = _keys(args)
@@ -170,10 +173,5 @@ def main(args: argparse.Namespace) -> int:
         if args.sweep_values:
             p.sweep_values = _floats(args.sweep_values, "--sweep-values")
         result = audit.execute(p, keys, args.db, None, None, progress, say)
-    if args.json:
-        dump_json(result)
-    else:
-        render(result)
-    if args.plot:
-        save_plot(lambda path: plot(result, path), args.plot)
+    emit(result, args.json, args.plot, plot)
     return 0
