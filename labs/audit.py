@@ -80,6 +80,7 @@ class AuditParams:
     block_size: int | None = None
     seed: int = 0
     force: bool = False
+    control: bool = False  # also A/A procedures: the victim sends, the attacker's prompt is unrelated
     # written by the run: per-run randomness for the prompts, resumes, the keys' fingerprints
     nonce: str = ""
     attempt: int = 0
@@ -153,25 +154,31 @@ def plan(p: AuditParams) -> list[dict]:
     """Every procedure of the run, in its random order (seeded: the same parameters give the same
     order): {"i", "level", "kind", "value"}."""
     values = p.sweep_values if p.sweep else [None]
+    kinds = ("hit", "miss", "control") if p.control else ("hit", "miss")
     procs = [{"level": lv, "kind": kind, "value": v} for lv in p.levels for v in values
-             for kind in ("hit", "miss") for _ in range(p.probes)]
+             for kind in kinds for _ in range(p.probes)]
     random.Random(f"audit-order:{p.seed}").shuffle(procs)
     return [{"i": i, **x} for i, x in enumerate(procs)]
 
 
 def requests_of(proc: dict, p: AuditParams) -> int:
-    return p.victim_sends + 1 if proc["kind"] == "hit" else 1
+    return p.victim_sends + 1 if proc["kind"] in ("hit", "control") else 1
 
 
 def prompts(proc: dict, p: AuditParams) -> tuple[list[str] | None, list[str]]:
     """(victim letters or None, attacker letters) of one procedure. Fresh for every run (the
-    run's nonce) and every resume (its attempt): a prompt sent before can never be a miss."""
+    run's nonce) and every resume (its attempt): a prompt sent before can never be a miss. A
+    control procedure is a hit procedure whose attacker prompt shares nothing with the victim's."""
     n, frac = p.shape(proc["value"])
     rng = random.Random(f"{p.nonce}:{proc['i']}:{p.attempt}")
     rand = lambda k: [rng.choice(LETTERS) for _ in range(k)]  # noqa: E731
     if proc["kind"] == "miss":
         return None, rand(n)
     victim = rand(n)
+    if proc["kind"] == "control":  # the hit procedure's steps, the attacker's prompt unrelated
+        attacker = rand(n)
+        attacker[0] = rng.choice([c for c in LETTERS if c != victim[0]])
+        return victim, attacker
     keep = shared_letters(n, frac)
     if keep >= n:
         return victim, list(victim)  # fraction 1: the same prompt

@@ -89,6 +89,7 @@ def analyze(rows: list[dict], p, tok: dict, block_size: int | None) -> dict:
                    and r["probe"].get("value") == v and r["error"] is None and r["ttft_ms"] is not None]
             hits = [r for r in att if r["probe"].get("kind") == "hit"]
             misses = [r for r in att if r["probe"].get("kind") == "miss"]
+            controls = [r for r in att if r["probe"].get("kind") == "control"]
             n, frac = p.shape(v)
             keep = min(n, int(math.floor(frac * n + 0.5)))
             tokens = shared_tokens(keep, tok)
@@ -101,6 +102,15 @@ def analyze(rows: list[dict], p, tok: dict, block_size: int | None) -> dict:
                  "cached": cached_channel([r["cached_tokens"] for r in hits], [r["cached_tokens"] for r in misses],
                                           threshold, p.alpha, p.confidence, p.seed),
                  "power": stats.ks_detectable(len(hits), len(misses), p.alpha)}
+            # A/A: the hit procedure's steps with an unrelated prompt, against the misses: what the
+            # procedure alone (a victim request just before, drift) separates
+            g["control"] = ({**timing([r["probe"]["client_ms"] for r in controls],
+                                      [r["probe"]["client_ms"] for r in misses], p.alpha, p.confidence, p.seed),
+                             "cached_flags": sum(1 for r in controls if (r["cached_tokens"] or 0) > 0
+                                                 and r["cached_tokens"] >= threshold)}
+                            if controls else None)
+            if g["control"] is not None and g["control"]["detected"]:
+                g["client"]["detected"] = False  # the procedure separates on its own: not the cache's doing
             sh = [r["probe"].get("server_ms") for r in hits]
             sm = [r["probe"].get("server_ms") for r in misses]
             g["server"] = (timing(sh, sm, p.alpha, p.confidence, p.seed)
@@ -151,6 +161,20 @@ def where(g: dict) -> str:
 
 
 def verdict_line(g: dict, p) -> str:
+    line = _verdict(g, p)
+    ctl = g.get("control")
+    if ctl is None:
+        return line
+    s = (f" Control (the victim sends, the attacker's prompt unrelated, {ctl['n_hit']} probes): KS p = "
+         f"{_p(ctl['ks_p'])}, {_ap(ctl)} against the misses")
+    if ctl["detected"]:
+        s += ": the procedure alone separates, so timing is not counted as the cache's"
+    elif ctl["ap_lo"] is not None and ctl["ap_lo"] == ctl["ap_lo"] and (ctl["ap_lo"] > 0.5 or ctl["ap_hi"] < 0.5):
+        s += ": the procedure alone shifts the times a little (its interval misses 0.5)"
+    return line + s + "."
+
+
+def _verdict(g: dict, p) -> str:
     c, ch = g["client"], g["cached"]
     words = LEVEL_WORDS[g["level"]]
     med = (f"median hit {c['hit']['median']:.1f} vs miss {c['miss']['median']:.1f} ms"
@@ -187,6 +211,13 @@ def result(report: dict, p, info: dict, elapsed: float) -> LabResult:
                          c["ks_p"], "yes" if c["direction_ok"] else "no" if c["direction_ok"] is not None else "—",
                          c["ap"], stats.interval(c["ap_lo"], c["ap_hi"]), c["auc"], c["faster_than_fastest_miss"],
                          "detected" if c["detected"] else "not detected"])
+        if g.get("control") is not None:
+            c = g["control"]
+            rows.append([where(g), "control vs miss (A/A)", c["n_hit"], c["n_miss"], c["hit"]["median"],
+                         c["miss"]["median"], c["ks_p"],
+                         "yes" if c["direction_ok"] else "no" if c["direction_ok"] is not None else "—",
+                         c["ap"], stats.interval(c["ap_lo"], c["ap_hi"]), c["auc"], c["faster_than_fastest_miss"],
+                         "separates" if c["detected"] else "does not separate"])
         ch = g["cached"]
         rows.append([where(g), "cached_tokens", ch["n_hit"], ch["n_miss"], ch.get("median_hit"), ch.get("median_miss"),
                      ch["p"], "—", ch["ap"], stats.interval(ch["ap_lo"], ch["ap_hi"]) if ch["ap"] is not None else "—",
@@ -278,6 +309,10 @@ def plot(res: LabResult, path: str) -> None:
             if xs:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=colour,
                         label=f"{kind} (n={len(xs)})")
+        if g.get("control") is not None:
+            xs = sorted(g["control"]["samples"]["hit"])
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color="grey", ls="--",
+                    label=f"control, A/A (n={len(xs)})")
         c = g["client"]
         shared = (f"{g['shared_blocks']} blocks" if g["shared_blocks"] is not None
                   else f"{g['shared_tokens']} tokens")

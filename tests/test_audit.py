@@ -60,8 +60,9 @@ def groups(result):
 
 def test_shared_cache_is_detected_across_organisations(keyed, tmp_path):
     url = keyed("shared")
-    r = audit.execute(params(url, ["global"]), [ALICE, BOB], str(tmp_path / "a.db"))
+    r = audit.execute(params(url, ["global"], control=True), [ALICE, BOB], str(tmp_path / "a.db"))
     g = groups(r)["global"]
+    assert g["control"]["cached_flags"] == 0  # the A/A procedures share nothing with the victim
     c, ch = g["client"], g["cached"]
     assert c["n_hit"] == c["n_miss"] == N
     # cached_tokens, exact: every hit reused the victim's 1900 shared tokens in whole blocks of 16, no miss any
@@ -95,12 +96,16 @@ def test_isolating_keys_hide_every_level_but_the_keys_own(keyed, tmp_path):
 
 
 def test_the_default_isolation_of_kvplay_serve_keeps_keys_apart(keyed, tmp_path):
-    """`kvplay serve --api-keys` isolates users by default: not detected, cached_tokens 0, AP ~ 0.5."""
-    r = audit.execute(params(keyed(isolation="user"), ["global"], probes=20, confidence=0.999), [ALICE, BOB],
-                      str(tmp_path / "a.db"))
+    """`kvplay serve --api-keys` isolates users by default: not detected, cached_tokens 0, AP ~ 0.5;
+    with --control the A/A procedures (the victim sends, the attacker's prompt unrelated) report
+    beside them, with 0 cached tokens too."""
+    r = audit.execute(params(keyed(isolation="user"), ["global"], probes=20, confidence=0.999, control=True),
+                      [ALICE, BOB], str(tmp_path / "a.db"))
     g = groups(r)["global"]
     assert not g["detected"] and g["cached"]["hits_flagged"] == 0 and g["cached"]["median_hit"] == 0
     assert g["client"]["ap_lo"] <= 0.5 <= g["client"]["ap_hi"]
+    assert g["control"]["n_hit"] == 20 and g["control"]["cached_flags"] == 0 and not g["control"]["detected"]
+    assert " Control (the victim sends, the attacker's prompt unrelated, 20 probes): KS p = " in r.verdict
 
 
 def test_every_request_is_recorded_and_an_interrupted_run_resumes(keyed, tmp_path):

@@ -73,6 +73,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "and sweep value (default 50 [250]; 50 + 50 call a CDF gap of 0.61 at α 1e-8, 250 + 250 one of 0.27)")
     g.add_argument("--delay", type=float, metavar="S", help="seconds to wait after every request "
                    "(default 0.1 [1])")
+    g.add_argument("--control", action="store_true", default=None,
+                   help="also run --probes A/A procedures: the victim sends, then the attacker sends a prompt "
+                   "sharing nothing with it; their times against the misses show what the procedure alone "
+                   "separates (a request just before, drift), and timing counts only if they do not")
     g.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the procedures' order (default 0); prompts "
                    "are fresh every run, so a second run never finds the first one's prompts cached")
     g = parser.add_argument_group("statistics")
@@ -107,7 +111,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "AP against the shared blocks)")
 
 
-PROCEDURE = ("prompt_length", "prefix_fraction", "victim_sends", "probes", "seed", "model", "endpoint", "sweep")
+PROCEDURE = ("prompt_length", "prefix_fraction", "victim_sends", "probes", "seed", "model", "endpoint", "sweep",
+             "control")
 
 
 def _keys(args) -> list[str]:
