@@ -32,6 +32,7 @@ COMMANDS = {
     "watch": ("kvplay.commands.watch", "mirror a running vLLM/SGLang/kvplay server's prefix cache from its KV events"),
     "tree": ("kvplay.commands.tree", "the cached prefixes as a tree of text, who made and reused them (a session or a server)"),
     "attach": ("kvplay.commands.attach", "the playground on a running vLLM/SGLang/kvplay server: its API, its KV events"),
+    "audit": ("kvplay.commands.audit", "audit an OpenAI-compatible endpoint for prompt-cache sharing between API keys (Gu et al.'s procedure)"),
 }
 
 

@@ -15,7 +15,7 @@ from kvplay.sessions.report import console as make_console
 from typing import Any
 
 from kvplay.inert import inert
-from kvplay.options import pyplot  # noqa: F401 (labs import it from here)
+from kvplay.options import pyplot, save_plot  # noqa: F401 (labs import pyplot from here)
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
 
 
@@ -91,6 +91,17 @@ def quoted(text: str) -> str:
     return f"“{excerpt(text, 400)}”"
 
 
+def emit(result: LabResult, as_json: bool, plot_path: str | None = None, draw=None) -> None:
+    """A result on stdout (JSON, or tables and verdict), and its plot when asked for:
+    `draw(result, path)` draws it."""
+    if as_json:
+        dump_json(result)
+    else:
+        render(result)
+    if plot_path:
+        save_plot(lambda path: draw(result, path), plot_path)
+
+
 def dump_json(result: LabResult, out=None) -> None:
     out = out or sys.stdout
     json.dump(result.to_dict(), out, indent=2)
@@ -98,37 +109,50 @@ def dump_json(result: LabResult, out=None) -> None:
 
 
 class Progress:
-    """Progress lines on stderr: a rich bar on a terminal, plain lines (at most every 2 s) otherwise."""
+    """Progress lines on stderr: a rich bar on a terminal, plain lines (at most every 2 s)
+    otherwise, both with an estimate of the time left. `prefix` names what runs ("lab NAME")."""
 
-    def __init__(self, lab: str, enabled: bool = True, stream=None):
+    def __init__(self, lab: str, enabled: bool = True, stream=None, prefix: str | None = None):
         self.lab = lab
+        self.prefix = prefix if prefix is not None else f"lab {lab}"
         self.enabled = enabled
         self.stream = stream or sys.stderr
         self._last = 0.0
+        self._start = time.monotonic()
         self._bar = None
         self._task = None
         self._tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
 
     def phase(self, label: str, total: int) -> None:
         self.label, self.total, self.done = label, max(1, total), 0
+        self._start = time.monotonic()
         if not self.enabled:
             return
         if self._tty:
             # start-up time: imported when this first runs
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
             if self._bar is None:
                 self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                         TimeElapsedColumn(), console=Console(file=self.stream), transient=True)
+                                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                         console=Console(file=self.stream), transient=True)
                 self._bar.start()
             if self._task is not None:
                 self._bar.remove_task(self._task)
-            self._task = self._bar.add_task(f"lab {self.lab}: {label}", total=self.total)
+            self._task = self._bar.add_task(f"{self.prefix}: {label}", total=self.total)
         else:
-            print(f"lab {self.lab}: {label} (0/{self.total})", file=self.stream, flush=True)
+            print(f"{self.prefix}: {label} (0/{self.total})", file=self.stream, flush=True)
             self._last = time.monotonic()
+
+    def eta(self) -> str:
+        """The time left at the pace so far, as "1m05s" ("?" before the first step)."""
+        if not self.done:
+            return "?"
+        left = (time.monotonic() - self._start) / self.done * max(0, self.total - self.done)
+        m, s = divmod(int(left + 0.5), 60)
+        return f"{m}m{s:02d}s" if m else f"{s}s"
 
     def advance(self, n: int = 1) -> None:
         self.done += n
@@ -137,7 +161,8 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done)
         elif time.monotonic() - self._last > 2.0 or self.done >= self.total:
-            print(f"lab {self.lab}: {self.label} ({self.done}/{self.total})", file=self.stream, flush=True)
+            print(f"{self.prefix}: {self.label} ({self.done}/{self.total}, ETA {self.eta()})", file=self.stream,
+                  flush=True)
             self._last = time.monotonic()
 
     def close(self) -> None:

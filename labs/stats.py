@@ -8,7 +8,13 @@
 - ``clopper_pearson``: exact binomial interval for k of n;
 - ``poisson_ci``: exact (Garwood) interval for a count, to put a measured count of collisions
   next to the birthday bound;
-- ``leak_call``: "leak", "no evidence of a leak" or "inconclusive" from an AUC interval.
+- ``leak_call``: "leak", "no evidence of a leak" or "inconclusive" from an AUC interval;
+- ``average_precision`` / ``ap_ci``: average precision of ranking positives above negatives
+  (the area under the precision-recall curve, as scikit-learn computes it, ties as one
+  threshold) with a stratified bootstrap interval: Gu et al.'s audit statistic;
+- ``fisher_greater``: one-sided Fisher exact test that a flag is more frequent among positives;
+- ``ks_detectable``: the smallest KS distance a two-sample test of n and m can call at α, and
+  what that is as a normal shift and an AUC (the power statement of an audit that found nothing).
 
 Every random choice takes a seed, so a lab's JSON is reproducible.
 """
@@ -78,6 +84,78 @@ def samples_for_auc(halfwidth: float = LEAK_HALFWIDTH, a: float = 0.5, level: fl
     while auc_halfwidth(n, n, a, level) > halfwidth:
         n += 1
     return n
+
+
+def _ap_sorted(order_pos: np.ndarray, scores: np.ndarray) -> float:
+    """AP of labels `order_pos` (1 = positive) already sorted by descending `scores`."""
+    distinct = np.flatnonzero(np.diff(scores)) if len(scores) > 1 else np.array([], int)
+    last = np.concatenate([distinct, [len(scores) - 1]])  # the last index of every threshold
+    tps = np.cumsum(order_pos)[last]
+    if tps[-1] == 0:
+        return float("nan")
+    precision = tps / (last + 1)
+    recall = tps / tps[-1]
+    return float(np.sum(np.diff(np.concatenate([[0.0], recall])) * precision))
+
+
+def average_precision(pos, neg) -> float:
+    """Average precision of scoring positives above negatives: sum over thresholds of
+    (recall step) x precision, ties one threshold (scikit-learn's `average_precision_score`).
+    Chance is the share of positives (0.5 for balanced classes); nan if one class is empty."""
+    pos, neg = np.asarray(pos, float), np.asarray(neg, float)
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    scores = np.concatenate([pos, neg])
+    labels = np.concatenate([np.ones(len(pos)), np.zeros(len(neg))])
+    order = np.argsort(-scores, kind="stable")
+    return _ap_sorted(labels[order], scores[order])
+
+
+def ap_ci(pos, neg, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float, float]:
+    """(AP, low, high): stratified percentile bootstrap, as `auc_ci`."""
+    pos, neg = np.asarray(pos, float), np.asarray(neg, float)
+    a = average_precision(pos, neg)
+    if not math.isfinite(a) or len(pos) < 2 or len(neg) < 2:
+        return a, float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    labels = np.concatenate([np.ones(len(pos)), np.zeros(len(neg))])
+    boots = np.empty(n_boot)
+    for i in range(n_boot):
+        scores = np.concatenate([pos[rng.integers(0, len(pos), len(pos))], neg[rng.integers(0, len(neg), len(neg))]])
+        order = np.argsort(-scores, kind="stable")
+        boots[i] = _ap_sorted(labels[order], scores[order])
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return a, float(lo), float(hi)
+
+
+def fisher_greater(k_pos: int, n_pos: int, k_neg: int, n_neg: int) -> float:
+    """One-sided Fisher exact p that a flag seen k_pos of n_pos positives and k_neg of n_neg
+    negatives is more frequent among positives (nan when a class is empty)."""
+    if n_pos <= 0 or n_neg <= 0:
+        return float("nan")
+    table = [[k_pos, n_pos - k_pos], [k_neg, n_neg - k_neg]]
+    return float(_st.fisher_exact(table, alternative="greater").pvalue)
+
+
+def ks_detectable(n: int, m: int, alpha: float) -> dict:
+    """What a one-sided two-sample KS test of n and m samples at `alpha` can call:
+    "d": the smallest observed distance between the two empirical CDFs with p < alpha (the
+    asymptotic tail exp(-2 d^2 nm/(n+m)) = alpha, conservative for small samples); "shift_sd":
+    that distance as a shift of a normal distribution, in standard deviations (2 Phi(s/2) - 1 = d);
+    "auc": that shift's ROC AUC; "floor_p": the smallest p samples of these sizes can reach
+    (perfect separation, 1/C(n+m, n)). d is 1 (shift_sd and auc None) when only perfectly
+    separated samples reach alpha, and all three are None when not even those do."""
+    none = {"d": None, "shift_sd": None, "auc": None, "floor_p": float("nan")}
+    if n <= 0 or m <= 0 or not 0 < alpha < 1:
+        return none
+    floor_p = math.exp(-(math.lgamma(n + m + 1) - math.lgamma(n + 1) - math.lgamma(m + 1)))
+    d = math.sqrt(-math.log(alpha) * (n + m) / (2 * n * m))
+    if floor_p >= alpha:
+        return {**none, "floor_p": floor_p}
+    if d >= 1:
+        return {**none, "d": 1.0, "floor_p": floor_p}
+    shift = 2 * float(_st.norm.ppf((1 + d) / 2))
+    return {"d": d, "shift_sd": shift, "auc": float(_st.norm.cdf(shift / math.sqrt(2))), "floor_p": floor_p}
 
 
 def ks_less(x, y) -> tuple[float, float]:

@@ -30,11 +30,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvplay.engine.errors import EngineError
-from kvplay.options import KvplayError, check_output_file, save_plot
+from kvplay.options import KvplayError, check_output_file
 from kvplay.serve.client import HttpPeer
 
 from . import stats
-from .common import LabContext, LabResult, Progress, Table, dump_json, quoted, render
+from .common import LabContext, LabResult, Progress, Table, emit, quoted
 from .determinism import COMPANIONS, OTHER_QUESTION, PROMPTS, SYSTEM
 from .leak import SAMPLES, Attacker, blocks_word, overall, plot, row_phrase
 
@@ -412,10 +412,5 @@ def main(args, mod_params) -> int:
             result = run_determinism(target, params, ctx)
     finally:
         target.close()
-    if args.json:
-        dump_json(result)
-    else:
-        render(result)
-    if args.plot:
-        save_plot(lambda path: plot(result, path), args.plot)
+    emit(result, args.json, args.plot, plot)
     return 0

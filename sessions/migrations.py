@@ -83,6 +83,16 @@ def m005_event_batches(db: sqlite_utils.Database) -> None:
     db["sessions"].add_column("dropped_events", int)
 
 
+@migration
+def m006_audit_probes(db: sqlite_utils.Database) -> None:
+    """`kvplay audit URL` records every request it sends as a turn of a session of source
+    "audit": `turns.probe` says what the request was in the procedure (JSON: procedure, kind,
+    role, level, attempt, server time …), `sessions.params` holds the run's parameters (JSON),
+    so `kvplay audit --resume ID` continues a run where it stopped."""
+    db["turns"].add_column("probe", str)
+    db["sessions"].add_column("params", str)
+
+
 def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 

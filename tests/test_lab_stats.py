@@ -87,3 +87,47 @@ def test_leak_call_says_only_what_the_interval_allows():
     assert s["call"] == "no evidence of a leak" and s["auc_hi"] - s["auc_lo"] <= 0.2
     s = stats.separation(rng.normal(90, 5, 101).tolist(), rng.normal(100, 5, 101).tolist(), seed=1)
     assert s["call"] == "leak" and s["auc"] > 0.8 and s["ks_p"] < 1e-6
+
+
+def test_average_precision_as_scikit_learn_defines_it():
+    # scikit-learn's documented example: y = [0, 0, 1, 1], scores = [0.1, 0.4, 0.35, 0.8] -> 0.8333
+    assert stats.average_precision([0.35, 0.8], [0.1, 0.4]) == pytest.approx(0.8333333)
+    assert stats.average_precision([3, 4], [1, 2]) == 1.0
+    assert stats.average_precision([1, 1], [1, 1, 1, 1]) == pytest.approx(1 / 3)  # one threshold: the prevalence
+    assert math.isnan(stats.average_precision([], [1.0]))
+    # the definition, threshold by threshold, on data with ties
+    rng = np.random.default_rng(3)
+    pos, neg = rng.integers(0, 6, 25).astype(float), rng.integers(0, 6, 35).astype(float)
+    ap, last_recall = 0.0, 0.0
+    for t in sorted(set(pos) | set(neg), reverse=True):
+        tp, fp = (pos >= t).sum(), (neg >= t).sum()
+        ap += (tp / len(pos) - last_recall) * tp / (tp + fp)
+        last_recall = tp / len(pos)
+    assert stats.average_precision(pos, neg) == pytest.approx(ap)
+
+
+def test_ap_interval_holds_chance_for_identical_classes_and_one_for_separated():
+    rng = np.random.default_rng(11)
+    covered = sum(lo <= 0.5 <= hi for lo, hi in (stats.ap_ci(rng.normal(size=60), rng.normal(size=60), n_boot=400,
+                                                              seed=i)[1:] for i in range(60)))
+    assert covered >= 50  # chance AP of balanced classes is about 0.5 (a little above, at small n)
+    a, lo, hi = stats.ap_ci([1.0, 2.0, 3.0], [-1.0, -2.0, -3.0])
+    assert a == lo == hi == 1.0
+
+
+def test_fisher_greater_and_ks_detectable():
+    assert stats.fisher_greater(16, 16, 0, 16) == pytest.approx(1 / math.comb(32, 16))
+    assert stats.fisher_greater(0, 10, 5, 10) == pytest.approx(1.0)
+    assert math.isnan(stats.fisher_greater(1, 0, 1, 1))
+    d = stats.ks_detectable(250, 250, 1e-8)
+    assert d["d"] == pytest.approx(math.sqrt(math.log(1e8) * 500 / (2 * 250 * 250)))  # 0.271
+    assert 0.68 < d["auc"] < 0.70 and d["floor_p"] < 1e-100
+    few = stats.ks_detectable(10, 10, 1e-8)  # 1/C(20, 10) = 5.4e-6: nothing can reach 1e-8
+    assert few["d"] is None and few["floor_p"] == pytest.approx(1 / math.comb(20, 10))
+    assert stats.ks_detectable(16, 16, 1e-8)["d"] == 1.0  # only perfect separation reaches it
+    # a normal shift of the size it names is called at least half the time (the bound is conservative)
+    rng = np.random.default_rng(5)
+    d = stats.ks_detectable(50, 50, 1e-8)
+    called = sum(stats.ks_less(rng.normal(size=50) - d["shift_sd"], rng.normal(size=50))[1] < 1e-8
+                 for _ in range(100))
+    assert called >= 50

