@@ -1,6 +1,6 @@
 """How many KV events per second one process mirrors: a synthetic vLLM-like stream, decoded and
-applied exactly as `kvplay watch` does (wire/codec.decode_batch + wire/mirror.Mirror.apply_wire), and
-once more through a real ZMQ socket and the Subscriber.
+applied exactly as `kvplay watch` does (wire/codec.decode_batch, the pod's wire/translate.FromWire,
+wire/mirror.Mirror.apply), and once more through a real ZMQ socket and the Subscriber.
 
 The stream looks like a busy GPU server's: each engine step stores a few prompts' blocks (one
 `BlockStored` per request, 1-8 blocks of 16 tokens, half of them continuing a shared prefix,
@@ -27,6 +27,7 @@ from collections import deque
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch, encode_frames
 from kvplay.wire.mirror import Fleet, Mirror
+from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
 
@@ -80,12 +81,13 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> tup
     mirror (after `warm`). On a shared machine the CPU time says what the code costs; the wall
     time also holds what the other processes took."""
     m = Mirror(pod="bench")
+    w = FromWire(m)
     for seq, p in enumerate(warm or []):
-        m.apply_wire(decode_batch(p), seq)
+        m.apply(w(decode_batch(p), seq))
     base = len(warm or [])
     t0, c0 = time.perf_counter(), time.thread_time()
     for seq, p in enumerate(payloads, base):
-        m.apply_wire(decode_batch(p), seq)
+        m.apply(w(decode_batch(p), seq))
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -96,58 +98,53 @@ def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
     # start-up time: imported when this first runs
     from kvplay.sessions.watch_recording import WatchRecording
 
-    fleet = Fleet()
-    rec = WatchRecording(db_path, fleet, title="mirror bench")
-    rec.watch("bench")
-    m = fleet.pod("bench")
+    m = Mirror(pod="bench")
+    w = FromWire(m)
+    rec = WatchRecording(db_path, title="mirror bench")
     t0 = time.perf_counter()
     for seq, p in enumerate(payloads):
-        rec.on_batch("bench", seq, m.apply_wire(decode_batch(p), seq).events)
+        batch = w(decode_batch(p), seq)
+        m.apply(batch)
+        rec.on_batch("bench", seq, batch)
         if seq % 1000 == 999:
             rec.flush()
     rec.close()
     return time.perf_counter() - t0, rec.rec.dropped_events
 
 
-def _engine_events(payloads: list[bytes]) -> list[tuple[list, float]]:
-    """Each payload's events as kvplay engine events (decoded, applied, converted as a watched
-    server's are: `Mirror.apply_wire` with `convert`), numbered in order."""
+def _engine_batches(payloads: list[bytes]):
+    """Each payload as a batch of kvplay engine events (decoded, translated and applied as a
+    watched server's are), its events numbered in order."""
     m = Mirror(pod="bench")
-    m.convert = True
+    w = FromWire(m)
     out = []
     seq = 0
     for wire_seq, p in enumerate(payloads):
-        b = decode_batch(p)
-        events = m.apply_wire(b, wire_seq).events
-        for ev in events:
+        batch = w(decode_batch(p), wire_seq)
+        m.apply(batch)
+        for ev in batch.events:
             seq += 1
             ev.seq = seq
-        out.append((events, b.ts))
+        batch.pod = "bench"
+        out.append(batch)
     return out
 
 
 def measure_recorder(payloads: list[bytes], db_path: str) -> tuple[float, int]:
     """(seconds, engine events) the recorder alone takes to write every payload's events: the
-    batches are decoded, applied and turned into engine events first (untimed), then written with
-    `Recorder.record_events` 1,000 batches at a time (as `kvplay watch` flushes), and closed."""
+    batches are decoded, translated and applied first (untimed), then written with
+    `Recorder.write_rows` 1,000 batches at a time (as `kvplay watch` flushes), and closed."""
     # start-up time: imported when this first runs
+    from kvplay.sessions.event_log import batch_row
     from kvplay.sessions.recorder import Recorder
 
-    chunks: list = [([], [])]
-    n = 0
-    for wire_seq, (evs, _ts) in enumerate(_engine_events(payloads)):
-        events, columns = chunks[-1]
-        cols = {"pod": "bench", "wire_seq": wire_seq}
-        events.extend(evs)
-        columns.extend([cols] * len(evs))
-        n += len(evs)
-        if wire_seq % 1000 == 999:
-            chunks.append(([], []))
+    batches = _engine_batches(payloads)
+    n = sum(len(b.events) for b in batches)
     rec = Recorder.open(db_path, None, "remote", "watch", "", title="mirror bench")
     t0 = time.perf_counter()
-    for events, columns in chunks:
-        if events:
-            rec.record_events(events, columns)
+    for k in range(0, len(batches), 1000):
+        chunk = batches[k:k + 1000]
+        rec.write_rows([batch_row(rec.session_id, b) for b in chunk], sum(len(b.events) for b in chunk))
     rec.close()
     return time.perf_counter() - t0, n
 
@@ -162,14 +159,15 @@ def measure_engine_recorder(payloads: list[bytes], db_path: str) -> tuple[float,
 
     if not hasattr(Recorder, "record_batch"):
         return None
-    batches = _engine_events(payloads)
+    batches = _engine_batches(payloads)
+    for step, b in enumerate(batches, 1):
+        b.step, b.forwards, b.pod, b.wire_seq = step, step, None, None
     rec = Recorder.open(db_path, None, "bench", "run", "", title="mirror bench (engine path)")
     t0 = time.perf_counter()
-    for step, (events, ts) in enumerate(batches, 1):
-        if events:
-            rec.record_batch(events, step=step, ts=ts, forwards=step)
+    for b in batches:
+        rec.record_batch(b)
     rec.close()
-    return time.perf_counter() - t0, sum(len(e) for e, _ in batches), rec.dropped_events
+    return time.perf_counter() - t0, sum(len(b.events) for b in batches), rec.dropped_events
 
 
 def measure_socket(payloads: list[bytes]) -> float:

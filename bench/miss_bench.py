@@ -71,7 +71,7 @@ def engine_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> 
         for rep in range(reps):
             for on in (True, False) if rep % 2 == 0 else (False, True):
                 progress(f"miss: engine, {name}, attribution {'on' if on else 'off'}, repetition {rep + 1}/{reps}")
-                engine.call(lambda: engine.scheduler.kv.set_attribution(on))
+                engine.set_miss_attribution(on)
                 engine.clear_cache()
                 with _Clock() as clock:
                     cpu, forwards = play_rounds(engine, workload, time.process_time, warm=False)

@@ -257,15 +257,16 @@ def _hf_cb_throwaway(manager, prompt_ids: list[int], timeout: float) -> None:
 # --- kvplay ---------------------------------------------------------------------------------------
 
 class _PeakBlocks:
-    """Engine listener: the most non-free blocks seen (runs on the engine thread; O(1))."""
+    """Batch subscriber: the most non-free blocks at the end of a step (runs on the engine
+    thread, where the engine's O(1) counters are read without waiting)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.peak = 0
 
-    def __call__(self, event) -> None:
-        pool = self.engine.pool
-        self.peak = max(self.peak, pool.num_blocks - pool.num_free())
+    def __call__(self, batch) -> None:
+        s = self.engine.stats()
+        self.peak = max(self.peak, s["blocks_total"] - s["blocks_free"])
 
 
 def submit_together(engine: Engine, turns: list[Turn], sampling: SamplingParams):
@@ -300,11 +301,11 @@ def run_kvplay(loaded, workload: Workload, base: EngineConfig, deterministic: bo
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
     engine = Engine(cfg, loaded).start()
     res = PeerResult(key, f"{LABELS[key]} · block {cfg.block_size}, prefill budget {cfg.prefill_budget} "
-                          f"tokens a step, decode attention: {engine.runner.decode_attention(cfg.deterministic)}")
+                          f"tokens a step, decode attention: {engine.decode_attention()}")
     try:
         warm_up_engine(engine, workload.turns[0].prompt_ids)
         peak = _PeakBlocks(engine)
-        unsubscribe = engine.subscribe(peak)
+        unsubscribe = engine.subscribe_batches(peak)
         n, done = len(workload.turns), 0
         t_start = time.perf_counter()
         for rnd in workload.rounds:

@@ -8,8 +8,8 @@ Three measurements, each a ratio or a figure from one run (no timed tests):
   compared (on a shared machine other work only ever adds time; the median is reported too)
   (target: large <= 1.1x small).
 - **stats()**: the app's refresh call on the large engine after the workload (target <= 1 ms);
-  next to it ``block_summary`` over 1000 cells and the app's block map call (its Mirror's
-  ``summary``; every engine here feeds one from its batches, as the app's does).
+  next to it the app's block map calls: its Mirror's ``summary`` over 1000 cells and ``arrays``
+  (every engine here feeds a Mirror from its batches, as the app's does).
 - **ready time and RSS at 1,000,000 blocks**: in a fresh interpreter (the model loaded first),
   the time to build the Engine, split into the pool's metadata and the K/V tensor allocation,
   and the resident memory before and after.
@@ -69,14 +69,14 @@ def play_rounds(engine, workload, clock: Callable[[], float] = time.perf_counter
     if warm:
         warm_up_engine(engine, workload.turns[0].prompt_ids)
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
-    f0 = engine.runner.forwards
+    f0 = engine.forwards
     t0 = clock()
     for rnd in workload.rounds:
         for h in submit_together(engine, rnd, sampling):
             r = h.result(600)
             if r.error:
                 raise RuntimeError(f"request failed: {r.error}")
-    return clock() - t0, engine.runner.forwards - f0
+    return clock() - t0, engine.forwards - f0
 
 
 def _per_call_us(fn, n: int) -> float:
@@ -104,7 +104,7 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
             t0 = time.perf_counter()
             engine = Engine(base.replace(num_blocks=n).validate(), loaded)
             mirror = Mirror(n)  # as the app has one: the engine's batches feed it every step
-            engine.subscribe_batches(mirror.apply_batch)
+            engine.subscribe_batches(mirror.apply)
             engine.start()
             ready[n].append(time.perf_counter() - t0)
             try:
@@ -115,9 +115,8 @@ def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5
                     calls = {
                         "stats_us": _per_call_us(engine.stats, 2000),
                         "stats_nowait_us": _per_call_us(lambda: engine.stats(timeout=0), 2000),
-                        "summary_1000_cells_ms": _per_call_us(lambda: engine.block_summary(1000), 20) / 1000,
-                        "block_arrays_ms": _per_call_us(engine.block_arrays, 20) / 1000,
                         "mirror_summary_1000_cells_ms": _per_call_us(lambda: mirror.summary(1000), 20) / 1000,
+                        "mirror_arrays_ms": _per_call_us(mirror.arrays, 20) / 1000,
                     }
                     v = engine.stats()
                     calls["blocks_cached"] = v["blocks_cached"]
@@ -239,9 +238,8 @@ def scale_lines(result: dict) -> list[str]:
             lines += [
                 f"stats() at {s['large_blocks']:,} blocks ({s['blocks_cached']} cached): {s['stats_us']:.1f} us, "
                 f"stats(timeout=0) {s['stats_nowait_us']:.1f} us",
-                f"block_summary(1000 cells) {s['summary_1000_cells_ms']:.2f} ms, block_arrays() "
-                f"{s['block_arrays_ms']:.2f} ms; the app's mirror: summary(1000 cells) "
-                f"{s['mirror_summary_1000_cells_ms']:.2f} ms",
+                f"the app's mirror: summary(1000 cells) {s['mirror_summary_1000_cells_ms']:.2f} ms, "
+                f"arrays() {s['mirror_arrays_ms']:.2f} ms",
             ]
     if r.get("error"):
         lines.append(f"ready at {r['blocks']:,} blocks: failed: {r['error']}")

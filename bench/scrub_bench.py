@@ -18,7 +18,7 @@ import sys
 import time
 import tracemalloc
 
-from kvplay.engine.events import BlockHit, RequestFinished, RequestQueued, RequestStarted
+from kvplay.engine.events import BlockHit, EngineBatch, EventQueue, RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.pool import BlockPool
 from kvplay.sessions.history import History
 
@@ -27,17 +27,18 @@ BLOCK = 16
 MAP_CELLS = 12 * 80  # about the scrubber's overview map
 
 
-def recorded_events(num_blocks: int, turns: int = 160, users: int = 8) -> list[dict]:
-    """A session's recorded event payloads (dicts, as sessions/history.session_events reads them)."""
-    out: list[dict] = []
-    seq = [0]
+def recorded_events(num_blocks: int, turns: int = 160, users: int = 8) -> list[EngineBatch]:
+    """A session's recorded batches (one per turn, as sessions/history.session_batches reads them)."""
+    out: list[EngineBatch] = []
 
-    def emit(ev) -> None:
-        seq[0] += 1
-        ev.seq, ev.ts = seq[0], 1000.0 + seq[0] * 0.001
-        out.append(ev.to_dict())
+    class Stamped(EventQueue):  # a clock of its own: the same events every run
+        def put(self, ev) -> None:
+            super().put(ev)
+            ev.ts = 1000.0 + ev.seq * 0.001
 
-    pool = BlockPool(num_blocks, BLOCK, "lru", emit=emit)
+    queue = Stamped()
+    emit = queue.put
+    pool = BlockPool(num_blocks, BLOCK, "lru", events=queue)
     system = list(range(1, 1 + 4 * BLOCK))  # a 4-block shared system prompt
     chains: dict[str, list[int]] = {}
     for t in range(turns):
@@ -68,6 +69,8 @@ def recorded_events(num_blocks: int, turns: int = 160, users: int = 8) -> list[d
         pool.release(table)
         emit(RequestFinished(request_id=rid, user=user))
         chains[user] = prompt
+        events = queue.take()
+        out.append(EngineBatch(t + 1, events[-1].ts, events, t + 1))
     return out
 
 
@@ -80,11 +83,11 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def scrub_costs(events: list[dict], num_blocks: int, reps: int = 5) -> dict:
-    n = len(events)
+def scrub_costs(batches: list[EngineBatch], num_blocks: int, reps: int = 5) -> dict:
+    n = sum(len(b.events) for b in batches)
 
     def open_at(k: int = 45):
-        h = History(events, num_blocks)
+        h = History(batches, num_blocks)
         st = h.state(min(k, n))
         st.mirror.summary(MAP_CELLS)
         st.mirror.counts()

@@ -19,18 +19,26 @@ import time
 from kvplay.tui.tree_anim import diff_trees
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.translate import FromWire
 from kvplay.wire.tree import Labels, PrefixMatcher, PrefixTree, to_text
 
 BLOCK_SIZE = 16
 
 
-def fill(blocks: int, system_blocks: int = 32, turn_blocks: int = 4, seed: int = 0) -> tuple[Mirror, list[int]]:
-    """A mirror of `blocks` blocks: one system prompt, then conversations of a few turns each."""
+def feed(w: FromWire, batch: EventBatch) -> None:
+    """A wire batch through its pod's translator, applied to the pod's mirror."""
+    w.mirror.apply(w(batch))
+
+
+def fill(blocks: int, system_blocks: int = 32, turn_blocks: int = 4, seed: int = 0) -> tuple[FromWire, list[int]]:
+    """A mirror of `blocks` blocks (with its translator): one system prompt, then conversations
+    of a few turns each."""
     rng = random.Random(seed)
     m = Mirror()
+    w = FromWire(m)
     system = [rng.randrange(50_000) for _ in range(system_blocks * BLOCK_SIZE)]
     hs = list(range(1, system_blocks + 1))
-    m.apply(EventBatch(0.0, [BlockStored(hs, None, system, BLOCK_SIZE, session_id="u0")]))
+    feed(w, EventBatch(0.0, [BlockStored(hs, None, system, BLOCK_SIZE, session_id="u0")]))
     next_h = system_blocks + 1
     conv = 0
     last = system
@@ -44,12 +52,12 @@ def fill(blocks: int, system_blocks: int = 32, turn_blocks: int = 4, seed: int =
             t = [rng.randrange(50_000) for _ in range(n * BLOCK_SIZE)]
             new = list(range(next_h, next_h + n))
             next_h += n
-            m.apply(EventBatch(float(conv), [BlockStored(new, parent, t, BLOCK_SIZE, session_id=f"u{conv % 64}")]))
+            feed(w, EventBatch(float(conv), [BlockStored(new, parent, t, BLOCK_SIZE, session_id=f"u{conv % 64}")]))
             parent = new[-1]
             toks += t
         conv += 1
         last = toks
-    return m, last
+    return w, last
 
 
 def main(argv=None) -> int:
@@ -58,7 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    m, prompt = fill(args.blocks)
+    w, prompt = fill(args.blocks)
+    m = w.mirror
     t_fill = time.perf_counter() - t0
     before = m.copy()  # the tree keeps what it was built from: a copy, as the view's snapshot is
     t0 = time.perf_counter()
@@ -75,9 +84,9 @@ def main(argv=None) -> int:
     t_text = time.perf_counter() - t0
     rng = random.Random(1)
     leaves = [n for n in tree.nodes if not n.children and n.parent is not None][:64]
-    m.apply(EventBatch(1e9, [BlockRemoved(list(n.keys)) for n in leaves]))
+    feed(w, EventBatch(1e9, [BlockRemoved(list(n.keys)) for n in leaves]))
     top = max(m.blocks) + 1
-    m.apply(EventBatch(1e9, [BlockStored([top + i], 32, [rng.randrange(50_000) for _ in range(BLOCK_SIZE)],
+    feed(w, EventBatch(1e9, [BlockStored([top + i], 32, [rng.randrange(50_000) for _ in range(BLOCK_SIZE)],
                                          BLOCK_SIZE, session_id="new") for i in range(64)]))
     t0 = time.perf_counter()
     snap = m.copy()

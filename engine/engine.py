@@ -3,19 +3,20 @@
 Clients (the app, ``kvplay run``, replay, labs, bench) call ``submit`` from any thread and get
 a ``RequestHandle`` to iterate streamed ``TokenDelta``s or wait for the ``RequestResult``.
 Everything that touches the model or the pool runs on the engine's own thread; other threads
-talk to it through a command queue. Event listeners are called on the engine thread and must
-be quick (the app posts a Textual message; the recorder enqueues a row).
+talk to it through a command queue. Batch subscribers are called on the engine thread and must
+be quick (the app's backend applies the batch to its mirror; the recorder enqueues it).
 
 Identity is bound here (``register_user`` / ``set_group``, registry.py), never per request.
-One step on the engine thread: the scheduler decides (scheduler.py), the KV manager gives each
-request its blocks (kv_manager.py over the block pool, pool.py + eviction.py), the model runner
-computes (runner.py, paged.py, kv_store.py), the output processor samples, detokenises and
-streams (output.py); after each step the stats are published (observe.py) and the step's events
-handed to batch subscribers as one EngineBatch (every cache view mirrors them: wire/mirror.py).
+One step on the engine thread (``Engine.step``, as nano-vllm's ``LLMEngine.step`` and vLLM v1's
+``EngineCore.step``): the scheduler decides (scheduler.py; its KV manager gives each request its
+blocks: kv_manager.py over the block pool, pool.py + eviction.py), the model runner computes the
+decision's rows (runner.py, paged.py, kv_store.py), the scheduler takes the logits back
+(``update``: the output processor samples, detokenises and streams, output.py); then the stats
+are published (observe.py) and the events the step queued are drained into one EngineBatch for
+the batch subscribers (every cache view mirrors them: wire/mirror.py).
 """
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -27,11 +28,13 @@ from typing import Callable
 from .chat import encode_chat
 from .config import RESTART_FIELDS, EngineConfig
 from .errors import EngineError
-from .events import EngineBatch, Event, RequestQueued, SettingsChanged, UserGroupChanged
+from .events import EngineBatch, EventQueue, RequestQueued, SettingsChanged, UserGroupChanged
 from .eviction import make_policy
+from .kv_manager import KVManager
 from .model import LoadedModel, load_model
-from .observe import BlockArrays, BlockSummary, Observer
+from .observe import Observer
 from .kv_store import KVStore
+from .output import OutputProcessor
 from .pool import BlockPool
 from .prefix import BlockHasher
 from .registry import UserRegistry, check_user
@@ -40,8 +43,6 @@ from .runner import ModelRunner, kv_geometry
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
 from .threads import on_fresh_thread, set_cpu_threads
-
-Listener = Callable[[Event], None]
 
 
 def pool_blocks(loaded: LoadedModel, cfg: EngineConfig) -> int:
@@ -73,12 +74,9 @@ class Engine:
             lambda: load_model(self.config.model, self.config.device, self.config.dtype, **kwargs))
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        self._listeners: list[Listener] = []
-        self._step_listeners: list[Callable[[], None]] = []
         self._batch_listeners: list[Callable[[EngineBatch], None]] = []
-        self._pending: list[Event] = []  # events emitted since the last drain (with batch listeners)
+        self.events = EventQueue()  # every part of the engine queues its events here (events.py)
         self._batches = 0
-        self._seq = itertools.count(1)
         self._cmds: "queue.Queue[tuple]" = queue.Queue()
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -96,15 +94,17 @@ class Engine:
         set_cpu_threads(cfg.threads)
         n = pool_blocks(self.loaded, self.config)
         self.hasher = BlockHasher(cfg.hash, cfg.block_size, cfg.hash_seed)
-        self.pool = BlockPool(n, cfg.block_size, cfg.eviction, emit=self._emit, hex_fn=self.hasher.fn.hex)
+        emit = self.events.put
+        self.pool = BlockPool(n, cfg.block_size, cfg.eviction, events=self.events, hex_fn=self.hasher.fn.hex)
         self.runner = ModelRunner(self.loaded, n, cfg.block_size, packed=cfg.packed_weights,
                                   cascade=cfg.cascade_attention, native=cfg.native_attention)
         eos = self.loaded.model.generation_config.eos_token_id if self.loaded.model.generation_config else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(cfg, self.pool, self.runner, self.hasher, self.tokenizer,
-                                   self.model_name, self._emit, eos_ids)
+        self.kv = KVManager(cfg, self.pool, self.hasher, self.model_name, emit, decode=self.tokenizer.decode)
+        self.output = OutputProcessor(self.tokenizer, eos_ids, self.runner.max_positions, emit)
+        self.scheduler = Scheduler(cfg, self.kv, self.output, emit)
         self._end_step()
         try:  # compile the chat template now, not on a user's first message (~0.7 s, holds the GIL)
             encode_chat(self.tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
@@ -112,50 +112,30 @@ class Engine:
             pass
 
     # --- events -------------------------------------------------------------------------------
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call `listener(event)` on the engine thread for every event; returns an unsubscribe."""
-        self._listeners.append(listener)
-        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
-
-    def on_step_end(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Call `fn()` on the engine thread after every step, command and call: the events
-        emitted since the last call form one step's batch (kvplay serve publishes each as one
-        vLLM EventBatch). Returns an unsubscribe."""
-        self._step_listeners.append(fn)
-        return lambda: self._step_listeners.remove(fn) if fn in self._step_listeners else None
-
     def subscribe_batches(self, fn: Callable[[EngineBatch], None]) -> Callable[[], None]:
-        """Call `fn(batch)` on the engine thread once per step, command or call that emitted
-        anything: the step's events in order (the pool and scheduler queue them through
-        `_emit`; `_drain_events` hands them over, as vLLM's `take_events()`). The one stream
-        every cache view reads (wire/mirror.py mirrors it). Returns an unsubscribe."""
+        """Call `fn(batch)` on the engine thread at the end of every step, command and call: the
+        events the engine's parts queued meanwhile, in order (possibly none: the batch also says
+        a step ended, e.g. for a server that sends a step's outputs at once). The one stream
+        every cache view, the recorder, the KV-event publisher and the metrics read (wire/mirror.py
+        mirrors it). Returns an unsubscribe.
+
+        A request's result is handed to its waiter as the step produces it, before the step's
+        batch goes out: `call(lambda: None)` returns once that batch has been handed over."""
         self._batch_listeners.append(fn)
         return lambda: self._batch_listeners.remove(fn) if fn in self._batch_listeners else None
 
-    def _emit(self, event: Event) -> None:
-        """The one entry point of every engine event: stamped, queued for the step's batch,
-        and given to per-event listeners."""
-        event.seq = next(self._seq)
-        event.ts = time.time()
-        if self._batch_listeners:
-            self._pending.append(event)
-        for fn in list(self._listeners):
-            try:
-                fn(event)
-            except Exception:  # a broken listener never stops the engine
-                pass
-
     def _drain_events(self) -> None:
-        """Hand the events queued since the last drain to the batch listeners as one batch."""
-        if not self._pending:
+        """Take the events queued since the last drain and hand them to the batch subscribers
+        as one batch (vLLM's ``take_events()``)."""
+        events = self.events.take()
+        if not self._batch_listeners:
             return
-        events, self._pending = self._pending, []
         self._batches += 1
-        batch = EngineBatch(self._batches, time.time(), events)
+        batch = EngineBatch(self._batches, time.time(), events, self.runner.forwards)
         for fn in list(self._batch_listeners):
             try:
                 fn(batch)
-            except Exception:  # a broken listener never stops the engine
+            except Exception:  # a broken subscriber never stops the engine
                 pass
 
     # --- thread -------------------------------------------------------------------------------
@@ -229,8 +209,7 @@ class Engine:
                 if self.scheduler.has_work() and not self._stop.is_set():
                     try:
                         with self._lock:
-                            self.scheduler.step()
-                            self._end_step()
+                            self.step()
                     except Exception as exc:  # model failure: fail in-flight requests, keep serving
                         self.failure = f"{type(exc).__name__}: {exc}"
                         with self._lock:
@@ -238,6 +217,17 @@ class Engine:
                             self._end_step()
         finally:
             self._final_drain()
+
+    def step(self) -> bool:
+        """One engine step (on the engine thread, under its lock; tests without a thread call it
+        themselves): the scheduler decides, the model runs the decision, the scheduler takes the
+        logits back; then the step's events go out as one batch. True if the model ran."""
+        decision = self.scheduler.schedule()
+        if decision:  # decode rows and prompt chunks in one forward: the weights are read once a step
+            logits = self.runner.forward(decision.rows(), self.config.deterministic)
+            self.scheduler.update(decision, logits)
+        self._end_step()
+        return bool(decision)
 
     def _run_cmd(self, cmd: tuple) -> None:
         op, *args = cmd
@@ -302,7 +292,7 @@ class Engine:
         def apply():  # on the engine thread, in order with submits: the event is where it applies
             old = self.users.set_group(name, group)
             if old != group:
-                self._emit(UserGroupChanged(user=name, old_group=old, new_group=group))
+                self.events.put(UserGroupChanged(user=name, old_group=old, new_group=group))
         self._post(apply)  # does not wait: submits queued after this one see the new group
 
     def submit(self, user: str, messages: list[dict] | None = None, sampling: SamplingParams | None = None,
@@ -324,7 +314,7 @@ class Engine:
                      prompt_ids: list[int] | None = None, system_tokens: int = 0,
                      request_id: str | None = None, trace_logits: bool = False) -> Request:
         """Validate one turn and build its Request (with a handle) without queueing it.
-        `submit` queues it; tests that drive `scheduler.step()` themselves use `take_in`."""
+        `submit` queues it; tests that drive `step()` themselves use `take_in`."""
         sampling = (sampling or SamplingParams()).validate()
         if not user or not str(user).strip():
             raise EngineError("a request needs a user name")
@@ -357,7 +347,7 @@ class Engine:
         its group is read from the registry now."""
         req.group = self.users.group_of(req.user)  # identity: the registry, at take-in
         self.scheduler.add(req)
-        self._emit(RequestQueued(request_id=req.request_id, user=req.user, prompt_tokens=len(req.prompt_ids)))
+        self.events.put(RequestQueued(request_id=req.request_id, user=req.user, prompt_tokens=len(req.prompt_ids)))
 
     def generate(self, user: str, messages: list[dict], sampling: SamplingParams | None = None,
                  timeout: float | None = None):
@@ -372,6 +362,11 @@ class Engine:
         """Drop every cached block (blocks in use by running requests keep serving them); the
         pool emits `AllBlocksCleared(reason="cleared")` on the engine thread, where it applies."""
         return self.call(lambda: self.pool.clear("cleared"))
+
+    def set_miss_attribution(self, on: bool) -> None:
+        """Explain why each miss was computed (engine/miss.py) or not, from the next admission on
+        (on by default; the bench measures what it costs)."""
+        self.call(lambda: self.kv.set_attribution(on))
 
     def needs_fresh_cache(self, **changes) -> bool:
         """Would these config changes invalidate what is cached? (hash, seed, determinism)."""
@@ -395,14 +390,14 @@ class Engine:
             previous = {k: getattr(self.config, k) for k in changes}
             changed = {k: v for k, v in changes.items() if v != previous[k]}
             if changed:  # recorded where it applies, in order with the requests around it
-                self._emit(SettingsChanged(changes=changed, previous={k: previous[k] for k in changed}))
+                self.events.put(SettingsChanged(changes=changed, previous={k: previous[k] for k in changed}))
             for k, v in changes.items():
                 setattr(self.config, k, v)
             if "eviction" in changes:
                 self.pool.set_policy(make_policy(self.config.eviction))
             if clear:  # a new cache generation: running requests' later blocks stay unindexed
                 self.hasher = BlockHasher(self.config.hash, self.config.block_size, self.config.hash_seed)
-                self.scheduler.kv.new_generation(self.hasher)
+                self.kv.new_generation(self.hasher)
                 self.pool.hex = self.hasher.fn.hex
                 self.pool.clear("reconfigured")
             # waiting requests pick up a new isolation (or hasher) at their next admission
@@ -414,28 +409,28 @@ class Engine:
     # --- observation (engine/observe.py) ---------------------------------------------------------
     def _end_step(self) -> None:
         """After each step or command (engine thread, under the lock): refresh the published
-        stats, hand over the step's event batch, then call the step listeners."""
+        stats and hand over the step's event batch."""
         self._observer.publish()
         self._drain_events()
-        for fn in list(self._step_listeners):
-            try:
-                fn()
-            except Exception:  # a broken listener never stops the engine
-                pass
-
-    def block_arrays(self, start: int = 0, stop: int | None = None) -> BlockArrays:
-        """Per-block state and creator codes for blocks [start, stop) (copies; never waits)."""
-        return self._observer.arrays(start, stop)
-
-    def block_summary(self, cells: int, start: int = 0, stop: int | None = None,
-                      user: str | None = None) -> BlockSummary:
-        """Blocks [start, stop) in `cells` equal ranges: counts, dominant state and creator."""
-        return self._observer.summary(cells, start, stop, user)
 
     @property
     def num_blocks(self) -> int:
         """The pool's size in blocks (fixed for the engine's life)."""
         return self.pool.num_blocks
+
+    @property
+    def max_positions(self) -> int:
+        """The model's context length in tokens."""
+        return self.runner.max_positions
+
+    @property
+    def forwards(self) -> int:
+        """Model forwards so far (the step clock every EngineBatch carries)."""
+        return self.runner.forwards
+
+    def decode_attention(self) -> str:
+        """Which decode-attention path the model's steps take, in words (runner.py)."""
+        return self.runner.decode_attention(self.config.deterministic)
 
     @property
     def block_bytes(self) -> int:

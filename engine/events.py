@@ -1,11 +1,22 @@
 """Typed engine events: one set of msgspec tagged structs, for memory, recording and replay.
 
 Cache events are shaped like vLLM's KV events (``BlockStored{block_hashes, parent_block_hash,
-token_ids, block_size}``, ``BlockRemoved{block_hashes}``, ``AllBlocksCleared``) plus our own
-creator/request fields, so a recorded session and a real vLLM stream could feed the same block
-map. Every event carries a monotonically increasing ``seq`` and a wall-clock ``ts``.
+token_ids, block_size, extra_keys}``, ``BlockRemoved{block_hashes}``, ``AllBlocksCleared``) plus
+our own fields (block ids, creator, request), so the engine, a recorded session and a watched
+vLLM or SGLang server feed the same Mirror with the same types (wire/translate.py turns vLLM's
+wire form into these, and the engine's into it, at the two sockets). Every event carries a
+monotonically increasing ``seq`` and a wall-clock ``ts``.
 
-Hashes travel as lowercase hex strings (JSON- and SQLite-friendly).
+Hashes are the engine's as lowercase hex strings; a server's as it sent them (vLLM: a uint64,
+SGLang: an int64, vLLM's full digests as hex). Extra keys (``extra_keys``, one entry per block)
+are what went into a block's hash besides its parent and tokens: the engine's typed
+``(kind, value)`` pairs (wire/translate.py gives vLLM its form of them), a server's as it sent them.
+
+The pool, the KV manager, the scheduler and the output processor *queue* their events
+(`EventQueue`, one per engine, so their order is kept) and the engine drains the queue once per
+step into one `EngineBatch` (vLLM's ``take_events()``): the batch carries the step, the time,
+the engine's forward count (its step clock) and, for a batch that came from a watched server
+or a recording, the envelope that says where from (`pod`, `wire_seq`).
 
 The events are msgspec structs tagged by ``"kind"`` (the class name), the way vLLM's and SGLang's
 own KV events are: building one costs what a plain object does (no validation on construction),
@@ -15,27 +26,36 @@ input, so a malformed or oversized event is counted and skipped, never a traceba
 """
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Annotated, Any, Optional, Union
 
 import msgspec
 
-# Bounds on one decoded event (what a recorded row may hold; generous for real sessions).
+# Bounds on one decoded event or batch: the one set, for recorded rows and the wire alike
+# (wire/codec.py decodes vLLM's events under them too). Generous for real servers: SGLang at page
+# size 1 sends one hash per token, so a 128k-token prefill is one event of 128k hashes.
+MAX_BLOCKS = 1 << 22           # block ids are below this (the largest pool a Mirror holds, ~130 MB of arrays)
 MAX_EVENT_BLOCKS = 1 << 20     # block ids / hashes in one event
-MAX_EVENT_TOKENS = 1 << 22     # token ids in one BlockStored
+MAX_EVENT_TOKENS = 1 << 22     # token ids in one event
+MAX_BLOCK_SIZE = 1 << 20       # tokens per block
 MAX_EVENT_TEXT = 4096          # users, request ids, hashes, reasons, errors
 MAX_EVENT_MAP = 4096           # keys of by_creator, stats, changes
-MAX_BATCH_EVENTS = 1 << 20     # events in one encoded batch
+MAX_BATCH_EVENTS = 1 << 20     # events in one batch
 MAX_BATCH_BYTES = 256 << 20    # bytes of one encoded batch (checked before decoding)
 
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_EVENT_TEXT)]
-_Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
-_Hashes = Annotated[list[_Text], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
+_Hash = Union[int, _Text]
+_Ids = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
+_Hashes = Annotated[list[_Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 _Texts = Annotated[list[_Text], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 _Tokens = Annotated[list[int], msgspec.Meta(max_length=MAX_EVENT_TOKENS)]
+_Extras = Annotated[list[Any], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
+_Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
 _Map = Annotated[dict[_Text, Any], msgspec.Meta(max_length=MAX_EVENT_MAP)]
 
 
-class Event(msgspec.Struct, kw_only=True, tag_field="kind", tag=True):
+class Event(msgspec.Struct, kw_only=True, tag_field="kind", tag=True, gc=False):
     seq: int = 0
     ts: float = 0.0
 
@@ -50,14 +70,17 @@ class Event(msgspec.Struct, kw_only=True, tag_field="kind", tag=True):
 
 # --- cache events (vLLM KV-event names) ---------------------------------------------------
 class BlockStored(Event):
-    """A full block was computed and entered the prefix index (one event per block here)."""
+    """Full blocks were computed and entered the prefix index (the engine: one event per block;
+    a server: a chain of them). `extra_keys`: one entry per block, or none when not known."""
     block_hashes: _Hashes = []
-    parent_block_hash: Optional[_Text] = None
+    parent_block_hash: Optional[_Hash] = None
     token_ids: _Tokens = []
-    block_size: int = 0
+    block_size: _Size = 0
     block_ids: _Ids = []
     user: _Text = ""
     request_id: _Text = ""
+    extra_keys: _Extras = []
+    group_idx: _Size = 0  # a hybrid model's KV-cache group (a server's; its hashes are its own)
 
 
 class BlockRemoved(Event):
@@ -66,6 +89,7 @@ class BlockRemoved(Event):
     block_ids: _Ids = []
     reason: _Text = "evicted"  # evicted | cleared | reconfigured
     creators: _Texts = []
+    group_idx: _Size = 0
     by_user: _Text = ""  # evicted: the user whose request's allocation pushed them out
     by_request: _Text = ""  # ... and that request
     policy: _Text = ""  # evicted: the eviction policy that picked them (lru | lfu | fifo | belady)
@@ -94,13 +118,18 @@ class AllBlocksCleared(Event):
 
 
 class BlockHit(Event):
-    """A request reused cached blocks; `by_creator` is tokens per creating user."""
+    """A request reused cached blocks; `by_creator` is tokens per creating user; `token_ids`,
+    `block_size` and `extra_keys` (one entry per block) are the reused blocks' (what vLLM's
+    kv_cache_report_mode "full" re-announces)."""
     request_id: _Text = ""
     user: _Text = ""
     block_ids: _Ids = []
     block_hashes: _Hashes = []
     cached_tokens: int = 0
     by_creator: Annotated[dict[_Text, int], msgspec.Meta(max_length=MAX_EVENT_MAP)] = {}
+    token_ids: _Tokens = []
+    block_size: _Size = 0
+    extra_keys: _Extras = []
 
 
 _Span = tuple[int, int, _Text, _Text, _Text]
@@ -187,12 +216,40 @@ class SettingsChanged(Event):
     previous: _Map = {}
 
 
-class EngineBatch(msgspec.Struct):
+class EngineBatch(msgspec.Struct, gc=False):
     """What one engine step (or command) emitted, drained once at its end (vLLM's
-    ``take_events()``): `step` counts batches from 1, `ts` is when the batch was drained."""
-    step: int
-    ts: float
-    events: list
+    ``take_events()``): `step` counts batches from 1, `ts` is when the batch was drained,
+    `forwards` the engine's forward count then (the step clock the simulator enters requests
+    at). A watched server's batch (wire/translate.py) or a recorded one also says where it came
+    from: `pod` (a recording of watched pods keys their blocks by pod) and `wire_seq` (the
+    publisher's seq)."""
+    step: int = 0
+    ts: float = 0.0
+    events: list = []
+    forwards: Optional[int] = None
+    pod: Optional[str] = None
+    wire_seq: Optional[int] = None
+
+
+class EventQueue:
+    """Where the engine's parts queue their events as state changes (stamped with `seq` and
+    `ts`); the engine takes them once per step (`take`)."""
+
+    def __init__(self):
+        self._events: list = []
+        self._seq = itertools.count(1)
+
+    def put(self, event: Event) -> None:
+        event.seq = next(self._seq)
+        event.ts = time.time()
+        self._events.append(event)
+
+    def take(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)
 
 
 REF_EVENTS = (BlocksAllocated, BlocksTouched, BlocksReleased)
@@ -218,7 +275,7 @@ def event_from_dict(d: dict) -> Event:
 
 # --- encoding: the one place events become bytes and back ---------------------------------
 _ENCODER = msgspec.msgpack.Encoder()
-_BATCH_DECODER = msgspec.msgpack.Decoder(list[AnyEvent])
+_BATCH_DECODER = msgspec.msgpack.Decoder(Annotated[list[AnyEvent], msgspec.Meta(max_length=MAX_BATCH_EVENTS)])
 _RAW_DECODER = msgspec.msgpack.Decoder(Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH_EVENTS)])
 _EVENT_DECODER = msgspec.msgpack.Decoder(AnyEvent)
 

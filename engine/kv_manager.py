@@ -193,9 +193,13 @@ class KVManager:
             self.query_tokens += len(req.prompt_ids)
             self.hit_tokens += cached
             if matched:
+                blocks, tokens = self.pool.blocks, []
+                for b in matched:
+                    tokens.extend(self.pool.token_ids(b))
                 self.emit(BlockHit(request_id=req.request_id, user=req.user, block_ids=list(matched),
-                                   block_hashes=[req.keys.hasher.hex(self.pool.blocks[b].hash) for b in matched],
-                                   cached_tokens=cached, by_creator=dict(by)))
+                                   block_hashes=[req.keys.hasher.hex(blocks[b].hash) for b in matched],
+                                   cached_tokens=cached, by_creator=dict(by), token_ids=tokens, block_size=self.bs,
+                                   extra_keys=[[list(k) for k in blocks[b].extra] for b in matched]))
             if miss is not None:
                 req.stats.miss = miss
                 ex = miss["excerpt"] or {}

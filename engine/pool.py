@@ -9,7 +9,9 @@ A block holds ``block_size`` token slots of K and V for every layer (the tensor 
 - **in use**: ref count >= 1 (part of a running request's block table).
 
 The pool never grows: when neither free nor cached blocks remain, allocation fails and the
-scheduler preempts. Events are emitted here, where state changes (vLLM's block_pool style).
+scheduler preempts. Events are queued here, where state changes, and the engine takes them once
+per step (vLLM's block_pool ``kv_event_queue`` and ``take_events()``; `events`, an
+engine/events.py `EventQueue`, is shared with the engine's other parts so their order is kept).
 
 Scale: a GPU workstation's pool holds 10^5-10^6 blocks, so nothing here costs O(pool) per step.
 Numeric metadata lives in flat arrays (``array.array``, readable as numpy without a copy), one
@@ -31,7 +33,8 @@ from typing import Callable
 import numpy as np
 
 from .errors import EngineError
-from .events import AllBlocksCleared, BlockRemoved, BlocksAllocated, BlocksReleased, BlocksTouched, BlockStored, Event
+from .events import (AllBlocksCleared, BlockRemoved, BlocksAllocated, BlocksReleased, BlocksTouched, BlockStored,
+                     EventQueue)
 from .eviction import EvictionPolicy, make_policy
 
 FREE, CACHED, IN_USE = "free", "cached", "in_use"
@@ -183,7 +186,7 @@ class BlockPool:
     """Block metadata, the free queue, the prefix (hash -> block) index and eviction."""
 
     def __init__(self, num_blocks: int, block_size: int, eviction: str | EvictionPolicy = "lru",
-                 emit: Callable[[Event], None] | None = None, hex_fn: Callable[[int], str] = hex):
+                 events: EventQueue | None = None, hex_fn: Callable[[int], str] = hex):
         if num_blocks <= 0:
             raise EngineError("the pool needs at least one block")
         n = self.num_blocks = int(num_blocks)
@@ -215,7 +218,8 @@ class BlockPool:
         self.blocks = _Blocks(self)
         self.index: dict[int, int] = {}
         self.policy = make_policy(eviction) if isinstance(eviction, str) else eviction
-        self.emit = emit or (lambda e: None)
+        self.events = events if events is not None else EventQueue()
+        self.emit = self.events.put  # queue an event (taken by `take_events`)
         self.hex = hex_fn
         self.evictions = 0
         self.extra_users = 0  # sum over blocks of max(0, len(users_seen) - 1)
@@ -284,6 +288,10 @@ class BlockPool:
             code = self._user_code[user] = len(self.users)
             self.users.append(user)
         return code
+
+    def take_events(self) -> list:
+        """The events queued since the last call, in order (vLLM's ``take_events()``)."""
+        return self.events.take()
 
     # --- state changes ------------------------------------------------------------------------
     def allocate(self, n: int, now: float | None = None, by: tuple[str, str] | None = None) -> list[int]:
@@ -476,7 +484,7 @@ class BlockPool:
         self.emit(BlockStored(block_hashes=[self.hex(block_hash)],
                               parent_block_hash=None if parent_hash is None else self.hex(parent_hash),
                               token_ids=list(tokens), block_size=self.block_size, block_ids=[bid],
-                              user=user, request_id=request_id))
+                              user=user, request_id=request_id, extra_keys=[[list(k) for k in extra]]))
         return True
 
     def release(self, block_ids: list[int], now: float | None = None) -> None:

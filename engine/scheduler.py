@@ -15,12 +15,13 @@
    prompt never freezes the others' streaming (deterministic mode ends chunks on block
    boundaries). At least the last prompt token is always computed (its logits start the answer).
 
-``step()`` runs one decision: the model runner (``runner.py``) executes the decode rows and the
-prefill rows in one batched forward (as vLLM v1 mixes them: on CPU a step costs mostly one pass
-over the weights, so two forwards cost nearly twice one); ``update`` advances each request, has the KV
-manager register the blocks that became full, and hands the logits to the output processor
+The scheduler runs no model: the engine (``engine.py``, ``Engine.step``) has the model runner
+(``runner.py``) execute the decision's rows (decode rows and prefill rows in one batched forward,
+as vLLM v1 mixes them: on CPU a step costs mostly one pass over the weights, so two forwards cost
+nearly twice one) and hands the logits back to ``update``, which advances each request, has the
+KV manager register the blocks that became full, and gives the logits to the output processor
 (``output.py``: sampling, incremental detokenising, streaming, stats), finishing the requests it
-says are done.
+says are done. The engine builds the KV manager and the output processor and hands them in.
 
 A preempted request drops its blocks and hash keys; it is re-admitted under the isolation mode
 in force at its re-admission (with the group it was submitted with). See kv_manager.py.
@@ -34,8 +35,6 @@ from typing import Callable
 from .events import Event, RequestPreempted, RequestStarted
 from .kv_manager import KVManager
 from .output import OutputProcessor
-from .pool import BlockPool
-from .prefix import BlockHasher
 from .request import FINISHED, RUNNING, WAITING, Request
 from .runner import Row
 
@@ -53,20 +52,25 @@ class SchedulerOutput:
         return [Row(r.block_table, r.num_computed, r.tokens[r.num_computed:r.num_computed + n])
                 for r, n in self.prefill]
 
+    def rows(self) -> list[Row]:
+        """What the model runner computes: the decode rows, then the prefill rows."""
+        return self.decode_rows() + self.prefill_rows()
+
+    def computed(self) -> list[tuple[Request, int]]:
+        """(request, tokens computed) per row, in `rows` order."""
+        return [(r, 1) for r in self.decode] + self.prefill
+
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
 
 class Scheduler:
-    def __init__(self, config, pool: BlockPool, runner, hasher: BlockHasher, tokenizer, model_key: str,
-                 emit: Callable[[Event], None], eos_ids: set[int]):
+    def __init__(self, config, kv: KVManager, output: OutputProcessor, emit: Callable[[Event], None]):
         self.config = config
-        self.pool = pool
-        self.runner = runner
-        self.model_key = model_key
+        self.kv = kv
+        self.pool = kv.pool
+        self.output = output
         self.emit = emit
-        self.kv = KVManager(config, pool, hasher, model_key, emit, decode=getattr(tokenizer, "decode", None))
-        self.output = OutputProcessor(tokenizer, eos_ids, runner.max_positions, emit)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.preemptions = 0
@@ -185,19 +189,12 @@ class Scheduler:
             budget -= n
         return out
 
-    # --- one step: decide, execute, update -----------------------------------------------------
-    def step(self) -> bool:
-        """One scheduling step. Returns True if any model work was done."""
-        out = self.schedule()
-        if out:  # decode rows and prompt chunks in one forward: the weights are read once a step
-            logits = self.runner.forward(out.decode_rows() + out.prefill_rows(), self.config.deterministic)
-            self.update([(r, 1) for r in out.decode] + out.prefill, logits)
-        return bool(out)
-
-    def update(self, computed: list[tuple[Request, int]], logits) -> None:
-        """After a forward: `n` more tokens of each request are in the pool; register the blocks
-        that became full; a request with nothing left pending gets its next token."""
-        for (r, n), lg in zip(computed, logits):
+    # --- after the engine ran the decision ------------------------------------------------------
+    def update(self, decision: SchedulerOutput, logits) -> None:
+        """After the forward of `decision.rows()`: `n` more tokens of each request are in the
+        pool; register the blocks that became full; a request with nothing left pending gets its
+        next token (`logits`: one per row, None for a row whose logits are not needed)."""
+        for (r, n), lg in zip(decision.computed(), logits):
             r.num_computed += n
             r.high_water = max(r.high_water, r.num_computed)
             self.kv.register_full_blocks(r)

@@ -79,7 +79,7 @@ def engine_feed(eng, ctx: LabContext, n: int, rng: random.Random) -> dict:
     hasher, extras = _hasher_and_extras(eng, 1)
     vocab, bs = token_pool(eng.tokenizer), eng.config.block_size
     caught: list = []
-    unsub = eng.subscribe(lambda e: caught.append(e) if isinstance(e, ev.CollisionCaught) else None)
+    unsub = eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, ev.CollisionCaught)))
     seen: dict[int, tuple] = {}
     predicted, first_at, false_hits = 0, None, 0
     sampling = SamplingParams(max_tokens=1, stop_on_eos=False)
@@ -96,6 +96,7 @@ def engine_feed(eng, ctx: LabContext, n: int, rng: random.Random) -> dict:
             ctx.record(f"u{i % 7}", token_messages(eng.tokenizer, ids), sampling, res)
             false_hits += res.stats.cached_tokens > 0
             ctx.advance()
+        eng.call(lambda: None)  # the last step's batch is handed over (a result comes before its step ends)
     finally:
         unsub()
     return {"n": n, "predicted": predicted, "caught": len(caught), "false_hits": false_hits,
@@ -165,11 +166,12 @@ def _demo(eng, ctx, pair: dict, verify: bool, max_tokens: int) -> dict:
     eng.reconfigure(verify_on_hit=verify)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     caught: list = []
-    unsub = eng.subscribe(lambda e: caught.append(e) if isinstance(e, ev.CollisionCaught) else None)
+    unsub = eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, ev.CollisionCaught)))
     try:
         eng.clear_cache()
         ra = eng.submit("alice", prompt_ids=pair["ids_a"], sampling=sampling).result(600)
         rb = eng.submit("bob", prompt_ids=pair["ids_b"], sampling=sampling).result(600)
+        eng.call(lambda: None)  # the last step's batch is handed over (a result comes before its step ends)
     finally:
         unsub()
     ctx.record("alice", [{"role": "user", "content": pair["text_a"]}], sampling, ra)

@@ -93,7 +93,7 @@ class Core:
         self._out_lock = threading.Lock()
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="kvplay-core-call")
         self._stop = threading.Event()
-        self._unsub = self.engine.on_step_end(self._flush)
+        self._unsub = self.engine.subscribe_batches(self._flush)  # at the end of every step
         self._beat = threading.Thread(target=self._beats, name="kvplay-core-beat", daemon=True)
 
     # --- the engine thread ---------------------------------------------------------------------
@@ -103,7 +103,8 @@ class Core:
         if not hasattr(item, "token_id"):
             self._handles.pop(item.request_id, None)
 
-    def _flush(self) -> None:
+    def _flush(self, batch=None) -> None:
+        """The step's outputs in one message (called with every step's event batch)."""
         if not self._out:
             return
         with self._out_lock:

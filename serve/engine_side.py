@@ -109,8 +109,8 @@ class EngineSide:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.config = engine.config
-        self.max_positions = engine.runner.max_positions
-        self.num_blocks = engine.pool.num_blocks
+        self.max_positions = engine.max_positions
+        self.num_blocks = engine.num_blocks
         self.recording = ServeRecording(recorder) if recorder is not None else None
         self.recording_info = (None if recorder is None
                                else {"session_id": recorder.session_id, "path": str(recorder.path)})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from kvplay.engine.events import BlockHit, MissExplained, RequestFinished
 from kvplay.engine.miss import REASONS
 
 
@@ -27,7 +28,7 @@ def _labels(d: dict) -> str:
 
 
 class ServerMetrics:
-    """Counters fed by engine events (listener on the engine thread: only adds numbers)."""
+    """Counters fed by the engine's event batches (on the engine thread: only adds numbers)."""
 
     def __init__(self, engine):
         self._lock = threading.Lock()
@@ -37,29 +38,30 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.finished = defaultdict(int)  # finish reason -> requests
         self.miss = dict.fromkeys(REASONS, 0)  # miss reason -> prompt tokens computed
-        self._unsub = engine.subscribe(self._on_event)
+        self._unsub = engine.subscribe_batches(self._on_batch)
 
     def close(self) -> None:
         self._unsub()
 
-    def _on_event(self, ev) -> None:
-        kind = type(ev).__name__
-        if kind == "BlockHit":
-            with self._lock:
-                for creator, n in ev.by_creator.items():
-                    self.cached_by[(creator, ev.user)] += n
-        elif kind == "MissExplained":
-            with self._lock:
-                for _, n, reason, _, _ in ev.spans:
-                    if reason in self.miss:
-                        self.miss[reason] += n
-        elif kind == "RequestFinished":
-            st = ev.stats or {}
-            with self._lock:
-                self.prompt_tokens += st.get("prompt_tokens") or 0
-                self.prompt_cached += st.get("cached_tokens") or 0
-                self.generation_tokens += st.get("output_tokens") or 0
-                self.finished[ev.finish_reason] += 1
+    def _on_batch(self, batch) -> None:
+        for ev in batch.events:
+            cls = type(ev)
+            if cls is BlockHit:
+                with self._lock:
+                    for creator, n in ev.by_creator.items():
+                        self.cached_by[(creator, ev.user)] += n
+            elif cls is MissExplained:
+                with self._lock:
+                    for _, n, reason, _, _ in ev.spans:
+                        if reason in self.miss:
+                            self.miss[reason] += n
+            elif cls is RequestFinished:
+                st = ev.stats or {}
+                with self._lock:
+                    self.prompt_tokens += st.get("prompt_tokens") or 0
+                    self.prompt_cached += st.get("cached_tokens") or 0
+                    self.generation_tokens += st.get("output_tokens") or 0
+                    self.finished[ev.finish_reason] += 1
 
     def snapshot(self) -> dict:
         """The counters, copied (plain data: it crosses from the engine-core process)."""

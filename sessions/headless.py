@@ -244,8 +244,8 @@ def start_engine(config):
 
     engine = Engine(config).start()
     print(f"kvplay: {inert(engine.model_name)} ready in {time.perf_counter() - t:.1f} s "
-          f"({engine.pool.num_blocks} blocks of {config.block_size} tokens; decode attention: "
-          f"{engine.runner.decode_attention(config.deterministic)})", file=sys.stderr, flush=True)
+          f"({engine.num_blocks} blocks of {config.block_size} tokens; decode attention: "
+          f"{engine.decode_attention()})", file=sys.stderr, flush=True)
     return engine
 
 

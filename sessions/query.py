@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kvplay.engine.events import AllBlocksCleared, MissExplained, RequestQueued, SettingsChanged, UserGroupChanged
 from kvplay.engine.miss import miss_from_event
 
-from .event_log import count_events, read_events
+from .event_log import count_events, event_dicts, read_batches
 from .script import Script, TurnSpec, UserSpec
 from .store import StoreError
 
@@ -43,13 +44,13 @@ def session_turns(db, sid: str) -> list[dict]:
     return rows
 
 
-def with_misses(db, sid: str, turns: list[dict], events: list[dict] | None = None) -> list[dict]:
+def with_misses(db, sid: str, turns: list[dict], events: list | None = None) -> list[dict]:
     """Give each turn its `miss` object (why its uncached prompt tokens were computed), from the
     session's MissExplained events (`events`: the session's events, when already read); None for
     turns recorded before kvplay explained misses."""
     if events is None:
-        events = read_events(db, sid, ("MissExplained",))[0]
-    misses = {e.get("request_id"): miss_from_event(e) for e in events if e.get("kind") == "MissExplained"}
+        events = [e for b in read_batches(db, sid, ("MissExplained",))[0] for e in b.events]
+    misses = {e.request_id: miss_from_event(e) for e in events if type(e) is MissExplained}
     for t in turns:
         t["miss"] = misses.get(t.get("request_id"))
     return turns
@@ -63,10 +64,11 @@ TIMELINE_KINDS = ("UserGroupChanged", "SettingsChanged", "AllBlocksCleared", "Re
 CLEAR_REASONS = ("cleared",)
 
 
-def timeline_events(db, sid: str) -> list[dict]:
+def timeline_events(db, sid: str) -> list:
     """The recorded events `settings_timeline` reads (settings, groups, clears and each request's
     queueing), in order, without loading the session's cache events."""
-    return read_events(db, sid, TIMELINE_KINDS)[0]  # a damaged row is skipped, never a traceback
+    batches = read_batches(db, sid, TIMELINE_KINDS)[0]  # a damaged row is skipped, never a traceback
+    return [e for b in batches for e in b.events]
 
 
 @dataclass
@@ -78,7 +80,7 @@ class Changes:
     engine: dict = field(default_factory=dict)
 
 
-def settings_timeline(users: list[dict], turns: list[dict], events: list[dict]) -> tuple[dict, dict]:
+def settings_timeline(users: list[dict], turns: list[dict], events: list) -> tuple[dict, dict]:
     """(each user's group when the session began, {turn seq: Changes made before it}) from the
     recorded `UserGroupChanged`, `SettingsChanged` and `AllBlocksCleared` events, placed by the
     turns' `RequestQueued` events.
@@ -99,21 +101,19 @@ def settings_timeline(users: list[dict], turns: list[dict], events: list[dict]) 
     clear = False
     at_turn: dict = {}
     for e in events:
-        kind = e.get("kind")
-        if kind == "UserGroupChanged":
-            user = e.get("user")
-            if not isinstance(user, str):
-                continue
+        cls = type(e)
+        if cls is UserGroupChanged:
+            user = e.user
             if user not in seen:
                 seen.add(user)
-                start[user] = e.get("old_group")
-            groups[user] = e.get("new_group") or ""
-        elif kind == "SettingsChanged" and isinstance(e.get("changes"), dict):
-            engine.update(e["changes"])
-        elif kind == "AllBlocksCleared" and e.get("reason") in CLEAR_REASONS:
+                start[user] = e.old_group
+            groups[user] = e.new_group or ""
+        elif cls is SettingsChanged:
+            engine.update(e.changes)
+        elif cls is AllBlocksCleared and e.reason in CLEAR_REASONS:
             clear = True
-        elif kind == "RequestQueued" and e.get("request_id") in seq_of:
-            t = seq_of[e["request_id"]]
+        elif cls is RequestQueued and e.request_id in seq_of:
+            t = seq_of[e.request_id]
             ch = Changes(group=groups.pop(t["user"], None), clear=clear, engine=engine)
             if ch.group is not None or ch.clear or ch.engine:
                 at_turn[t["seq"]] = ch
@@ -186,7 +186,8 @@ def load_session(db, ident: str, events: bool = False) -> dict:
     for t in out["turns"]:
         t.pop("session_id", None)
     if events:
-        out["events"], bad = read_events(db, s["id"])
+        batches, bad = read_batches(db, s["id"])
+        out["events"] = event_dicts(batches)
         if bad:
             out["bad_events"] = bad
     else:

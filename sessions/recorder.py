@@ -1,14 +1,15 @@
 """Recorder: writes one session (its users, turns and engine events) into the sessions DB.
 
     rec = Recorder.open(db_path, config, model_name, source, system_prompt, script_path, replay_of)
-    rec.attach(engine)        # engine event batches are queued (the listener only enqueues)
+    rec.attach(engine)        # the engine's (or a backend's) event batches are queued (the subscriber only enqueues)
     rec.add_user("alice", group=None, colour=None, seed=1, temperature=0.0)
     rec.record_turn(user, text, messages, sampling, result)   # one commit per finished turn
     rec.close()               # marks the session ended
 
 Events are recorded one row per batch (sessions/event_log.py): an engine step's `EngineBatch`
-becomes one `event_batches` row holding its events msgpack-encoded. The engine thread only
-appends the batch to a bounded queue; a writer thread of the recorder's own encodes and writes
+(or an attached server's, wire/remote.py) becomes one `event_batches` row holding its events
+msgpack-encoded and its envelope (step, time, the engine's forward count, pod, wire seq). The
+engine thread only appends the batch to a bounded queue; a writer thread of the recorder's own encodes and writes
 whatever is queued in one transaction each time it wakes (so a busy engine costs one commit per
 wake, not one per batch). When the queue is full the batch is dropped and counted
 (`dropped_events`, written to the session), never waited for: the engine is never blocked.
@@ -31,6 +32,8 @@ import time
 import msgspec
 
 from typing import TYPE_CHECKING
+
+from kvplay.engine.events import EngineBatch
 
 if TYPE_CHECKING:  # annotations only: recording a watched server must not import torch
     from kvplay.engine.config import EngineConfig
@@ -65,8 +68,8 @@ class Recorder:
         self.db = db
         self.session_id = session_id
         self._lock = threading.Lock()
-        # queued batches: (events, step, ts, forwards, pod, wire_seq); appended on the engine
-        # thread, taken under _lock (deque appends and pops are atomic)
+        # queued EngineBatches; appended on the engine thread, taken under _lock (deque appends
+        # and pops are atomic)
         self._queue: collections.deque = collections.deque()
         self._queued = 0  # events in _queue
         self._qlock = threading.Lock()  # _queue and _queued; never held while writing
@@ -102,43 +105,27 @@ class Recorder:
         rec.path = str(resolve_path(db_path))
         return rec
 
-    # --- engine events (listeners run on the engine thread: only enqueue) ----------------------
+    # --- engine events (subscribers run on the engine thread: only enqueue) --------------------
     def attach(self, engine) -> None:
-        """Record `engine`'s event batches (`subscribe_batches`); a source with only per-event
-        `subscribe` (a remote backend) has its events queued one by one and written together."""
+        """Record the event batches of `engine` (an Engine, or a backend that offers the same
+        `subscribe_batches`: wire/remote.py)."""
         if self._unsub is None:
             self._engine = engine
-            if hasattr(engine, "subscribe_batches"):
-                self._unsub = engine.subscribe_batches(self._on_batch)
-            else:
-                self._unsub = engine.subscribe(self._on_event)
+            self._unsub = engine.subscribe_batches(self.record_batch)
             self._start_writer()
 
-    def _forwards(self) -> int | None:
-        # On the engine thread, at the end of a step or command: the forward count read here is
-        # the step clock of the batch (the simulator enters each request at its recorded clock).
-        return getattr(getattr(self._engine, "runner", None), "forwards", None)
-
-    def _on_batch(self, batch) -> None:
-        self.record_batch(batch.events, step=batch.step, ts=batch.ts, forwards=self._forwards())
-
-    def _on_event(self, ev) -> None:
-        self.record_batch([ev], ts=ev.ts, forwards=self._forwards())
-
-    def record_batch(self, events: list, step: int | None = None, ts: float | None = None,
-                     forwards: int | None = None, pod: str | None = None, wire_seq: int | None = None) -> bool:
-        """Queue one batch of engine events for the writer thread (never blocks, any thread):
-        False when the queue is full and the batch was dropped (counted in `dropped_events`).
-        Batches without a `step` (events recorded one at a time) that follow each other with the
-        same pod and wire_seq are written as one row."""
-        n = len(events)
+    def record_batch(self, batch: EngineBatch) -> bool:
+        """Queue one batch (engine/events.py `EngineBatch`: its events and envelope) for the
+        writer thread (never blocks, any thread): False when the queue is full and the batch was
+        dropped (counted in `dropped_events`). A batch without events writes nothing."""
+        n = len(batch.events)
         if not n:
             return True
         with self._qlock:
             full = self._queued + n > MAX_QUEUED_EVENTS or self._closed
             if not full:
                 self._queued += n
-                self._queue.append((events, step, ts, forwards, pod, wire_seq))
+                self._queue.append(batch)
         if full:
             self._dropped(n, 1)
             return False
@@ -188,28 +175,11 @@ class Recorder:
             self._queue.clear()
             self._queued = 0
         rows = []
-
-        def add(events, step, ts, key) -> None:
+        for batch in taken:
             try:
-                rows.append(batch_row(self.session_id, events, step, ts, *key))
+                rows.append(batch_row(self.session_id, batch))
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-                self._dropped(len(events), 1)
-
-        merged: list | None = None
-        key = None
-        for events, step, ts, forwards, pod, wire_seq in taken:
-            if step is None and merged is not None and key == (forwards, pod, wire_seq):
-                merged.extend(events)
-                continue
-            if merged is not None:
-                add(merged, None, None, key)
-                merged = None
-            if step is None:
-                merged, key = list(events), (forwards, pod, wire_seq)
-            else:
-                add(events, step, ts, (forwards, pod, wire_seq))
-        if merged is not None:
-            add(merged, None, None, key)
+                self._dropped(len(batch.events), 1)
         return rows
 
     def _prompt_ids(self, messages: list[dict], result: RequestResult) -> tuple[list[int] | None, int | None]:
@@ -274,22 +244,6 @@ class Recorder:
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot record turn {self._seq} in {self.path}: {exc}") from None
         return tid
-
-    def record_events(self, events, columns: list[dict] | None = None) -> None:
-        """Write events that did not come from an attached engine (a watched server's KV events,
-        as engine events) now, in one transaction; `columns[i]` (pod, wire_seq) goes with event
-        i: consecutive events with the same columns are one batch row."""
-        events = list(events)
-        columns = list(columns or ())
-        columns += [{}] * (len(events) - len(columns))
-        rows = []
-        start = 0
-        for i in range(1, len(events) + 1):
-            cur = columns[start]
-            if i == len(events) or (columns[i] is not cur and columns[i] != cur):
-                rows.append(batch_row(self.session_id, events[start:i], pod=cur.get("pod"), wire_seq=cur.get("wire_seq")))
-                start = i
-        self.write_rows(rows, len(events))
 
     def write_rows(self, rows: list[tuple], events: int = 0) -> None:
         """Write `event_batches` rows (`event_log.batch_row`, `events` events in all) now, in one

@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
-from kvplay.engine.events import RequestFinished, RequestQueued, RequestStarted
+from kvplay.engine.events import EventQueue, RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.prefix import BlockHasher, block_extras
 
 if TYPE_CHECKING:
     from kvplay.engine.request import Request
-    from kvplay.engine.scheduler import Scheduler
 
 SIM_POLICIES = tuple(POLICIES) + ("belady",)
 MAX_STEPS = 5_000_000
@@ -104,8 +103,9 @@ class _SilentTokenizer:
 
 
 class ReplayRunner:
-    """Takes the ModelRunner's place: counts forwards like it and answers each row with logits
-    that make the scheduler's own sampler pick the recorded next token (then end-of-sequence)."""
+    """Takes the ModelRunner's place: counts forwards like it and answers each of a decision's
+    rows with logits that make the scheduler's own sampler pick the recorded next token (then
+    end-of-sequence)."""
 
     def __init__(self, vocab: int, eos: int):
         # start-up time: imported when this first runs
@@ -115,7 +115,6 @@ class ReplayRunner:
         self.vocab, self.eos = vocab, eos
         self.forwards = 0
         self.max_positions = 1 << 30
-        self.scheduler: Scheduler | None = None
         self.outputs: dict[str, list[int]] = {}
 
     def _logits(self, req: Request):
@@ -126,16 +125,12 @@ class ReplayRunner:
         lg[tok] = 0.0
         return lg
 
-    def forward(self, rows, deterministic: bool = False):
+    def forward(self, decision) -> list:
+        """One step's "forward" of `decision` (engine/scheduler.SchedulerOutput): per row, the
+        logits of its request's next token when the row reaches the end of what is pending."""
         self.forwards += 1
-        running = self.scheduler.running
-        by_table = {id(r.block_table): r for r in running}
-        out = []
-        for row in rows:  # a row carries its request's block table (every request's ends in blocks of its own)
-            req = by_table.get(id(row.block_table)) or next(r for r in running if r.block_table == row.block_table)
-            last = row.past_len + len(row.new_tokens) >= req.num_tokens
-            out.append(self._logits(req) if last else None)
-        return out
+        return [self._logits(req) if req.num_computed + n >= req.num_tokens else None
+                for req, n in decision.computed()]
 
 
 # --- Belady ------------------------------------------------------------------------------------
@@ -226,6 +221,8 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     miss attribution, engine/miss.py)."""
     # Imported here for start-up time: the scheduler pulls in torch (seconds), and `kvplay
     # export --help` / `simulate --help` import this module for its names alone.
+    from kvplay.engine.kv_manager import KVManager
+    from kvplay.engine.output import OutputProcessor
     from kvplay.engine.request import Request
     from kvplay.engine.sampling import SamplingParams, make_generator
     from kvplay.engine.scheduler import Scheduler
@@ -248,22 +245,29 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     seq = [0]
     now = [0.0]  # the wall clock of the latest arrival (imported traces keep their timestamps)
 
-    def emit(ev) -> None:
-        seq[0] += 1
-        ev.seq = seq[0]
-        ev.ts = now[0] + seq[0] * 1e-6
-        if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
-            future.admitted(position[ev.request_id])
-        elif isinstance(ev, RequestFinished):
-            finished.add(ev.request_id)
-        if keep_events:
-            events.append((ev, runner.forwards))
+    class Events(EventQueue):
+        """The engine's event queue, read as events are queued: Belady's future learns at once
+        which request was admitted (an eviction later in the same step depends on it)."""
 
-    pool = BlockPool(config.num_blocks, config.block_size, evict, emit=emit, hex_fn=hasher.fn.hex)
-    sched = Scheduler(config, pool, runner, hasher, _SilentTokenizer(), trace.model_key, emit, {runner.eos})
-    runner.scheduler = sched
+        def put(self, ev) -> None:
+            seq[0] += 1
+            ev.seq = seq[0]
+            ev.ts = now[0] + seq[0] * 1e-6
+            if isinstance(ev, RequestStarted) and future is not None and ev.request_id in position:
+                future.admitted(position[ev.request_id])
+            elif isinstance(ev, RequestFinished):
+                finished.add(ev.request_id)
+            if keep_events:
+                events.append((ev, runner.forwards))
+
+    queue = Events()
+    emit = queue.put
+    tokenizer = _SilentTokenizer()
+    pool = BlockPool(config.num_blocks, config.block_size, evict, events=queue, hex_fn=hasher.fn.hex)
+    kv = KVManager(config, pool, hasher, trace.model_key, emit, decode=tokenizer.decode)
     if not attribution:
-        sched.kv.set_attribution(False)
+        kv.set_attribution(False)
+    sched = Scheduler(config, kv, OutputProcessor(tokenizer, {runner.eos}, runner.max_positions, emit), emit)
     reqs = {}
     for i, r in enumerate(requests):
         runner.outputs[r.request_id] = list(r.output_ids)
@@ -295,7 +299,9 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
             enter(items[k])
             k += 1
         if sched.has_work():
-            sched.step()
+            decision = sched.schedule()  # an engine step (engine.py `Engine.step`), the model replayed
+            if decision:
+                sched.update(decision, runner.forward(decision))
             steps += 1
             if steps > MAX_STEPS:
                 raise EngineError(f"the simulation of {trace.source} did not finish in {MAX_STEPS} steps")

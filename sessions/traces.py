@@ -7,20 +7,20 @@ import json
 import time
 from dataclasses import dataclass
 
+from kvplay.engine import events as ev_
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.events import event_from_dict
 
-from .history import recorded_pool_size, session_events
+from .history import recorded_pool_size, session_batches
 from .query import resolve_session, session_turns, session_users
 from .simulate import Clear, Trace, TraceRequest, simulate
 from .store import StoreError, write_txn
 
 
-def session_config(session: dict, events: list[dict] | None = None) -> EngineConfig:
+def session_config(session: dict, batches: list | None = None) -> EngineConfig:
     """The engine settings a session ran under, with the pool size resolved."""
     cfg = EngineConfig.from_dict(dict(session.get("engine_config") or {}), where=f"session {session['id']}: engine config")
     if cfg.num_blocks is None:
-        n = recorded_pool_size(session, events or [])
+        n = recorded_pool_size(session, batches or [])
         if not n:
             raise StoreError(f"session {session['id']} did not record its pool size; "
                              "give --num-blocks to simulate it")
@@ -34,33 +34,34 @@ def session_trace(db, ident: str) -> Trace:
     session = resolve_session(db, ident)
     sid = session["id"]
     turns = {t["request_id"]: t for t in session_turns(db, sid) if t.get("request_id")}
-    events = session_events(db, sid)
+    batches = session_batches(db, sid)
     groups = {u["name"]: u.get("group") for u in session_users(db, sid)}
     items: list = []
     finished: set[str] = set()
     queued: set[str] = set()
-    for e in events:
-        kind = e.get("kind")
-        if kind == "RequestQueued" and e.get("request_id") in turns:
-            t = turns[e["request_id"]]
-            if not t.get("prompt_ids"):
-                raise StoreError(f"session {sid}: turn {t['seq']} has no recorded prompt token ids "
-                                 "(recorded by an older kvplay); record it again to simulate it")
-            items.append(TraceRequest(
-                t["request_id"], t["user"], list(t["prompt_ids"]), list(t.get("token_ids") or []),
-                group=groups.get(t["user"]), system_tokens=t.get("system_tokens") or 0,
-                stop=t.get("finish_reason") == "stop", clock=e.get("forwards"),
-                after=frozenset(finished & set(turns)), cached_tokens=t.get("cached_tokens"), ts=e.get("ts")))
-            queued.add(t["request_id"])
-        elif kind == "RequestFinished":
-            finished.add(e.get("request_id"))
-        elif kind == "UserGroupChanged":
-            groups[e.get("user")] = e.get("new_group")
-        elif kind == "AllBlocksCleared":
-            items.append(Clear(e.get("forwards"), frozenset(finished & set(turns)), e.get("reason") or "cleared"))
+    for b in batches:
+        for e in b.events:
+            cls = type(e)
+            if cls is ev_.RequestQueued and e.request_id in turns:
+                t = turns[e.request_id]
+                if not t.get("prompt_ids"):
+                    raise StoreError(f"session {sid}: turn {t['seq']} has no recorded prompt token ids "
+                                     "(recorded by an older kvplay); record it again to simulate it")
+                items.append(TraceRequest(
+                    t["request_id"], t["user"], list(t["prompt_ids"]), list(t.get("token_ids") or []),
+                    group=groups.get(t["user"]), system_tokens=t.get("system_tokens") or 0,
+                    stop=t.get("finish_reason") == "stop", clock=b.forwards,
+                    after=frozenset(finished & set(turns)), cached_tokens=t.get("cached_tokens"), ts=e.ts))
+                queued.add(t["request_id"])
+            elif cls is ev_.RequestFinished:
+                finished.add(e.request_id)
+            elif cls is ev_.UserGroupChanged:
+                groups[e.user] = e.new_group
+            elif cls is ev_.AllBlocksCleared:
+                items.append(Clear(b.forwards, frozenset(finished & set(turns)), e.reason or "cleared"))
     if not any(isinstance(i, TraceRequest) for i in items):
-        if any(e.get("kind") == "BlockStored" for e in events) and not turns:
-            return _stored_only_trace(session, events)  # a watched server: requests from its block chains
+        if any(type(e) is ev_.BlockStored for b in batches for e in b.events) and not turns:
+            return _stored_only_trace(session, batches)  # a watched server: requests from its block chains
         raise StoreError(f"session {sid} has no recorded requests to simulate")
     stats = session.get("stats") or {}
     hit, query = stats.get("hit_tokens"), stats.get("query_tokens")
@@ -68,7 +69,7 @@ def session_trace(db, ident: str) -> Trace:
         done = [t for t in turns.values() if t.get("request_id") in queued and t.get("prompt_tokens")]
         hit = sum(t.get("cached_tokens") or 0 for t in done)
         query = sum(t["prompt_tokens"] for t in done if t.get("error") is None)
-    return Trace(session_config(session, events), session.get("model") or "", items,
+    return Trace(session_config(session, batches), session.get("model") or "", items,
                  source=f"session {sid}", recorded_hit_tokens=hit, recorded_query_tokens=query,
                  final_settings={k: stats.get(k) for k in ("isolation", "eviction")})
 
@@ -77,50 +78,28 @@ def session_trace(db, ident: str) -> Trace:
 TRACE_FORMATS = ("vllm-jsonl", "vllm-msgpack", "mooncake")
 
 
-def _engine_event(d: dict):
-    return event_from_dict({k: v for k, v in d.items() if k != "forwards"})
-
-
-def vllm_batches(events: list[dict]) -> list:
-    """A session's cache events as vLLM EventBatches: the events of one engine step (same
-    forward count) in one batch, one BlockRemoved per block as vLLM sends them, the creating
-    user as each BlockStored's session_id."""
+def vllm_batches(batches: list) -> list:
+    """A session's recorded batches as vLLM EventBatches, as `kvplay serve` publishes them
+    (wire/translate.to_wire: consecutive stored blocks as one BlockStored with the creating user
+    as session_id, one BlockRemoved per evicted block), batches without cache events left out."""
     # start-up time: imported when this first runs
-    from kvplay.wire.codec import EventBatch, from_engine_event
+    from kvplay.wire.translate import to_wire
 
-    batches: list = []
-    key = object()
-    for d in events:
-        kind = d.get("kind")
-        if kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            continue
-        if kind == "BlockRemoved":
-            parts = [dict(d, block_hashes=[h], block_ids=d["block_ids"][i:i + 1], creators=d.get("creators", [])[i:i + 1])
-                     for i, h in enumerate(d.get("block_hashes") or [])]
-        else:
-            parts = [d]
-        k = d.get("forwards") if d.get("forwards") is not None else d.get("seq")
-        if k != key or not batches:
-            batches.append(EventBatch(d.get("ts") or 0.0, []))
-            key = k
-        for p in parts:
-            ev = from_engine_event(_engine_event(p), session_id=d.get("user") or None)
-            if ev is not None:
-                batches[-1].events.append(ev)
-    return [b for b in batches if b.events]
+    out = (to_wire(b) for b in batches)
+    return [b for b in out if b.events]
 
 
 def _json_hash(h):
     return h.hex() if isinstance(h, (bytes, bytearray)) else h
 
 
-def to_vllm_jsonl(events: list[dict]) -> str:
+def to_vllm_jsonl(batches: list) -> str:
     """One EventBatch per line, {"ts", "events"}, each event the map vLLM sends (uint64 hashes)."""
     # start-up time: imported when this first runs
     from kvplay.wire.codec import event_to_wire
 
     lines = []
-    for b in vllm_batches(events):
+    for b in vllm_batches(batches):
         evs = []
         for e in (event_to_wire(ev) for ev in b.events):
             if "block_hashes" in e:
@@ -132,12 +111,12 @@ def to_vllm_jsonl(events: list[dict]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def to_vllm_msgpack(events: list[dict]) -> bytes:
+def to_vllm_msgpack(batches: list) -> bytes:
     """The EventBatch payloads, back to back (exactly the third frame of each ZMQ message)."""
     # start-up time: imported when this first runs
     from kvplay.wire.codec import encode_batch
 
-    return b"".join(encode_batch(b) for b in vllm_batches(events))
+    return b"".join(encode_batch(b) for b in vllm_batches(batches))
 
 
 def _chain_ids(tokens: list[int], bs: int, ids: dict) -> list[int]:
@@ -307,10 +286,12 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
     # start-up time: imported when this first runs
     from kvplay.wire.codec import AllBlocksCleared, BlockStored, EventBatch
     from kvplay.wire.mirror import Mirror
+    from kvplay.wire.translate import FromWire, hash_key
 
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
     items: list = []
     mirror = Mirror(pod="trace")
+    from_wire = FromWire(mirror)
     resident = mirror.key_slot
     peak = hits = 0
     open_: dict = {}  # session id (user) -> (its latest request, the hash its chain ends with)
@@ -328,7 +309,7 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
                 prefix = [] if p is None else chain[p]
                 reused = len(prefix)  # vLLM stores a block only under a cached parent
                 for h in ev.block_hashes:  # re-announced cached blocks (kv_cache_report_mode "full") are hits
-                    if h not in resident or reused != len(chain.get(h, ())) - bs:
+                    if hash_key(h) not in resident or reused != len(chain.get(h, ())) - bs:
                         break
                     reused += bs
                 for i, h in enumerate(ev.block_hashes):
@@ -348,7 +329,7 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
             elif isinstance(ev, AllBlocksCleared):
                 items.append(Clear(None, frozenset(), "cleared"))
                 open_.clear()
-            mirror.apply_wire(EventBatch(b.ts, [ev]))
+            mirror.apply(from_wire(EventBatch(b.ts, [ev])))
             peak = max(peak, len(resident))
     query = sum(len(r.prompt_ids) for r in items if isinstance(r, TraceRequest))
     return items, hits, query, peak
@@ -460,35 +441,20 @@ def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
             if not steps or steps[-1][0] != forwards:
                 steps.append((forwards, []))
             steps[-1][1].append(ev)
-        insert_batch_rows(db, [batch_row(sid, evs, forwards=fw) for fw, evs in steps])
+        insert_batch_rows(db, [batch_row(sid, ev_.EngineBatch(k, evs[-1].ts, evs, fw)) for k, (fw, evs) in enumerate(steps, 1)])
     return sid
 
 
-def _stored_only_trace(session: dict, events: list[dict]) -> Trace:
+def _stored_only_trace(session: dict, batches: list) -> Trace:
     """A session that recorded blocks but no requests (`kvplay watch` of a real server): its
-    requests rebuilt from the stored chains, as for an imported vLLM capture."""
+    requests rebuilt from the stored chains, as for an imported vLLM capture (the recorded
+    batches in vLLM's form, wire/translate.to_wire)."""
     # start-up time: imported when this first runs
-    from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+    from kvplay.wire.translate import to_wire
 
-    batches, last = [], object()
-    for e in events:
-        k = e.get("kind")
-        if k == "BlockStored":
-            ev = BlockStored(list(e.get("block_hashes") or []), e.get("parent_block_hash"), list(e.get("token_ids") or []),
-                             e.get("block_size") or 0, session_id=e.get("user") or None)
-        elif k == "BlockRemoved":
-            ev = BlockRemoved(list(e.get("block_hashes") or []))
-        elif k == "AllBlocksCleared":
-            ev = AllBlocksCleared()
-        else:
-            continue
-        key = (e.get("pod"), e.get("ts"))
-        if key != last:
-            batches.append((len(batches) + 1, EventBatch(e.get("ts") or 0.0, [])))
-            last = key
-        batches[-1][1].events.append(ev)
-    items, hits, query, peak = _requests_from_stored(batches, f"session {session['id']}")
-    bs = next((e.get("block_size") for e in events if e.get("block_size")), 16)
+    wire = [(n, to_wire(b)) for n, b in enumerate(batches, 1)]
+    items, hits, query, peak = _requests_from_stored([(n, b) for n, b in wire if b.events], f"session {session['id']}")
+    bs = next((e.block_size for b in batches for e in b.events if type(e) is ev_.BlockStored and e.block_size), 16)
     trace = Trace(EngineConfig(model="trace", block_size=bs, num_blocks=1), "trace", items,
                   source=f"session {session['id']} (blocks only)", recorded_hit_tokens=hits, recorded_query_tokens=query)
     trace.config = trace.config.replace(num_blocks=max(peak, 2 * trace.max_blocks_needed()))

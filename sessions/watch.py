@@ -16,6 +16,7 @@ from kvplay.options import KvplayError
 from kvplay.wire.codec import WireError
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import TROUBLE, PodSource, Subscriber
+from kvplay.wire.translate import counts
 
 from .watch_recording import WatchRecording
 
@@ -63,18 +64,19 @@ def watch(sources: list[PodSource], duration: float | None = None, replay_timeou
         fleet.pod(s.name)
     recording = None
 
-    def on_batch(pod, seq, batch, counts, replayed):
+    def on_batch(pod, seq, batch, replayed):
         if recording is not None:
-            recording.on_batch(pod, seq, counts.events)
+            recording.on_batch(pod, seq, batch)
         if as_json:
-            d = {"pod": pod, "seq": seq, "stored": counts[0], "removed": counts[1], "cleared": counts[2]}
+            stored, removed, cleared = counts(batch)
+            d = {"pod": pod, "seq": seq, "stored": stored, "removed": removed, "cleared": cleared}
             if replayed:
                 d["replayed"] = True
             out.write(json.dumps(d) + "\n")
 
-    def on_restart(pod):
+    def on_restart(pod, batch):
         if recording is not None:
-            recording.on_restart(pod)
+            recording.on_restart(pod, batch)
 
     def on_state(pod, state):
         print(f"kvplay: pod {inert(pod, limit=256)} is {state}", file=sys.stderr, flush=True)
@@ -96,12 +98,10 @@ def watch(sources: list[PodSource], duration: float | None = None, replay_timeou
         raise KvplayError(str(exc)) from None
     if record:  # after the sockets opened: a refused watch records nothing
         try:
-            recording = WatchRecording(db, fleet, title="watch " + " ".join(s.name for s in sources))
+            recording = WatchRecording(db, title="watch " + " ".join(s.name for s in sources))
         except BaseException:
             sub.close()
             raise
-        for s in sources:
-            recording.watch(s.name)
     for pod, seqs in drops:
         sub.drop_live(pod, seqs)
     if recording is not None:

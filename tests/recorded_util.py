@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 from kvplay.engine.events import decode_events, encode_events
-from kvplay.sessions.event_log import read_events
+from kvplay.sessions.event_log import event_dicts, read_batches
 from kvplay.sessions.store import open_db
 
 
 def recorded(db_path, sid: str | None = None, kinds: tuple | None = None) -> list[dict]:
-    """The recorded events (dicts, in order) of session `sid`, or of every session in the DB."""
+    """The recorded events of session `sid`, or of every session in the DB, in order, as plain
+    data (sessions/event_log.event_dicts: each event's fields and its batch's envelope)."""
     db = open_db(db_path, create=False)
     try:
         sids = [sid] if sid else [r[0] for r in db.execute("select id from sessions order by id")]
         out = []
         for s in sids:
-            out += read_events(db, s, kinds)[0]
+            out += event_dicts(read_batches(db, s, kinds)[0])
         return out
     finally:
         db.close()
@@ -36,6 +37,28 @@ def drop_recorded(db_path, sid: str, drop) -> int:
     finally:
         db.close()
     return gone
+
+
+def as_batches(dicts: list) -> list:
+    """Recorded-form events (dicts: each an event's fields, its kind, and its batch's envelope
+    `forwards`, `pod`, `wire_seq`) as the recording reader gives them back: validated, one batch
+    per event, a watched pod's blocks named by pod and hash (sessions/event_log.py)."""
+    from kvplay.engine.events import EngineBatch, event_from_dict
+    from kvplay.sessions.event_log import name_blocks
+    from kvplay.wire.translate import Slots
+
+    slots = Slots()
+    out = []
+    for d in dicts:
+        env = {k: d[k] for k in ("forwards", "pod", "wire_seq") if k in d}
+        ev = event_from_dict({k: v for k, v in d.items() if k not in env})
+        out.append(name_blocks(EngineBatch(0, ev.ts, [ev], **env), slots))
+    return out
+
+
+def as_batch(d: dict):
+    """One recorded-form event as the batch a reader gives back (`as_batches`)."""
+    return as_batches([d])[0]
 
 
 def scrubber(db_path, sid: str):

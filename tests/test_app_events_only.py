@@ -14,7 +14,7 @@ from kvplay.engine.engine import Engine
 from kvplay.tui.backend import LocalEngineBackend
 from kvplay.tui.blockmap import BlockMap
 
-ALLOWED = ("register_user", "submit", "subscribe", "subscribe_batches", "num_blocks", "block_bytes",
+ALLOWED = ("register_user", "submit", "subscribe_batches", "num_blocks", "block_bytes",
            "config", "model_name", "tokenizer", "shutdown", "reconfigure", "needs_fresh_cache",
            "clear_cache", "set_group")
 

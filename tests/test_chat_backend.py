@@ -36,7 +36,7 @@ def test_the_local_backend_changes_the_engine_through_its_queue(make_engine):
 
 def test_an_unsupported_control_is_one_engine_error_line():
     class Minimal(ChatBackend):  # a backend that supports no control (the defaults)
-        register_user = submit = decode = close = subscribe = stats = summary = arrays = block = None
+        register_user = submit = decode = close = subscribe_batches = stats = summary = arrays = block = None
         num_blocks = version = 0
 
     b = Minimal()

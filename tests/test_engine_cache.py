@@ -207,7 +207,7 @@ def test_events_describe_block_lifecycle(make_engine):
 
     eng = make_engine(num_blocks=24)
     seen = []
-    eng.subscribe(seen.append)
+    eng.subscribe_batches(lambda b: seen.extend(b.events))
     for i in range(4):
         eng.generate(f"u{i}", chat(f"different {i} " * 10), GREEDY, timeout=60)
     kinds = {e.kind for e in seen}

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from pool_view import block_view
+
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.errors import EngineError
 from kvplay.engine.events import BlockHit
-from kvplay.engine.observe import block_view
 from kvplay.engine.sampling import SamplingParams
 
 WORDS = ["cache", "block", "hash", "salt", "user", "prompt", "model", "token"]
@@ -24,7 +25,7 @@ def test_no_cross_salt_hits(tiny_llama, mode, turns):
     system = {"role": "system", "content": "shared system prompt " * 3}
     hits = []
     with Engine(EngineConfig(model="tiny:llama", num_blocks=96, isolation=mode), tiny_llama) as eng:
-        eng.subscribe(lambda e: hits.append(e) if isinstance(e, BlockHit) else None)
+        eng.subscribe_batches(lambda b: hits.extend(e for e in b.events if isinstance(e, BlockHit)))
         sys_tokens = eng.encode([system, {"role": "user", "content": "x"}])[1]
         for u, g in groups.items():
             eng.register_user(u, g)

@@ -43,7 +43,7 @@ def drain(eng, limit=2000):
     for _ in range(limit):
         if not eng.scheduler.has_work():
             return
-        eng.scheduler.step()
+        eng.step()
     raise AssertionError("the scheduler did not finish its requests")
 
 
@@ -75,7 +75,7 @@ def test_group_attack_gets_nothing_from_the_victim(make_engine):
 def test_registry_binds_groups_and_set_group_applies_to_later_requests(make_engine):
     eng = make_engine(isolation="group", num_blocks=128)
     events = []
-    eng.subscribe(lambda e: events.append(e) if isinstance(e, UserGroupChanged) else None)
+    eng.subscribe_batches(lambda b: events.extend(e for e in b.events if isinstance(e, UserGroupChanged)))
     eng.register_user("alice", "g1")
     eng.register_user("alice", "g1")  # idempotent
     eng.register_user("bob", "g2")
@@ -132,10 +132,10 @@ def test_kvplay_run_group_attack_example_gives_zero_tokens_from_alice(capsys, tm
 def test_isolation_change_while_requests_run_and_get_preempted_gives_no_false_collision(tiny_llama):
     eng = local_engine(tiny_llama, num_blocks=14, prefill_budget=64)
     caught = []
-    eng.subscribe(lambda e: caught.append(e) if isinstance(e, CollisionCaught) else None)
+    eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, CollisionCaught)))
     reqs = [push(eng, f"u{i}", [10 + i] * 40, max_tokens=40) for i in range(3)]
     for _ in range(3):  # all three running, their full blocks registered under `shared`
-        eng.scheduler.step()
+        eng.step()
     assert all(r.status == "running" for r in reqs)
     eng.reconfigure(isolation="user")
     preempted_before = eng.scheduler.preemptions
@@ -149,15 +149,15 @@ def test_isolation_change_while_requests_run_and_get_preempted_gives_no_false_co
 def test_a_running_request_keeps_its_keys_and_a_readmitted_one_takes_the_current_ones(tiny_llama):
     eng = local_engine(tiny_llama, num_blocks=64)
     r = push(eng, "alice", [7] * 40, max_tokens=3)
-    eng.scheduler.step()
+    eng.step()
     keys = r.keys
     assert keys.isolation == "shared" and keys.salt is None
     eng.reconfigure(isolation="user")
-    eng.scheduler.step()
+    eng.step()
     assert r.keys is keys  # running: unchanged
     eng.scheduler._preempt(r)
     assert r.hashes == [] and r.keys is None
-    eng.scheduler.step()  # re-admitted under the mode in force now
+    eng.step()  # re-admitted under the mode in force now
     assert r.keys.isolation == "user" and r.keys.salt == ("salt", "user:alice")
     drain(eng)
     eng.pool.check()
@@ -166,7 +166,7 @@ def test_a_running_request_keeps_its_keys_and_a_readmitted_one_takes_the_current
 def test_blocks_filled_after_a_hash_change_are_not_indexed(tiny_llama):
     eng = local_engine(tiny_llama, num_blocks=64, prefill_budget=16)
     r = push(eng, "alice", [9] * 48, max_tokens=2)
-    eng.scheduler.step()  # first 16 tokens
+    eng.step()  # first 16 tokens
     eng.reconfigure(hash="blake2b64")  # a new cache generation
     drain(eng)
     assert r.stats.finish_reason == "length"
@@ -178,16 +178,16 @@ def test_blocks_filled_after_a_hash_change_are_not_indexed(tiny_llama):
 def test_a_collision_is_counted_once_per_request_not_per_admission_retry(tiny_llama):
     eng = local_engine(tiny_llama, num_blocks=8, hash="trunc:1")
     big = push(eng, "big", [20] * 100, max_tokens=12)  # 7 of the 8 blocks: the others wait
-    eng.scheduler.step()
+    eng.step()
     extras0 = block_extras("shared", "x", None, eng.model_name, 1, 0, 16)[0]
     target = eng.hasher.block_hash(None, [20] * 16, extras0)
     tok = next(t for t in range(30, 200) if eng.hasher.block_hash(None, [t] * 16, extras0) == target)
     waiter = push(eng, "waiter", [tok] * 40, max_tokens=2)  # its block 0 hash collides with big's
     caught = []
-    eng.subscribe(lambda e: caught.append(e) if isinstance(e, CollisionCaught) else None)
+    eng.subscribe_batches(lambda b: caught.extend(e for e in b.events if isinstance(e, CollisionCaught)))
     steps = 0
     while waiter.status == "waiting":
-        eng.scheduler.step()
+        eng.step()
         steps += 1
     assert steps > 3, "the waiter should retry admission several times"
     drain(eng)
@@ -204,11 +204,11 @@ def test_readmission_after_preemption_does_not_count_block_hits_again(tiny_llama
     push(eng, "alice", prefix + [1, 2], max_tokens=1)
     drain(eng)
     bob = push(eng, "bob", prefix + [3, 4, 5], max_tokens=20)
-    eng.scheduler.step()
+    eng.step()
     hit = bob.block_table[:3]
     assert [eng.pool.blocks[b].hits for b in hit] == [1, 1, 1]
     eng.scheduler._preempt(bob)
-    eng.scheduler.step()  # re-admitted: the same cached blocks again
+    eng.step()  # re-admitted: the same cached blocks again
     assert bob.block_table[:3] == hit
     assert [eng.pool.blocks[b].hits for b in hit] == [1, 1, 1]
     assert all(eng.pool.blocks[b].users_seen == {"alice", "bob"} for b in hit)

@@ -101,10 +101,11 @@ def test_a_divergence_on_a_block_boundary_is_still_a_divergence(make_engine):
 def test_a_pool_too_small_for_two_users_says_who_evicted(make_engine):
     eng = make_engine(num_blocks=24, isolation="user")
     removed = []
-    eng.subscribe(lambda e: removed.append(e) if e.kind == "BlockRemoved" else None)
+    eng.subscribe_batches(lambda b: removed.extend(e for e in b.events if e.kind == "BlockRemoved"))
     pa = ids(1, 150)
     a1 = ask(eng, "alice", pa)
     ask(eng, "bob", ids(2, 300))  # needs 19+ of the 24 blocks: evicts alice's cached ones
+    eng.call(lambda: None)  # the step that finished it has handed over its batch
     evicted = {h for e in removed if e.by_user == "bob" for h in e.block_hashes}
     assert evicted and all(e.policy == "lru" for e in removed if e.reason == "evicted")
     a2 = ask(eng, "alice", pa)
@@ -187,10 +188,11 @@ def test_a_caught_collision_is_its_own_reason(make_engine):
 def test_the_event_carries_the_same_object(make_engine):
     eng = make_engine()
     seen = []
-    eng.subscribe(lambda e: seen.append(e) if isinstance(e, MissExplained) else None)
+    eng.subscribe_batches(lambda b: seen.extend(e for e in b.events if isinstance(e, MissExplained)))
     p = ids(8, 70)
     ask(eng, "alice", p)
     r = ask(eng, "bob", p[:50] + ids(9, 30))
+    eng.call(lambda: None)  # the step that finished it has handed over its batch
     ev = next(e for e in seen if e.request_id == r.request_id)
     assert ev.cached_tokens == r.stats.cached_tokens and ev.prompt_tokens == r.stats.prompt_tokens
     assert miss_from_event(ev) == r.stats.miss == miss_from_event(ev.to_dict())  # live, or recorded
@@ -203,10 +205,11 @@ def test_the_event_carries_the_same_object(make_engine):
 
 def test_attribution_off_leaves_no_trace(make_engine):
     eng = make_engine()
-    eng.call(lambda: eng.scheduler.kv.set_attribution(False))
+    eng.set_miss_attribution(False)
     seen = []
-    eng.subscribe(lambda e: seen.append(e) if isinstance(e, MissExplained) else None)
+    eng.subscribe_batches(lambda b: seen.extend(e for e in b.events if isinstance(e, MissExplained)))
     r = ask(eng, "alice", ids(10, 40))
+    eng.call(lambda: None)  # the step that finished it has handed over its batch
     assert r.stats.miss is None and not seen
 
 

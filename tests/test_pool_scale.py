@@ -10,9 +10,11 @@ import random
 import numpy as np
 import pytest
 
-from kvplay.engine import observe
+from pool_view import block_view
+
 from kvplay.engine.pool import STATES, BlockPool, NoFreeBlocks
 from kvplay.engine.sampling import SamplingParams
+from kvplay.wire.views import BlockArrays, summarize
 
 
 def test_a_million_block_pool_builds_allocates_and_releases():
@@ -171,9 +173,9 @@ def test_lfu_and_fifo_heaps_forget_removed_blocks():
         pool.check()
 
 
-# --- the engine's observation API on a real tiny model --------------------------------------------
+# --- the engine's events, mirrored, on a real tiny model --------------------------------------------
 def full_views(eng):
-    return eng.call(lambda: [observe.block_view(eng.pool, b) for b in range(eng.pool.num_blocks)])
+    return eng.call(lambda: [block_view(eng.pool, b) for b in range(eng.pool.num_blocks)])
 
 
 def brute_stats(eng):
@@ -201,7 +203,7 @@ def test_mirror_stats_and_summary_match_a_full_recount(tiny_llama):
 
     eng = Engine(EngineConfig(model="tiny:llama", num_blocks=48, eviction="lfu"), tiny_llama)
     mirror = Mirror(48)
-    eng.subscribe_batches(mirror.apply_batch)
+    eng.subscribe_batches(mirror.apply)
     eng.start()
     try:
         assert len(mirror.views()) == 48 and all(v.state == "free" for v in mirror.views())
@@ -217,10 +219,10 @@ def test_mirror_stats_and_summary_match_a_full_recount(tiny_llama):
     finally:
         eng.shutdown()
 
-    arrays = eng.block_arrays()
+    arrays = mirror.arrays()
     assert [STATES[c] for c in arrays.state] == [v.state for v in truth]
     assert [arrays.users[c] if c >= 0 else None for c in arrays.creator] == [v.creator for v in truth]
-    summary = eng.block_summary(5, user="alice")
+    summary = mirror.summary(5, user="alice")
     assert summary.cells == 5 and summary.bounds[0] == 0 and summary.bounds[-1] == 48
     for k in range(5):
         cell = truth[summary.bounds[k]:summary.bounds[k + 1]]
@@ -234,19 +236,23 @@ def test_mirror_stats_and_summary_match_a_full_recount(tiny_llama):
         else:
             assert summary.creator[k] == -1
         assert summary.mine[k] == owners.count("alice")
-    zoom = eng.block_summary(100, start=10, stop=20)
+    zoom = mirror.summary(100, start=10, stop=20)
     assert zoom.cells == 10 and list(zoom.bounds) == list(range(10, 21))
     assert [STATES[s] for s in zoom.state] == [v.state for v in truth[10:20]]
 
 
 def test_stats_never_wait_with_timeout_zero_and_are_o1_counters(make_engine):
+    from kvplay.wire.mirror import Mirror
+
     eng = make_engine(num_blocks=32)
+    mirror = Mirror(32)
+    eng.subscribe_batches(mirror.apply)
     eng.generate("alice", [SYSTEM, {"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), timeout=60)
     with eng._lock:  # the engine busy in a step: the published copy comes back at once
         published = eng.stats(timeout=0)
     assert published == eng.stats()
     assert published["blocks_cached"] > 0
-    arr = eng.block_arrays()
+    arr = eng.call(mirror.arrays)
     assert isinstance(arr.state, np.ndarray) and arr.state.dtype == np.int8
 
 
@@ -279,9 +285,9 @@ def test_summary_cells_equal_a_brute_force_count(used_fraction):
     n, users = 997, ("alice", "bob", "carol")
     state = np.where(rng.random(n) < used_fraction, rng.integers(1, 3, n), 0).astype(np.int8)
     creator = np.where((state > 0) & (rng.random(n) < 0.9), rng.integers(0, 3, n), -1).astype(np.int32)
-    arrays = observe.BlockArrays(3, 100, state, creator, users)
+    arrays = BlockArrays(3, 100, state, creator, users)
     for cells in (1, 7, 200, 997, 5000):
-        s = observe.summarize(arrays, cells, user="bob")
+        s = summarize(arrays, cells, user="bob")
         assert s.cells == min(cells, n) and s.bounds[0] == 100 and s.bounds[-1] == 100 + n
         assert all(b - a in (n // s.cells, n // s.cells + 1) for a, b in zip(s.bounds[:-1], s.bounds[1:]))
         for k in range(s.cells):

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from recorded_util import as_batches
+
+from kvplay.engine.events import EngineBatch, decode_events
 from kvplay.tui.tree_view import MirrorTrees
+from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.translate import FromWire
 from kvplay.wire.tree import Labels, PrefixTree, to_json, to_text
 
 BS = 2
@@ -21,10 +26,19 @@ def chain_hashes(tokens, bs=BS):
     return [hash(tuple(tokens[:i + bs])) & 0xFFFFFFFF for i in range(0, len(tokens) - bs + 1, bs)]
 
 
-def store(m: Mirror, tokens, user, ts=1.0):
+def pod() -> FromWire:
+    """A server's pod: a Mirror fed by its wire translator."""
+    return FromWire(Mirror())
+
+
+def feed(w: FromWire, batch: EventBatch) -> None:
+    w.mirror.apply(w(batch))
+
+
+def store(w: FromWire, tokens, user, ts=1.0):
     hs = chain_hashes(tokens)
     n = len(hs) * BS
-    m.apply(EventBatch(ts, [BlockStored(hs, None, list(tokens[:n]), BS, session_id=user)]))
+    feed(w, EventBatch(ts, [BlockStored(hs, None, list(tokens[:n]), BS, session_id=user)]))
     return hs
 
 
@@ -78,19 +92,20 @@ ops = st.lists(st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_tree_matches_brute_force_reference(workload):
-    m = Mirror()
+    w = pod()
+    m = w.mirror
     users = ["alice", "bob", "carol", "dave"]
     prompts = []
     for op in workload:
         if op[0] == "store":
             toks = [9, 9, 9, 9] + op[2]  # a shared "system prompt" of two blocks, then a turn
-            store(m, toks, users[op[1]])
+            store(w, toks, users[op[1]])
             prompts.append(toks)
         elif op[0] == "remove" and m.blocks:
             keys = sorted(m.blocks)
-            m.apply(EventBatch(2.0, [BlockRemoved([keys[op[1] % len(keys)]])]))  # any block, even mid-chain
+            feed(w, EventBatch(2.0, [BlockRemoved([keys[op[1] % len(keys)]])]))  # any block, even mid-chain
         elif op[0] == "clear":
-            m.apply(EventBatch(3.0, [AllBlocksCleared()]))
+            feed(w, EventBatch(3.0, [AllBlocksCleared()]))
     tree = PrefixTree(m.blocks)
     assert tree_shape(tree) == reference(m.blocks)
     assert sum(len(n.keys) for n in tree.nodes) == len(m.blocks)
@@ -112,12 +127,13 @@ def test_tree_matches_brute_force_reference(workload):
 
 
 def test_shared_system_prompt_is_one_node_with_a_branch_per_conversation():
-    m = Mirror()
+    w = pod()
+    m = w.mirror
     system = [1, 2, 3, 4, 5, 6]
-    store(m, system + [10, 11, 12, 13], "alice")
-    store(m, system + [20, 21], "bob")
-    store(m, system + [30, 31, 32, 33], "carol")
-    store(m, system + [10, 11, 12, 13, 14, 15], "alice")  # alice's next turn extends her branch
+    store(w, system + [10, 11, 12, 13], "alice")
+    store(w, system + [20, 21], "bob")
+    store(w, system + [30, 31, 32, 33], "carol")
+    store(w, system + [10, 11, 12, 13, 14, 15], "alice")  # alice's next turn extends her branch
     tree = PrefixTree(m.blocks)
     assert len(tree.roots) == 1
     root = tree.roots[0]
@@ -133,11 +149,12 @@ def test_shared_system_prompt_is_one_node_with_a_branch_per_conversation():
 
 
 def test_siblings_beyond_the_limit_are_aggregated_and_deep_chains_do_not_recurse():
-    m = Mirror()
+    w = pod()
+    m = w.mirror
     for i in range(50):
-        store(m, [7, 7, 100 + i, 0], f"u{i}")
+        store(w, [7, 7, 100 + i, 0], f"u{i}")
     long = [5, 5] + list(range(20_000))
-    store(m, long, "deep")
+    store(w, long, "deep")
     tree = PrefixTree(m.blocks)
     big = next(r for r in tree.roots if r.blocks_below == 1 + 50)
     shown, more, blocks = tree.shown(big.children, 8)
@@ -151,9 +168,10 @@ def test_siblings_beyond_the_limit_are_aggregated_and_deep_chains_do_not_recurse
 
 
 def test_orphans_start_their_own_root():
-    m = Mirror()
-    hs = store(m, [1, 1, 2, 2, 3, 3], "alice")
-    m.apply(EventBatch(2.0, [BlockRemoved([hs[0]])]))
+    w = pod()
+    m = w.mirror
+    hs = store(w, [1, 1, 2, 2, 3, 3], "alice")
+    feed(w, EventBatch(2.0, [BlockRemoved([hs[0]])]))
     tree = PrefixTree(m.blocks)
     assert len(tree.roots) == 1 and tree.roots[0].orphan and len(tree.roots[0].keys) == 2
     assert tree.match([1, 1, 2, 2, 3, 3]) == 0  # no true root: nothing a server would match
@@ -163,8 +181,9 @@ def test_labels_decode_with_the_tokenizer_bounded_and_cached(tiny_llama):
     tok = tiny_llama.tokenizer
     ids = tok("You are a careful assistant. Answer briefly.")["input_ids"]
     ids = ids[:len(ids) // BS * BS]
-    m = Mirror()
-    store(m, ids, "alice")
+    w = pod()
+    m = w.mirror
+    store(w, ids, "alice")
     tree = PrefixTree(m.blocks)
     calls = []
 
@@ -186,13 +205,12 @@ def test_local_engine_events_through_the_mirror(make_engine):
 
     eng = make_engine(num_blocks=128)
     events = []
-    eng.subscribe(events.append)
+    eng.subscribe_batches(lambda b: events.extend(b.events))
     system = {"role": "system", "content": "You are a careful assistant. " * 8}
     for user, q in (("alice", "first question"), ("bob", "tell me about caches"), ("carol", "hi")):
         eng.generate(user, [system, {"role": "user", "content": q}], SamplingParams(max_tokens=4), timeout=60)
     m = Mirror()
-    for ev in list(events):
-        m.apply(ev)
+    m.apply(EngineBatch(events=list(events)))
     tree = PrefixTree(m.blocks, m.block_hits())
     root = tree.roots[0]
     assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"} and root.hits >= 2 * len(root.keys)
@@ -203,14 +221,16 @@ def test_local_engine_events_through_the_mirror(make_engine):
     ids = source.block_ids(None, root.keys)
     assert len(ids) == len(root.keys)
     assert tree.node_of(source.key_of(ids[0])[1]) is root
-    # the recorded form (dicts) gives the same tree
+    # the recorded form (plain data, read back) gives the same tree
     again = Mirror()
-    again.apply_all([e.to_dict() for e in events])
+    for b in as_batches([e.to_dict() for e in events]):
+        again.apply(b)
     assert tree_shape(PrefixTree(again.blocks)) == tree_shape(tree)
-    # a hostile event is counted, not raised
-    m.apply({"kind": "BlockStored", "block_hashes": [1, 2], "token_ids": "x"})
-    m.apply({"kind": "BlockStored", "block_hashes": ["a"], "token_ids": ["x"], "block_size": 1})
-    assert m.bad == 2
+    # a hostile recorded event is counted where it is read, not raised
+    got, bad = decode_events(msgspec.msgpack.encode([
+        {"kind": "BlockStored", "block_hashes": [1, 2], "token_ids": "x"},
+        {"kind": "BlockStored", "block_hashes": ["a"], "token_ids": ["x"], "block_size": 1}]))
+    assert got == [] and bad == 2
 
 
 # --- kvplay tree ---------------------------------------------------------------------------------
@@ -253,9 +273,10 @@ def test_kvplay_tree_of_a_recorded_session(tmp_path, capsys, monkeypatch):
 
 
 def test_a_branch_label_starts_where_it_differs_from_its_siblings():
-    m = Mirror()
-    store(m, [1, 1, 5, 6], "alice")
-    store(m, [1, 1, 5, 7], "bob")  # the prompts diverge inside the second block
+    w = pod()
+    m = w.mirror
+    store(w, [1, 1, 5, 6], "alice")
+    store(w, [1, 1, 5, 7], "bob")  # the prompts diverge inside the second block
     tree = PrefixTree(m.blocks)
     labels = Labels(lambda ids: " ".join(f"t{i}" for i in ids))
     kids = sorted(tree.roots[0].children, key=lambda n: n.creator)

@@ -19,11 +19,11 @@ from recorded_util import recorded
 
 from kvplay.cli import main as cli
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.events import BlockStored, RequestQueued, encode_events
+from kvplay.engine.events import BlockStored, EngineBatch, RequestQueued, encode_events
 from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions import event_log, recorder as recorder_mod
-from kvplay.sessions.event_log import batch_row, insert_batch_rows, read_events
-from kvplay.sessions.history import load_recording, pool_state, session_events
+from kvplay.sessions.event_log import batch_row, event_dicts, insert_batch_rows, read_batches
+from kvplay.sessions.history import load_recording, pool_state, session_batches
 from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.store import open_db, write_txn
 
@@ -77,16 +77,18 @@ def test_one_row_per_engine_batch_holding_its_events(session):
         assert (row["step"], row["n"], row["seq"], row["ts"]) == (b.step, len(b.events), b.events[0].seq, b.ts)
         assert row["events"] == encode_events(b.events)  # the one encoding
         assert type(row["forwards"]) is int
-    evs = session_events(open_db(session["db"], create=False), session["sid"])
-    assert [e["seq"] for e in evs] == [e.seq for b in batches for e in b.events]
-    assert evs[0] == dict(batches[0].events[0].to_dict(), forwards=rows[0]["forwards"])
+    got = session_batches(open_db(session["db"], create=False), session["sid"])
+    assert [e.seq for b in got for e in b.events] == [e.seq for b in batches for e in b.events]
+    assert got[0].events == batches[0].events  # typed, as the engine handed them over
+    assert (got[0].step, got[0].ts, got[0].forwards) == (batches[0].step, batches[0].ts, rows[0]["forwards"])
 
 
 def _to_old_rows(db_path: str, sid: str) -> None:
     """Rewrite a session as the recorder before schema 5 wrote it: one cache_events row per event
     (a JSON payload plus its columns), no event_batches rows."""
     db = open_db(db_path)
-    events, bad = read_events(db, sid)
+    batches, bad = read_batches(db, sid)
+    events = event_dicts(batches)
     assert bad == 0
     rows = []
     for d in events:
@@ -108,19 +110,20 @@ def _to_old_rows(db_path: str, sid: str) -> None:
 def test_a_session_recorded_the_old_way_still_scrubs_shows_exports_and_replays(tiny_llama, tmp_path, capsys):
     s = _record(tiny_llama, str(tmp_path / "s.db"))
     db = open_db(s["db"], create=False)
-    new = session_events(db, s["sid"])
+    new = session_batches(db, s["sid"])
     db.close()
     _to_old_rows(s["db"], s["sid"])
     db = open_db(s["db"], create=False)
     assert db.execute("select count(*) from event_batches").fetchone()[0] == 0
     rec = load_recording(db, s["sid"])
     db.close()
-    assert rec.events == new
-    n = len(new)
-    assert pool_state(rec.events, n, rec.num_blocks).blocks == pool_state(new, n, rec.num_blocks).blocks
+    assert rec.events == [e for b in new for e in b.events]
+    assert [b.forwards for b in rec.batches for _ in b.events] == [b.forwards for b in new for _ in b.events]
+    n = len(rec.events)
+    assert pool_state(rec.batches, n, rec.num_blocks).blocks == pool_state(new, n, rec.num_blocks).blocks
     assert cli(["show", s["sid"], "--db", s["db"], "--json", "--events"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert [e["seq"] for e in shown["events"]] == [e["seq"] for e in new] and "bad_events" not in shown
+    assert [e["seq"] for e in shown["events"]] == [e.seq for e in rec.events] and "bad_events" not in shown
     assert cli(["show", s["sid"], "--db", s["db"]]) == 0
     assert f"{n} engine events recorded" in capsys.readouterr().out
     out = tmp_path / "scrub.svg"
@@ -166,7 +169,8 @@ def test_bad_rows_and_events_are_counted_and_skipped(tmp_path, capsys, monkeypat
     monkeypatch.setattr(event_log, "MAX_BATCH_BYTES", 20_000)
     p, sid = _session_with_rows(tmp_path, rows)
     db = open_db(p, create=False)
-    events, bad = read_events(db, sid)
+    batches, bad = read_batches(db, sid)
+    events = event_dicts(batches)
     db.close()
     assert [e["seq"] for e in events] == [1, 5, 9]
     assert bad == 3 + 4
@@ -193,9 +197,9 @@ def test_bad_old_rows_are_counted_and_skipped(tmp_path):
             {"session_id": sid, "seq": 5, "kind": "x", "payload": json.dumps(dict(good, prompt_tokens="many"))},
             {"session_id": sid, "seq": 4, "kind": "x", "payload": "[" * 100_000 + "]" * 100_000},
         ])
-    events, bad = read_events(db, sid)
+    batches, bad = read_batches(db, sid)
     db.close()
-    assert bad == 4 and events == [dict(good, forwards=None)]
+    assert bad == 4 and event_dicts(batches) == [dict(good, forwards=None)]
 
 
 # --- the writer thread ------------------------------------------------------------------------
@@ -216,7 +220,8 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_the_engine(make_engine, 
     rec.close()
     db = open_db(p, create=False)
     s = db["sessions"].get(rec.session_id)
-    events, bad = read_events(db, rec.session_id)
+    batches, bad = read_batches(db, rec.session_id)
+    events = event_dicts(batches)
     db.close()
     assert s["dropped_events"] == rec.dropped_events and len(events) == queued and bad == 0
     assert cli(["show", rec.session_id, "--db", p]) == 0
@@ -226,12 +231,12 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_the_engine(make_engine, 
 def test_the_writer_commits_without_a_turn_or_a_flush(tmp_path):
     p = str(tmp_path / "w.db")
     rec = Recorder.open(p, None, "remote", "watch", "")
-    assert rec.record_batch([RequestQueued(seq=1, request_id="a")], step=1, ts=1.0)
-    assert rec.record_batch([RequestQueued(seq=2, request_id="b")], pod="p", wire_seq=3)
-    assert rec.record_batch([RequestQueued(seq=3, request_id="c")], pod="p", wire_seq=3)  # same batch row
+    assert rec.record_batch(EngineBatch(1, 1.0, [RequestQueued(seq=1, request_id="a")]))
+    assert rec.record_batch(EngineBatch(events=[RequestQueued(seq=2, request_id="b"), RequestQueued(seq=3, request_id="c")],
+                                        pod="p", wire_seq=3))  # one row, with its envelope
     end = time.monotonic() + 20
     db = open_db(p, create=False)
-    while time.monotonic() < end and len(read_events(db, rec.session_id)[0]) < 3:
+    while time.monotonic() < end and len(event_dicts(read_batches(db, rec.session_id)[0])) < 3:
         time.sleep(0.05)
     rows = db.execute("select n, pod, wire_seq from event_batches order by seq").fetchall()
     db.close()
@@ -241,7 +246,7 @@ def test_the_writer_commits_without_a_turn_or_a_flush(tmp_path):
 
 CHILD = r"""
 import sys, time
-from kvplay.engine.events import BlockStored, RequestQueued
+from kvplay.engine.events import BlockStored, EngineBatch, RequestQueued
 from kvplay.sessions.recorder import Recorder
 rec = Recorder.open(sys.argv[1], None, "remote", "watch", "")
 print(rec.session_id, flush=True)
@@ -252,7 +257,7 @@ for step in range(1, 201):
         seq += 1
         evs.append(BlockStored(seq=seq, block_hashes=[format(seq, "016x")], token_ids=[seq] * 4, block_size=4,
                                block_ids=[seq % 64], user="u"))
-    rec.record_batch(evs, step=step, ts=float(step))
+    rec.record_batch(EngineBatch(step, float(step), evs))
 print("queued", flush=True)
 time.sleep(600)  # no flush, no close: only the writer thread writes
 """
@@ -276,19 +281,20 @@ def test_what_the_writer_committed_survives_kill_9(tmp_path):
         child.kill()
         child.wait(10)
     db = open_db(p, create=False)
-    events, bad = read_events(db, sid)
+    batches, bad = read_batches(db, sid)
     s = db["sessions"].get(sid)
     db.close()
-    assert bad == 0 and [e["seq"] for e in events] == list(range(1, 1001))
+    assert bad == 0 and [e.seq for b in batches for e in b.events] == list(range(1, 1001))
     assert s["ended"] is None  # it did crash
 
 
-def test_record_events_groups_a_watched_servers_batches(tmp_path):
+def test_a_watched_servers_batches_keep_their_envelope(tmp_path):
     p = str(tmp_path / "e.db")
     rec = Recorder.open(p, None, "remote", "watch", "")
     evs = [RequestQueued(seq=i, request_id=f"r{i}") for i in range(1, 6)]
-    cols = [{"pod": "a", "wire_seq": 1}] * 2 + [{"pod": "a", "wire_seq": 2}] * 2 + [{"pod": "b", "wire_seq": 1}]
-    rec.record_events(evs, cols)
+    batches = [EngineBatch(events=evs[:2], pod="a", wire_seq=1), EngineBatch(events=evs[2:4], pod="a", wire_seq=2),
+               EngineBatch(events=evs[4:], pod="b", wire_seq=1)]
+    rec.write_rows([batch_row(rec.session_id, b) for b in batches], len(evs))
     rec.close()
     db = open_db(p, create=False)
     rows = db.execute("select seq, n, pod, wire_seq from event_batches order by seq").fetchall()
@@ -300,5 +306,5 @@ def test_record_events_groups_a_watched_servers_batches(tmp_path):
 
 def test_batch_row_is_the_one_encoding():
     evs = [RequestQueued(seq=4, ts=2.5, request_id="r")]
-    row = batch_row("S", evs, step=3, forwards=9)
+    row = batch_row("S", EngineBatch(3, 0.0, evs, 9))
     assert row == ("S", 4, 1, 3, 2.5, 9, None, None, encode_events(evs))

@@ -130,7 +130,7 @@ def test_a_replay_whose_cached_tokens_differ_does_not_reproduce(make_engine, tmp
 def test_settings_changed_carries_only_what_changed(make_engine):
     engine = make_engine()
     seen = []
-    engine.subscribe(seen.append)
+    engine.subscribe_batches(lambda b: seen.extend(b.events))
     engine.reconfigure(isolation="shared", eviction="fifo")  # isolation unchanged
     engine.reconfigure(eviction="fifo")  # nothing changed: no event
     ev = [e for e in seen if isinstance(e, SettingsChanged)]

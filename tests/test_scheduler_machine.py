@@ -56,11 +56,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stored = {}  # block id -> extra keys recorded when it was stored (from its creator's keys)
         self.problems = []
         self.eng.register_user("mallory", "alice")  # the group attack, from the start
-        self.eng.subscribe(self._on_event)
+        # observe the cache events as the pool and the KV manager queue them (the requests' keys
+        # and block tables are read then, before the step goes on)
+        queue = self.eng.events.put
+
+        def observed(ev):
+            queue(ev)
+            self._on_event(ev)
+        self.eng.pool.emit = self.eng.kv.emit = observed
 
     # --- the independent record of what each block was stored under --------------------------
     def _expected(self, req, j):
-        return tuple(salted_extras(req.keys.isolation, req.keys.salt, self.sch.model_key, j + 1,
+        return tuple(salted_extras(req.keys.isolation, req.keys.salt, self.eng.kv.model_key, j + 1,
                                    req.system_tokens, BS)[j])
 
     @staticmethod
@@ -124,7 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, times):
         for _ in range(times):
             if self.sch.has_work():
-                self.sch.step()
+                self.eng.step()
                 STEPS["scheduler steps"] += 1
 
     @rule(data=st.data())
@@ -189,7 +196,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(2000):
             if not self.sch.has_work():
                 break
-            self.sch.step()
+            self.eng.step()
         try:
             assert not self.sch.has_work(), "requests left unfinished"
             for r in self.reqs.values():

@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 
+from pool_view import block_view
+from recorded_util import as_batches
+
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.observe import block_view
 from kvplay.engine.sampling import SamplingParams
-from kvplay.sessions.history import History, pool_state, session_events
+from kvplay.sessions.history import History, flat_events, pool_state, session_batches
 from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.store import open_db
 
@@ -39,7 +41,7 @@ def recorded(tiny_llama, tmp_path_factory):
     config = EngineConfig(model="tiny:llama", num_blocks=N, isolation="shared")
     engine = Engine(config, tiny_llama).start()
     seen: list = []
-    engine.subscribe(seen.append)
+    engine.subscribe_batches(lambda b: seen.extend(b.events))
     rec = Recorder.open(db, config, engine.model_name, "run", SYSTEM)
     rec.attach(engine)
     for u in ("alice", "bob", "carol"):
@@ -55,26 +57,27 @@ def recorded(tiny_llama, tmp_path_factory):
             rec.record_turn(user, text, msgs, sp, res)
             history.setdefault(user, []).extend([{"role": "user", "content": text},
                                                  {"role": "assistant", "content": res.text}])
-            live.append((len(seen), _live(engine)))
+            live.append((engine.call(lambda: len(seen)), _live(engine)))  # after the step's batch
         stats = engine.stats()
     finally:
         rec.close()
         engine.shutdown()
     d = open_db(db)
     sid = next(d.query("select id from sessions"))["id"]
-    events = session_events(d, sid)
+    batches = session_batches(d, sid)
     d.close()
-    return {"db": db, "sid": sid, "events": events, "live": live, "stats": stats, "seen": seen}
+    return {"db": db, "sid": sid, "batches": batches, "live": live, "stats": stats, "seen": seen}
 
 
 def test_rebuilt_pool_equals_the_live_pool_after_every_turn(recorded):
-    events, live = recorded["events"], recorded["live"]
-    assert [e["kind"] for e in events] == [ev.kind for ev in recorded["seen"]]
+    batches, live = recorded["batches"], recorded["live"]
+    events = flat_events(batches)
+    assert [e.kind for e in events] == [ev.kind for ev in recorded["seen"]]
     assert recorded["stats"]["evictions"] > 0 and recorded["stats"]["hit_tokens"] > 0
     for n, blocks in live:
-        state = pool_state(events, n, N)
+        state = pool_state(batches, n, N)
         assert _rebuilt(state) == blocks, f"after {n} events"
-    last = pool_state(events, len(events), N)
+    last = pool_state(batches, len(events), N)
     assert last.hit_tokens == recorded["stats"]["hit_tokens"]
     assert last.query_tokens == recorded["stats"]["query_tokens"]
     assert last.evictions == recorded["stats"]["evictions"]
@@ -82,11 +85,12 @@ def test_rebuilt_pool_equals_the_live_pool_after_every_turn(recorded):
 
 
 def test_history_seeks_back_and_forth_like_the_pure_function(recorded):
-    events = recorded["events"]
-    h = History(events, N, every=7)
+    batches = recorded["batches"]
+    events = flat_events(batches)
+    h = History(batches, N, every=7)
     for n in (len(events), 3, 0, 40, len(events) // 2, 41, 15, len(events)):
-        assert h.state(n).blocks == pool_state(events, n, N).blocks, n
-    mid = pool_state(events, len(events) // 2, N)
+        assert h.state(n).blocks == pool_state(batches, n, N).blocks, n
+    mid = pool_state(batches, len(events) // 2, N)
     assert mid.count("in_use") + mid.count("cached") > 0
 
 
@@ -112,7 +116,7 @@ def _map(screen):
 async def test_keys_step_turns_play_and_seek(recorded):
     from kvplay.tui.scrub import ScrubScreen, Timeline
 
-    events = recorded["events"]
+    events = flat_events(recorded["batches"])
     app = _app(recorded, cursor=0)
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.pause(0.2)
@@ -155,8 +159,8 @@ async def test_keys_step_turns_play_and_seek(recorded):
         await pilot.pause(0.1)
         ts = tl.ts_at(x)
         assert 0 < scr.cursor < len(events)
-        assert (events[scr.cursor - 1].get("ts") or 0) <= ts
-        assert scr.cursor == len(events) or events[scr.cursor]["ts"] > ts
+        assert (events[scr.cursor - 1].ts or 0) <= ts
+        assert scr.cursor == len(events) or events[scr.cursor].ts > ts
 
 
 def test_cli_screenshot_and_bad_input(recorded, tmp_path, capsys):
@@ -209,9 +213,9 @@ def test_events_named_by_hash_only_get_slots():
     def stored(h, pod, user="u"):
         return {"kind": "BlockStored", "block_hashes": [h], "token_ids": [1, 2], "block_size": 2, "user": user, "pod": pod}
 
-    events = [stored("a", "p0"), stored("b", "p0"), stored("a", "p1", "v"),
-              {"kind": "BlockRemoved", "block_hashes": ["a"], "pod": "p0", "reason": "evicted"},
-              stored("c", "p0"), {"kind": "AllBlocksCleared", "pod": "p1"}]
+    events = as_batches([stored("a", "p0"), stored("b", "p0"), stored("a", "p1", "v"),
+                         {"kind": "BlockRemoved", "block_hashes": ["a"], "pod": "p0", "reason": "evicted"},
+                         stored("c", "p0"), {"kind": "AllBlocksCleared", "pod": "p1"}])
     st = pool_state(events, 3, 0)
     assert [(b.hash, b.creator, b.state) for b in st.blocks] == [("a", "u", "cached"), ("b", "u", "cached"), ("a", "v", "cached")]
     st = pool_state(events, 5, 0)  # a left p0; c takes its slot

@@ -183,7 +183,7 @@ def test_disconnect_cancels_and_frees_blocks_at_once(serve):
     eng = state.side.engine
     other: dict = {}
     finished: dict = {}
-    eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)
+    eng.subscribe_batches(lambda b: [finished.setdefault(ev.user, ev) for ev in b.events if type(ev).__name__ == "RequestFinished"])
 
     def bystander():
         with httpx.Client(timeout=60) as c:
@@ -431,7 +431,7 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
     srv, state = serve(num_blocks=256)
     eng = state.side.engine
     finished: dict = {}
-    eng.subscribe(lambda ev: finished.setdefault(ev.user, ev) if type(ev).__name__ == "RequestFinished" else None)
+    eng.subscribe_batches(lambda b: [finished.setdefault(ev.user, ev) for ev in b.events if type(ev).__name__ == "RequestFinished"])
     with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post(srv.url + "/v1/chat/completions", json={

@@ -7,7 +7,7 @@ import pytest
 import sqlite_utils
 
 from kvplay.cli import main as cli
-from kvplay.sessions.event_log import read_events
+from kvplay.sessions.event_log import event_dicts, read_batches
 from kvplay.sessions.ids import new_ulid, ulid_time
 from kvplay.sessions.migrations import MIGRATIONS, MIGRATIONS_TABLE, migrate, schema_version
 from kvplay.sessions.store import StoreError, open_db
@@ -116,7 +116,8 @@ def test_recorder_from_another_thread(tmp_path, make_engine):
     turns = list(db["turns"].rows)
     assert [t["id"] for t in turns] == out
     assert turns[0]["token_ids"] == str(list(res.token_ids)).replace(" ", "")
-    events, bad = read_events(db, rec.session_id)
+    batches, bad = read_batches(db, rec.session_id)
+    events = event_dicts(batches)
     kinds = {e["kind"] for e in events}
     assert {"RequestQueued", "RequestStarted", "RequestFinished", "BlockStored"} <= kinds and bad == 0
     stored = next(e for e in events if e["kind"] == "BlockStored")

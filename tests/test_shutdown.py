@@ -67,7 +67,7 @@ def test_join_timeout_leaves_failing_to_the_engine_thread(tiny_llama):
             in_step.set()
             release.wait(10)  # hold the engine thread inside its step
 
-    eng.subscribe(listener)
+    eng.subscribe_batches(lambda b: [listener(e) for e in b.events])
     sp = SamplingParams(max_tokens=50, stop_on_eos=False)
     hs = [eng.submit(u, prompt_ids=[7, 8, 9, i + 10] * 5, sampling=sp) for i, u in enumerate("abc")]
     assert in_step.wait(30)

@@ -7,13 +7,16 @@ import random
 import numpy as np
 import pytest
 
+from pool_view import block_view, pool_summary
+from recorded_util import as_batches
+
 from kvplay.engine.config import EngineConfig
-from kvplay.engine.observe import BlockArrays, block_view, summarize
 from kvplay.engine.sampling import SamplingParams
 from kvplay.sessions import history
 from kvplay.sessions.history import History, pool_state
 from kvplay.tui.backend import LocalEngineBackend
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.views import BlockArrays, summarize
 
 SYSTEM = "You are a helpful assistant for a small bakery. Answer briefly and plainly, please."
 USERS = ("alice", "bob", "carol", "dave")
@@ -59,7 +62,7 @@ def test_batches_rebuild_the_live_pool_after_every_step(tiny_llama):
     def on_batch(batch):
         steps.append(batch.step)
         seqs.extend(e.seq for e in batch.events)
-        m.apply_batch(batch)
+        m.apply(batch)
         bad.extend(_mismatches(m, eng.pool))
 
     eng.subscribe_batches(on_batch)
@@ -103,9 +106,6 @@ class EventsOnly:
     def submit(self, *a, **kw):
         return self._e.submit(*a, **kw)
 
-    def subscribe(self, fn):
-        return self._e.subscribe(fn)
-
     def subscribe_batches(self, fn):
         return self._e.subscribe_batches(fn)
 
@@ -130,7 +130,8 @@ def test_the_app_backend_needs_only_the_event_stream(tiny_llama):
                   "dedicated_bytes", "bytes_saved", "isolation", "eviction", "hash", "block_size"):
             assert got[k] == live[k], k
         for cells, start, stop, user in ((7, 0, None, None), (24, 0, None, "alice"), (3, 5, 17, "bob")):
-            a, b = backend.summary(cells, start, stop, user), eng.block_summary(cells, start, stop, user)
+            a = backend.summary(cells, start, stop, user)
+            b = eng.call(lambda: pool_summary(eng.pool, cells, start, stop, user))  # noqa: B023 (called now)
             for f in ("bounds", "free", "cached", "in_use", "state"):
                 assert np.array_equal(getattr(a, f), getattr(b, f)), (f, cells, start, stop)
             assert [a.users[c] if c >= 0 else None for c in a.creator] == \
@@ -153,12 +154,15 @@ def test_summary_of_the_used_part_equals_the_whole_pool(used):
     n, hw = 10_000, 3_000
     m = Mirror(n)
     ids = rng.sample(range(hw), int(hw * used))
+    events = []
     for i, b in enumerate(ids):
-        m.apply({"kind": "BlocksAllocated", "block_ids": [b]})
-        m.apply({"kind": "BlockStored", "block_ids": [b], "block_hashes": [f"h{b}"], "token_ids": [1, 2],
-                 "block_size": 2, "user": f"u{i % 3}"})
+        events.append({"kind": "BlocksAllocated", "block_ids": [b]})
+        events.append({"kind": "BlockStored", "block_ids": [b], "block_hashes": [f"h{b}"], "token_ids": [1, 2],
+                       "block_size": 2, "user": f"u{i % 3}"})
         if i % 2:
-            m.apply({"kind": "BlocksReleased", "block_ids": [b]})
+            events.append({"kind": "BlocksReleased", "block_ids": [b]})
+    for batch in as_batches(events):
+        m.apply(batch)
     full = BlockArrays(0, 0, np.pad(m.state[:m.hw], (0, n - m.hw)),
                        np.pad(m.creator[:m.hw], (0, n - m.hw), constant_values=-1), tuple(m.users))
     for cells, start, stop in ((100, 0, None), (7, 2_500, 9_000), (33, 10, 2_000), (5, 4_000, 9_999)):
@@ -182,15 +186,35 @@ def test_history_checkpoints_stay_within_their_byte_budget(monkeypatch):
         if b == 49:
             events.append({"kind": "BlockRemoved", "block_ids": list(range(50)), "reason": "evicted", "ts": k})
     monkeypatch.setattr(history, "CHECKPOINT_BYTES", 4 * 50 * history._SLOT_BYTES)  # 50 blocks used: room for 4
-    h = History(events, 64, every=4)
+    batches = as_batches(events)
+    h = History(batches, 64, every=4)
     for n in (len(events), 5, 0, 301, len(events) // 2, 77, len(events), 1):
-        assert h.state(n).blocks == pool_state(events, n, 64).blocks, n
+        assert h.state(n).blocks == pool_state(batches, n, 64).blocks, n
     assert len(h._marks) <= 4 and h.every > 4
 
 
-def test_malformed_recorded_events_are_counted_and_skipped():
+def _old_rows(tmp_path, events) -> tuple:
+    """A session whose events were recorded the old way (one JSON row each): (db, its id)."""
+    import json
+
+    from kvplay.sessions.recorder import Recorder
+    from kvplay.sessions.store import open_db
+
+    db_path = str(tmp_path / "s.db")
+    rec = Recorder.open(db_path, None, "m", "run", "")
+    sid = rec.session_id
+    rec.close()
+    db = open_db(db_path)
+    db["cache_events"].insert_all([{"session_id": sid, "seq": i, "kind": "x",
+                                    "payload": e if isinstance(e, str) else json.dumps(e)} for i, e in enumerate(events)])
+    return db, sid
+
+
+def test_malformed_recorded_events_are_counted_and_skipped(tmp_path):
     """A recording is untrusted: wrong types, negative or huge block ids, a hostile pool size
-    are counted in `bad` and skipped, the mirror unchanged by them and its arrays bounded."""
+    are counted in `bad` and skipped where rows are read, the mirror unchanged by them and its
+    arrays bounded."""
+    from kvplay.sessions.event_log import read_batches
     from kvplay.sessions.history import recorded_pool_size
     from kvplay.wire.mirror import MAX_BLOCKS
 
@@ -203,7 +227,7 @@ def test_malformed_recorded_events_are_counted_and_skipped():
            {"kind": "BlocksAllocated", "block_ids": "0"},
            {"kind": "BlocksTouched", "block_ids": [1.5]},
            {"kind": "BlocksReleased", "block_ids": [True]},
-           {"kind": "BlockStored", "block_ids": [0], "block_hashes": [7], "token_ids": [1, 2], "block_size": 2},
+           {"kind": "BlockStored", "block_ids": [0], "block_hashes": [7.5], "token_ids": [1, 2], "block_size": 2},
            {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["bb"], "token_ids": "xy", "block_size": 2},
            {"kind": "BlockStored", "block_hashes": ["cc"] * 3, "token_ids": [1], "block_size": -4},
            {"kind": "BlockStored", "block_ids": [0], "block_hashes": ["dd"], "user": {"x": 1}},
@@ -215,30 +239,41 @@ def test_malformed_recorded_events_are_counted_and_skipped():
            {"kind": "BlocksAllocated", "block_ids": [2], "ts": "now"},
            {"kind": 5}, None, 7]
     m = Mirror(4)
-    m.apply_all(good)
+    for b in as_batches(good):
+        m.apply(b)
     before = (m.views(), m.stats())
-    for e in bad:
-        assert m.apply(e) is False or e in ({"kind": 5},), e
-    assert m.bad >= len(bad) - 1 and (m.views(), m.stats()) == before
-    assert m.num_blocks == 4 and len(m.state) < 2048
-    assert m.block(0).hash == "aa" and m.block(0).state == "cached"
+    db, sid = _old_rows(tmp_path, good[:2] + bad + good[2:])
+    batches, nbad = read_batches(db, sid)
+    db.close()
+    assert nbad == len(bad) and sum(len(b.events) for b in batches) == len(good)
+    again = Mirror(4)
+    for b in batches:
+        again.apply(b)
+    assert (again.views(), again.stats()) == before
+    assert again.num_blocks == 4 and len(again.state) < 2048
+    assert again.block(0).hash == "aa" and again.block(0).state == "cached"
     # a hostile pool size in the session row is ignored; the events' own blocks decide
-    assert recorded_pool_size({"engine_config": {"num_blocks": 10 ** 15}}, good + bad) == 2
-    assert recorded_pool_size({"stats": {"blocks_total": "lots"}}, good) == 2
+    assert recorded_pool_size({"engine_config": {"num_blocks": 10 ** 15}}, batches) == 2
+    assert recorded_pool_size({"stats": {"blocks_total": "lots"}}, batches) == 2
 
 
-def test_history_steps_over_malformed_events():
-    events = [{"kind": "BlocksAllocated", "block_ids": [0]}, {"kind": "BlocksAllocated", "block_ids": [-3]},
-              None, {"kind": "BlocksReleased", "block_ids": [0]}]
-    h = History(events, 2)
-    st = h.state(len(events))
-    assert st.applied == 4 and st.mirror.bad == 2 and st.count("free") == 2
+def test_history_steps_over_malformed_events(tmp_path):
+    from kvplay.sessions.event_log import read_batches
+
+    db, sid = _old_rows(tmp_path, [{"kind": "BlocksAllocated", "block_ids": [0]},
+                                   {"kind": "BlocksAllocated", "block_ids": [-3]}, None,
+                                   {"kind": "BlocksReleased", "block_ids": [0]}])
+    batches, bad = read_batches(db, sid)
+    db.close()
+    h = History(batches, 2)
+    st = h.state(len(h))
+    assert bad == 2 and st.applied == 2 and st.count("free") == 2
     assert h.state(1).count("in_use") == 1
 
 
 def test_a_damaged_recording_still_scrubs(tmp_path):
-    """Rows whose payload is not a JSON object are skipped when loading; malformed events that
-    do parse are counted by the mirror; the scrubber's History reaches the end."""
+    """Rows whose payload is not a JSON object, or not an event, are skipped when loading; the
+    scrubber's History reaches the end."""
     from kvplay.sessions.history import load_recording
     from kvplay.sessions.recorder import Recorder
     from kvplay.sessions.store import open_db
@@ -253,6 +288,6 @@ def test_a_damaged_recording_still_scrubs(tmp_path):
     db["cache_events"].insert_all([{"session_id": sid, "seq": i, "kind": "x", "payload": p} for i, p in enumerate(rows)])
     r = load_recording(db, sid)
     db.close()
-    assert len(r.events) == 3 and r.num_blocks == 2
-    st = History(r.events, r.num_blocks).state(len(r.events))
-    assert st.mirror.bad == 1 and st.count("in_use") == 1 and st.count("free") == 1
+    assert len(r.events) == 2 and r.num_blocks == 2
+    st = History(r.batches, r.num_blocks).state(len(r.events))
+    assert st.count("in_use") == 1 and st.count("free") == 1

@@ -82,14 +82,14 @@ def test_a_step_with_decode_rows_and_a_prompt_chunk_is_one_forward(tiny_llama):
     sp = SamplingParams(max_tokens=8, stop_on_eos=False)
     first = eng.make_request("alice", prompt_ids=list(range(5, 15)), sampling=sp)
     eng.take_in(first)
-    eng.scheduler.step()  # alice's prompt: she decodes from now on
+    eng.step()  # alice's prompt: she decodes from now on
     eng.take_in(eng.make_request("bob", prompt_ids=list(range(20, 60)), sampling=sp))
     mixed = 0
     while eng.scheduler.has_work():
         out_before = eng.runner.forwards
         decoding = sum(1 for r in eng.scheduler.running if r.pending == 1)
         prefilling = sum(1 for r in eng.scheduler.running + eng.scheduler.waiting if r.pending > 1)
-        eng.scheduler.step()
+        eng.step()
         assert eng.runner.forwards - out_before == 1
         mixed += bool(decoding and prefilling)
     assert mixed >= 2  # bob's 40 tokens took chunks of 16 while alice decoded

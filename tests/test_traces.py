@@ -50,17 +50,18 @@ def _recorded(exported):
 
 def test_vllm_exports_decode_with_the_wire_codec(exported):
     rec = _recorded(exported)
-    stored = [e for e in rec.events if e["kind"] == "BlockStored"]
-    removed = sum(len(e["block_hashes"]) for e in rec.events if e["kind"] == "BlockRemoved")
+    stored = [e for e in rec.events if e.kind == "BlockStored"]
+    removed = sum(len(e.block_hashes) for e in rec.events if e.kind == "BlockRemoved" and e.reason == "evicted")
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(exported["files"]["vllm-msgpack"].read_bytes())
     batches = [decode_batch(msgpack.packb(o, use_bin_type=True)) for o in unpacker]
     evs = [ev for b in batches for ev in b.events]
-    assert sum(isinstance(ev, BlockStored) for ev in evs) == len(stored)
-    assert len(evs) - len(stored) == removed  # one BlockRemoved per evicted block, as vLLM sends
-    first = next(ev for ev in evs if isinstance(ev, BlockStored))
+    wire_stored = [ev for ev in evs if isinstance(ev, BlockStored)]  # a request's chain in one, as vLLM sends
+    assert sum(len(ev.block_hashes) for ev in wire_stored) == sum(len(e.block_hashes) for e in stored)
+    assert len(evs) - len(wire_stored) == removed  # one BlockRemoved per evicted block, as vLLM sends
+    first = wire_stored[0]
     assert isinstance(first.block_hashes[0], int) and first.medium == "GPU"
-    assert first.token_ids == stored[0]["token_ids"] and first.session_id == stored[0]["user"]
+    assert first.token_ids[:len(stored[0].token_ids)] == stored[0].token_ids and first.session_id == stored[0].user
     lines = exported["files"]["vllm-jsonl"].read_text().splitlines()
     assert len(lines) == len(batches)
     assert json.loads(lines[0])["events"][0]["block_hashes"] == batches[0].events[0].block_hashes
@@ -92,7 +93,7 @@ def test_import_opens_in_scrubber_and_simulator(exported, fmt, tmp_path, capsys)
     finally:
         d.close()
     assert rec.session["source"] == "import" and rec.turns
-    end = pool_state(rec.events, len(rec.events), rec.num_blocks)
+    end = pool_state(rec.batches, len(rec.events), rec.num_blocks)
     assert end.count("cached") > 0 and end.hit_tokens > 0  # the users' shared system prompt is reused
     res = simulate(trace)  # the imported session replays to its own hits
     assert (res.hit_tokens, res.query_tokens) == (trace.recorded_hit_tokens, trace.recorded_query_tokens)
@@ -176,7 +177,7 @@ def test_a_real_vllm_capture_imports_and_simulates(tmp_path, capsys):
         d = open_db(db)
         rec = load_recording(d, sid)
         d.close()
-        assert pool_state(rec.events, len(rec.events), rec.num_blocks).hit_tokens > 0
+        assert pool_state(rec.batches, len(rec.events), rec.num_blocks).hit_tokens > 0
         assert cli(["simulate", str(cap), "--json", "--policy", "lru,fifo,belady"]) == 0
         j = json.loads(capsys.readouterr().out)
         assert j["recorded"]["hit_rate"] > 0.25  # the users shared the system prompt on the server

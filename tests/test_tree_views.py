@@ -7,12 +7,14 @@ import httpx
 from serve_util import chat, serve  # noqa: F401 (fixture)
 from test_attach import attach_args
 from test_tui_app import badges, wait_until
+from recorded_util import as_batch
 from test_watch_subscriber import free_port
 from rich.color import Color
 from rich.style import Style
 from textual.widgets import Static, Tree
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.events import EngineBatch
 from kvplay.sessions.script import TurnSpec, UserSpec
 from kvplay.tui.app import KvplayApp
 from kvplay.tui.attach import AttachApp
@@ -111,7 +113,7 @@ def kv_server(serve):
 async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
     srv, state, ev, rep = kv_server(serve)
     local = []
-    state.side.engine.subscribe(local.append)  # the server engine's own events: the reference tree
+    state.side.engine.subscribe_batches(lambda b: local.extend(b.events))  # the server engine's own events: the reference tree
     backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv"))
     app = AttachApp(backend, list(USERS), SYSTEM, turns=list(TURNS) + [TurnSpec("alice", "And rye rolls?")],
                     record=False, timings=False)
@@ -128,7 +130,7 @@ async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
         tree = app.screen.trees["kv"]
         mirror = Mirror()
         for e in list(local):
-            mirror.apply(e)
+            mirror.apply(EngineBatch(events=[e]))
         assert by_tokens(tree) == by_tokens(PrefixTree(mirror.blocks))
         root = tree.roots[0]
         assert root.creator == "alice" and set(root.reusers) == {"bob", "carol"}
@@ -227,14 +229,14 @@ async def test_many_branches_are_listed_eight_at_a_time_and_a_block_finds_its_no
     from textual.app import App
 
     mirror = Mirror()
-    mirror.apply({"kind": "BlockStored", "block_hashes": ["s0", "s1"], "token_ids": [1, 2, 3, 4], "block_size": 2,
-                "block_ids": [0, 1], "user": "alice", "ts": 1.0})
+    mirror.apply(as_batch({"kind": "BlockStored", "block_hashes": ["s0", "s1"], "token_ids": [1, 2, 3, 4], "block_size": 2,
+                "block_ids": [0, 1], "user": "alice", "ts": 1.0}))
     for i in range(20):
-        mirror.apply({"kind": "BlockStored", "block_hashes": [f"b{i}"], "parent_block_hash": "s1",
-                    "token_ids": [10 + i, 0], "block_size": 2, "block_ids": [2 + i], "user": f"u{i % 3}", "ts": 2.0})
-    mirror.apply({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0})
+        mirror.apply(as_batch({"kind": "BlockStored", "block_hashes": [f"b{i}"], "parent_block_hash": "s1",
+                    "token_ids": [10 + i, 0], "block_size": 2, "block_ids": [2 + i], "user": f"u{i % 3}", "ts": 2.0}))
+    mirror.apply(as_batch({"kind": "BlockHit", "block_hashes": ["s0", "s1"], "block_ids": [0, 1], "user": "bob", "ts": 3.0}))
     from kvplay.tui.blockmap import ViewsSource
-    from kvplay.engine.observe import BlockView
+    from kvplay.wire.views import BlockView
 
     views = [BlockView(i, "cached", 0, None, "alice", None, (), 0, 0.0, 0.0, ()) for i in range(32)]
     source = MirrorTrees(mirror, lambda ids: "t" + "".join(map(chr, (65 + i % 26 for i in ids))), ViewsSource(views))
@@ -285,7 +287,7 @@ def _ev(kind, hashes, user, ids=(), parent=None, ts=1.0):
     ev = {"kind": kind, "block_hashes": list(hashes), "block_ids": list(ids), "user": user, "ts": ts}
     if kind == "BlockStored":
         ev.update(token_ids=[7 + len(h) for h in hashes for _ in range(2)], block_size=2, parent_block_hash=parent)
-    return ev
+    return as_batch(ev)
 
 
 def _tree_host(source, looks, **kw):
@@ -314,7 +316,7 @@ def _line(screen, key):
 
 
 async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goes():
-    from kvplay.engine.observe import BlockView
+    from kvplay.wire.views import BlockView
     from kvplay.tui.blockmap import ViewsSource
     from kvplay.tui.theme import assign_looks
 
@@ -360,7 +362,7 @@ async def test_a_store_fades_in_a_reuse_pulses_an_eviction_shows_struck_then_goe
         screen.animate()
         assert not str(screen.query_one(Tree).root.children[0].label).startswith(" reused")
         # bob's branch is evicted: a struck ghost under the shared prompt, then gone
-        feed.apply({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0})
+        feed.apply(as_batch({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0}))
         await _rebuilt(pilot, screen)
         ghost = _line(screen, ("g", None, "b0"))
         assert ghost is not None and ghost.plain.startswith(" evicted ")
@@ -380,7 +382,7 @@ async def test_a_recording_at_a_fixed_point_marks_what_that_step_changed_and_doe
     feed.apply(_ev("BlockStored", ["a0"], "alice", [2], parent="s1"))
     feed.apply(_ev("BlockStored", ["b0"], "bob", [3], parent="s1"))
     before = MirrorTrees(feed).snapshot()
-    feed.apply({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0})
+    feed.apply(as_batch({"kind": "BlockRemoved", "block_hashes": ["b0"], "block_ids": [3], "ts": 2.0}))
     feed.apply(_ev("BlockStored", ["c0"], "carol", [4], parent="s1"))
     app = _tree_host(MirrorTrees(feed, before=before), assign_looks(["alice", "bob", "carol"]), at=5.0)
     async with app.run_test(size=(100, 30)) as pilot:

@@ -275,7 +275,7 @@ async def test_a_scripted_group_change_moves_the_user_before_that_turn(tiny_llam
     seen = []
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
-        app.engine.subscribe(lambda ev: seen.append(ev) if isinstance(ev, UserGroupChanged) else None)
+        app.engine.subscribe_batches(lambda b: seen.extend(ev for ev in b.events if isinstance(ev, UserGroupChanged)))
         await wait_until(pilot, app.chat.autoplay_done.is_set)
         stats = list(app.cache.requests)
         assert [s.user for s in stats] == ["alice", "mallory", "mallory"]

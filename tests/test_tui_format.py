@@ -39,7 +39,7 @@ def test_event_log_names_a_group_change(make_engine):
 
     seen = []
     with make_engine(num_blocks=16) as eng:
-        eng.subscribe(seen.append)
+        eng.subscribe_batches(lambda b: seen.extend(b.events))
         eng.register_user("mallory", None)
         eng.set_group("mallory", "alice")
         eng.stats(timeout=5)  # the engine thread has taken the command

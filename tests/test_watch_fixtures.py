@@ -12,6 +12,7 @@ import pytest
 from kvplay.engine.cbor_hash import block_hash, none_hash
 from kvplay.wire.codec import AllBlocksCleared, BlockStored, decode_batch, parse_frames
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.translate import FromWire
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CAPTURES = sorted(FIXTURES.glob("vllm_capture*.msgpack"))
@@ -52,12 +53,13 @@ def test_frames_are_vllms_wire(capture):
 
 def test_mirror_matches_vllms_usage_and_metrics(capture):
     m = Mirror(pod="vllm")
+    w = FromWire(m)
     bs = capture["block_size"]
     per_batch = []
     for _, seq, payload in live(capture):
         before = m.reannounced
         b = decode_batch(payload)
-        m.apply(b, seq)
+        m.apply(w(b, seq))
         per_batch.append((b, m.reannounced - before))
     alice, bob, bob_again = capture["requests"]
     assert bob["cached_tokens"] > 0 and bob_again["cached_tokens"] == 0  # the reset emptied the cache

@@ -1,4 +1,5 @@
-"""The per-pod mirror: creators, holders, counts, attribution by session_id and by token chain."""
+"""The per-pod mirror fed by its wire translator (wire/translate.FromWire): creators, holders,
+counts, attribution by session_id and by token chain."""
 from __future__ import annotations
 
 import random
@@ -6,8 +7,10 @@ from collections import Counter
 
 import pytest
 
+from kvplay.engine import events as ev_
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvplay.wire.mirror import SOMEONE_ELSE, Fleet, Mirror
+from kvplay.wire.mirror import Fleet, Mirror
+from kvplay.wire.translate import SOMEONE_ELSE, FromWire, Slots, counts
 
 BS = 4
 
@@ -21,13 +24,26 @@ def batch(*events):
     return EventBatch(0.0, list(events))
 
 
+def feed(w: FromWire, b: EventBatch, seq: int = -1) -> ev_.EngineBatch:
+    """A wire batch through a pod's translator, then applied to its mirror (what the subscriber
+    does); the engine batch."""
+    eb = w(b, seq)
+    w.mirror.apply(eb)
+    return eb
+
+
+def wired(m: Mirror) -> FromWire:
+    return FromWire(m)
+
+
 def test_store_reuse_evict_counts():
     m = Mirror(pod="p")
+    w = wired(m)
     sys_tokens = list(range(8))
     # alice stores a 2-block system prompt and 1 own block
-    assert m.apply(batch(st([1, 2, 3], None, sys_tokens + [50, 51, 52, 53], "alice")), 0)[:3] == (3, 0, 0)
+    assert counts(feed(w, batch(st([1, 2, 3], None, sys_tokens + [50, 51, 52, 53], "alice")), 0)) == (3, 0, 0)
     # bob reuses the system prompt (report mode "full" re-announces it with bob's session) + 1 own
-    m.apply(batch(st([1, 2], None, sys_tokens, "bob"), st([4], 2, [60, 61, 62, 63], "bob")), 1)
+    feed(w, batch(st([1, 2], None, sys_tokens, "bob"), st([4], 2, [60, 61, 62, 63], "bob")), 1)
     assert m.blocks[1].creator == "alice" and m.blocks[1].holders == ("alice", "bob")
     assert m.blocks[4].tokens == [60, 61, 62, 63] and m.blocks[4].parent == 2
     assert m.blocks[3].tokens == [50, 51, 52, 53] and m.blocks[3].parent == 2
@@ -37,11 +53,11 @@ def test_store_reuse_evict_counts():
     assert s["stored_by_session"] == {"alice": 3, "bob": 3}
     assert m.creators() == {"alice": 3, "bob": 1}
     # eviction: one BlockRemoved per block, as vLLM sends them
-    assert m.apply(batch(BlockRemoved([3], "GPU"), BlockRemoved([1], "GPU")), 2)[:3] == (0, 2, 0)
+    assert counts(feed(w, batch(BlockRemoved([3], "GPU"), BlockRemoved([1], "GPU")), 2)) == (0, 2, 0)
     assert m.summary()["by_session"] == {"alice": 1, "bob": 2} and m.removed == 2
-    m.apply(batch(BlockRemoved([999], "GPU")), 3)  # never seen: tolerated, counted
+    feed(w, batch(BlockRemoved([999], "GPU")), 3)  # never seen: tolerated, counted
     assert m.removed_unknown == 1 and m.removed == 2
-    assert m.apply(batch(AllBlocksCleared()), 4)[:3] == (0, 0, 1)
+    assert counts(feed(w, batch(AllBlocksCleared()), 4)) == (0, 0, 1)
     assert m.blocks == {} and m.summary()["by_session"] == {} and m.cleared == 1
     assert m.summary()["stored_by_session"] == {"alice": 3, "bob": 3}  # in all, kept
     assert m.last_seq == 4 and m.batches == 5
@@ -49,52 +65,53 @@ def test_store_reuse_evict_counts():
 
 def test_attribution_by_registered_prompt_then_someone_else():
     fleet = Fleet()
-    m = fleet.pod("p")
+    m, w = fleet.pod("p"), fleet.from_wire("p")
     fleet.register_prompt("carol", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     # no session_id on the wire: carol's prompt chain matches both full blocks
-    m.apply(batch(st([10, 11], None, [1, 2, 3, 4, 5, 6, 7, 8])), 0)
+    feed(w, batch(st([10, 11], None, [1, 2, 3, 4, 5, 6, 7, 8])), 0)
     assert m.blocks[10].creator == "carol" and m.blocks[11].creator == "carol"
     # same second block's tokens under another parent: not carol's chain
-    m.apply(batch(st([20, 21], None, [9, 9, 9, 9, 5, 6, 7, 8])), 1)
+    feed(w, batch(st([20, 21], None, [9, 9, 9, 9, 5, 6, 7, 8])), 1)
     assert m.blocks[20].creator == SOMEONE_ELSE and m.blocks[21].creator == SOMEONE_ELSE
     # a child of carol's block, stored in a later batch with tokens she sent later
     fleet.register_prompt("carol", [1, 2, 3, 4, 5, 6, 7, 8, 42, 42, 42, 42])
-    m.apply(batch(st([12], 11, [42, 42, 42, 42])), 2)
+    feed(w, batch(st([12], 11, [42, 42, 42, 42])), 2)
     assert m.blocks[12].creator == "carol"
     # a parent we never saw: no chain, no guess
-    m.apply(batch(st([30], 777, [1, 2, 3, 4])), 3)
+    feed(w, batch(st([30], 777, [1, 2, 3, 4])), 3)
     assert m.blocks[30].creator == SOMEONE_ELSE
     assert m.summary()["by_session"] == {"carol": 3, SOMEONE_ELSE: 3}
 
 
 def test_deep_chain_attribution_is_iterative():
     fleet = Fleet()
-    m = fleet.pod("p")
+    m, w = fleet.pod("p"), fleet.from_wire("p")
     n = 3000  # deeper than Python's recursion limit
     toks = [i % 97 for i in range(n * BS)]
-    m.apply(batch(st(range(1, n + 1), None, toks, "x")), 0)
+    feed(w, batch(st(range(1, n + 1), None, toks, "x")), 0)
     fleet.register_prompt("y", toks + [1, 2, 3, 4])
-    m.apply(batch(st([n + 1], n, [1, 2, 3, 4])), 1)
+    feed(w, batch(st([n + 1], n, [1, 2, 3, 4])), 1)
     assert m.blocks[n + 1].creator == "y"
 
 
 def test_other_medium_and_groups():
     m = Mirror(pod="p")
-    m.apply(batch(st([1], None, [1, 2, 3, 4], "a", medium="CPU")), 0)
+    w = wired(m)
+    feed(w, batch(st([1], None, [1, 2, 3, 4], "a", medium="CPU")), 0)
     assert m.blocks == {} and m.other_medium == 1
-    m.apply(batch(st([1], None, [1, 2, 3, 4], "a", group_idx=1), st([1], None, [1, 2, 3, 4], "a")), 1)
+    feed(w, batch(st([1], None, [1, 2, 3, 4], "a", group_idx=1), st([1], None, [1, 2, 3, 4], "a")), 1)
     assert len(m.blocks) == 2  # group 1's hash 1 is not group 0's hash 1
-    m.apply(batch(BlockRemoved([1], "GPU", group_idx=1)), 2)
+    feed(w, batch(BlockRemoved([1], "GPU", group_idx=1)), 2)
     assert list(m.blocks) == [1]
 
 
 def test_restart_reset_and_fleet_totals():
     fleet = Fleet()
     a, b = fleet.pod("a"), fleet.pod("b")
-    a.apply(batch(st([1, 2], None, list(range(8)), "u")), 0)
-    b.apply(batch(st([3], None, list(range(4)), "v")), 0)
+    feed(fleet.from_wire("a"), batch(st([1, 2], None, list(range(8)), "u")), 0)
+    feed(fleet.from_wire("b"), batch(st([3], None, list(range(4)), "v")), 0)
     assert fleet.totals()["blocks"] == 3 and fleet.totals()["by_session"] == {"u": 2, "v": 1}
-    a.reset_for_restart()
+    a.apply(fleet.from_wire("a").restart())
     assert a.blocks == {} and a.restarts == 1 and a.last_seq == -1
     s = fleet.summary()
     assert s["summary"] is True and set(s["pods"]) == {"a", "b"}
@@ -109,10 +126,11 @@ def test_mirror_bench_runs_small():
     events, blocks = count_events(payloads)
     assert events >= 3000 and blocks > events // 2
     m = Mirror(pod="b")
+    w = wired(m)
     from kvplay.wire.codec import decode_batch
 
     for seq, p in enumerate(payloads):
-        m.apply(decode_batch(p), seq)
+        feed(w, decode_batch(p), seq)
     assert len(m.blocks) <= 400 and m.removed > 0 and m.reannounced > 0
     r = run(2000, 400, socket=True, record=True)  # every path runs (no timing asserted)
     assert r["events"] >= 2000 and r["socket_events_per_s"] > 0 and r["record_events_per_s"] > 0
@@ -133,8 +151,9 @@ def test_a_wire_fed_mirror_is_the_block_map_source():
     """Blocks named by hash only get the lowest free slot; the slot arrays answer the map's
     questions (ranged summary, one block, counts) for the same blocks the per-hash view holds."""
     m = Mirror(8, pod="p")
-    m.apply(batch(st([1, 2], None, range(8), "alice"), st([3], 2, [9, 9, 9, 9], "bob")), 0)
-    m.apply(batch(st([1], None, range(4), "carol")), 1)  # carol reuses block 1 (report mode "full")
+    w = wired(m)
+    feed(w, batch(st([1, 2], None, range(8), "alice"), st([3], 2, [9, 9, 9, 9], "bob")), 0)
+    feed(w, batch(st([1], None, range(4), "carol")), 1)  # carol reuses block 1 (report mode "full")
     assert {h: b.slot for h, b in m.blocks.items()} == {1: 0, 2: 1, 3: 2}
     assert m.counts() == (5, 3, 0) and m.stats()["blocks_cached"] == 3
     v = m.block(0)
@@ -143,44 +162,44 @@ def test_a_wire_fed_mirror_is_the_block_map_source():
     summ = m.summary(2)  # the block map's question: two cells of four blocks
     assert int(summ.cached.sum()) == 3 and int(summ.free.sum()) == 5
     assert m.block(2).creator == "bob" and m.blocks[3].parent == 2
-    m.apply(batch(BlockRemoved([2], "GPU")), 2)
+    feed(w, batch(BlockRemoved([2], "GPU")), 2)
     assert m.block(1).state == "free" and m.counts() == (6, 2, 0)
-    m.apply(batch(st([7], None, [5, 5, 5, 5], "dave")), 3)
+    feed(w, batch(st([7], None, [5, 5, 5, 5], "dave")), 3)
     assert m.blocks[7].slot == 1  # the freed slot, the lowest free one
     assert m.by_session == {"alice": 1, "carol": 1, "bob": 1, "dave": 1}
 
 
-def test_the_one_converter_gives_engine_events_that_rebuild_the_same_cache():
-    """`convert`: a wire batch also comes back as kvplay engine events (what the watch recorder
-    writes and attach's views hear); applied to a fresh Mirror they give the same blocks, creators
-    and holders, by hex hash."""
+def test_the_one_translator_gives_engine_events_that_rebuild_the_same_cache():
+    """A wire batch becomes kvplay engine events (what the mirror applies, the watch recorder
+    writes and attach's views hear); applied to a fresh Mirror they give the same blocks,
+    creators and holders."""
     fleet = Fleet()
-    m = fleet.pod("p")
-    m.convert = True
+    m, w = fleet.pod("p"), fleet.from_wire("p")
     fleet.register_prompt("pane", list(range(8)))
-    events = []
-    events += m.apply(batch(st([1, 2], None, range(8))), 0).events  # no session_id: the pane's prompt
-    events += m.apply(batch(st([3], 2, [7, 7, 7, 7], "bob"), st([1], None, range(4), "bob")), 1).events
-    events += m.apply(batch(BlockRemoved([3], "GPU")), 2).events
+    batches = [feed(w, batch(st([1, 2], None, range(8))), 0)]  # no session_id: the pane's prompt
+    batches.append(feed(w, batch(st([3], 2, [7, 7, 7, 7], "bob"), st([1], None, range(4), "bob")), 1))
+    batches.append(feed(w, batch(BlockRemoved([3], "GPU")), 2))
+    events = [e for b in batches for e in b.events]
     kinds = [type(e).__name__ for e in events]
     assert kinds == ["BlockStored", "BlockStored", "BlockHit", "BlockRemoved"]
-    assert events[0].user == "pane" and events[0].block_hashes == ["0000000000000001", "0000000000000002"]
+    assert events[0].user == "pane" and events[0].block_hashes == [1, 2]
     assert events[2].user == "bob" and events[2].by_creator == {"pane": 4} and events[2].cached_tokens == 4
     assert events[3].creators == ["bob"]
     again = Mirror()
-    for e in events:
-        again.apply(e)
-    assert again.bad == 0
+    for b in batches:
+        again.apply(b)
     assert {b.hex: (b.creator, b.holders, b.tokens) for b in again.blocks.values()} == \
         {b.hex: (b.creator, b.holders, b.tokens) for b in m.blocks.values()}
-    assert m.apply(batch(AllBlocksCleared()), 3).events[0].reason == "cleared" and len(m.blocks) == 0
+    cleared = feed(w, batch(AllBlocksCleared()), 3).events
+    assert cleared[-1].reason == "cleared" and len(m.blocks) == 0
 
 
 def test_a_copy_is_a_checkpoint():
     m = Mirror(pod="p")
-    m.apply(batch(st([1, 2], None, range(8), "alice")), 0)
+    w = wired(m)
+    feed(w, batch(st([1, 2], None, range(8), "alice")), 0)
     c = m.copy()
-    m.apply(batch(st([1], None, range(4), "bob"), BlockRemoved([2], "GPU")), 1)
+    feed(w, batch(st([1], None, range(4), "bob"), BlockRemoved([2], "GPU")), 1)
     assert set(c.blocks) == {1, 2} and c.blocks[1].holders == ("alice",) and c.by_session == {"alice": 2}
     assert set(m.blocks) == {1} and m.blocks[1].holders == ("alice", "bob")
 
@@ -274,20 +293,21 @@ def _random_events(rng: random.Random, n: int, odd: bool) -> list:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_wire_path_holds_what_a_plain_model_says(seed):
     """Random batches of every kind of event: each block's slot (the lowest free one), parent,
-    tokens, creator, holders and hits, and every counter, equal a plain model's; with `convert`
-    the mirror holds the same, and its engine events (as the watch recorder writes them: no block
-    ids) rebuild the same blocks."""
+    tokens, creator, holders and hits, and every counter, equal a plain model's, whether the
+    batches come one by one or in one; and the engine events (as a recording of the pod is read
+    back: its blocks named again by pod and hash) rebuild the same blocks."""
     rng = random.Random(seed)
     odd = seed % 2 == 1
     model, m, conv = _Model(), Mirror(pod="p"), Mirror(pod="p")
-    conv.convert = True
-    events = []
+    w, wc = wired(m), wired(conv)
+    batches = []
     for seq in range(60):
         evs = _random_events(rng, rng.randrange(1, 16), odd)
         for ev in evs:
             model.apply(ev)
-        m.apply(EventBatch(float(seq), evs), seq)
-        events += conv.apply(EventBatch(float(seq), evs), seq).events
+        for ev in evs:  # the same events one batch each
+            feed(wc, EventBatch(float(seq), [ev]))
+        batches.append(feed(w, EventBatch(float(seq), evs), seq))
         want = {k: (b[0], b[1], b[2], b[3], tuple(b[4]), b[5]) for k, b in model.blocks.items()}
         for mirror in (m, conv):
             got = {k: (b.slot, b.parent, b.tokens, b.creator, b.holders, b.hits) for k, b in mirror.blocks.items()}
@@ -305,11 +325,11 @@ def test_the_wire_path_holds_what_a_plain_model_says(seed):
             assert sorted(mirror.creators().elements()) == sorted(b[3] for b in model.blocks.values())
     if odd:
         return
-    again = Mirror()
-    for e in events:
-        if hasattr(e, "block_ids"):
-            e.block_ids = []
-        again.apply(e)
-    assert again.bad == 0
+    from kvplay.sessions.event_log import name_blocks
+
+    again, slots = Mirror(), Slots()
+    for b in batches:
+        b.pod = "p"
+        again.apply(name_blocks(b, slots))
     assert sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in again.blocks.values()) == \
         sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in m.blocks.values())

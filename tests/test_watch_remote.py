@@ -32,7 +32,7 @@ def test_remote_backend_over_kvplay_serve(serve, tmp_path):
         backend = RemoteBackend(srv.url, sources=[PodSource("kvplay", ev, bind=True, replay=rep, topic="kv-events")])
         assert backend.model_name == "tiny:llama"
         seen = []
-        backend.subscribe(seen.append)
+        backend.subscribe_batches(lambda b: seen.extend(b.events))
         # the app's recorder takes a backend as it takes an engine (subscribe, stats)
         from kvplay.sessions.recorder import Recorder
 

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError
-from kvplay.wire.mirror import SOMEONE_ELSE, Fleet
+from kvplay.wire.mirror import Fleet
+from kvplay.wire.translate import SOMEONE_ELSE
 from kvplay.wire.publisher import ZmqEventPublisher
 from kvplay.wire.subscriber import PodSource, Subscriber
 
@@ -133,7 +134,7 @@ def _sync(pub, sub, m):
 def test_gap_replay_never_resurrects_a_removed_block(publisher):
     pub = publisher()
     applied = []
-    with connect(pub, on_batch=lambda pod, seq, b, c, r: applied.append((seq, r))) as sub:
+    with connect(pub, on_batch=lambda pod, seq, b, r: applied.append((seq, r))) as sub:
         m = sub.fleet.pod("p")
         _sync(pub, sub, m)
         s0 = pub.next_seq
@@ -158,14 +159,14 @@ def test_restart_clears_the_pod(publisher, mode, tmp_path):
     rep = f"tcp://127.0.0.1:{free_port()}"
     if mode == "bind":  # vLLM with a non-wildcard endpoint connects to us
         sub = Subscriber([PodSource("p", "tcp://127.0.0.1:*", bind=True, replay=rep, topic="kv-events")], fleet,
-                         on_restart=restarts.append).open()
+                         on_restart=lambda pod, batch: restarts.append(pod)).open()
         ep = sub.endpoint("p")
         pub = publisher(ep, rep)
     else:  # the publisher binds (ipc: a fixed address the restarted publisher binds again)
         ep = f"ipc://{tmp_path}/kv.sock"
         pub = publisher(ep, rep)
         sub = Subscriber([PodSource("p", ep, replay=rep, topic="kv-events")], fleet,
-                         on_restart=restarts.append).open()
+                         on_restart=lambda pod, batch: restarts.append(pod)).open()
     try:
         m = fleet.pod("p")
         _sync(pub, sub, m)

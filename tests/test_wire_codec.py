@@ -9,7 +9,7 @@ import pytest
 
 from kvplay.wire.codec import (
     END_SEQ, END_SEQ_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError,
-    decode_batch, encode_batch, encode_frames, end_marker_frames, from_engine_event, hash_hex,
+    decode_batch, encode_batch, encode_frames, end_marker_frames, hash_hex,
     hex_to_wire_hash, pack_seq, parse_frames, replay_request, unpack_seq)
 
 
@@ -170,16 +170,19 @@ def test_frames_seq_and_end_marker():
         unpack_seq(b"\x00")
 
 
-def test_from_engine_event():
-    from kvplay.engine.events import AllBlocksCleared as EC, BlockRemoved as ER, BlockStored as ES
+def test_to_wire():
+    """An engine batch in vLLM's form (wire/translate.to_wire, what kvplay serve publishes)."""
+    from kvplay.engine.events import AllBlocksCleared as EC, BlockRemoved as ER, BlockStored as ES, EngineBatch
+    from kvplay.wire.translate import to_wire
 
     h1, h0 = "ab" * 32, "cd" * 32
-    w = from_engine_event(ES(block_hashes=[h1], parent_block_hash=h0, token_ids=[1, 2], block_size=2, user="u"),
-                          session_id="u")
+    out = to_wire(EngineBatch(1, 2.5, [ES(block_hashes=[h1], parent_block_hash=h0, token_ids=[1, 2], block_size=2,
+                                          user="u"), ER(block_hashes=[h1]), EC()]))
+    w = out.events[0]
     assert w.block_hashes == [int("ab" * 8, 16)] and w.parent_block_hash == int("cd" * 8, 16)
     assert w.session_id == "u" and w.medium == "GPU"
-    assert isinstance(from_engine_event(ER(block_hashes=[h1])), BlockRemoved)
-    assert isinstance(from_engine_event(EC()), AllBlocksCleared)
+    assert isinstance(out.events[1], BlockRemoved) and isinstance(out.events[2], AllBlocksCleared)
+    assert out.ts == 2.5
 
 
 def test_decode_event_from_a_decoded_form_is_checked_too():

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvplay.engine.observe import block_view
+from pool_view import block_view
 from serve_util import ALICE, BOB, chat, keys, serve  # noqa: F401 (fixture)
 
 VLLM_PY = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv") + "/bin/python"

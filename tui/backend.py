@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from kvplay.engine.observe import summarize
+from kvplay.wire.views import summarize
 from kvplay.wire.chat_backend import ChatBackend, Controls, Turn
 from kvplay.wire.mirror import Mirror
 
@@ -22,8 +22,8 @@ class LocalEngineBackend(ChatBackend):
     """A ChatBackend over an in-process Engine (the app's default). The pool the views read is a
     `Mirror` fed by the engine's event batches (`subscribe_batches`): nothing here reads the
     engine's pool, observer or stats; the engine object needs only `register_user`, `submit`,
-    `subscribe`, `subscribe_batches`, `num_blocks`, `block_bytes`, `config` (the settings shown),
-    `tokenizer` and `shutdown`."""
+    `subscribe_batches`, `num_blocks`, `block_bytes`, `config` (the settings shown), `tokenizer`
+    and `shutdown`."""
 
     controls = LOCAL_CONTROLS
 
@@ -38,7 +38,7 @@ class LocalEngineBackend(ChatBackend):
 
     def _on_batch(self, batch) -> None:
         with self._lock:
-            self.mirror.apply_batch(batch)
+            self.mirror.apply(batch)
 
     def register_user(self, name: str, group: str | None = None) -> None:
         self.engine.register_user(name, group)
@@ -46,8 +46,8 @@ class LocalEngineBackend(ChatBackend):
     def submit(self, user: str, messages: list[dict], sampling=None) -> Turn:
         return self.engine.submit(user, messages, sampling)
 
-    def subscribe(self, listener: Callable) -> Callable[[], None]:
-        return self.engine.subscribe(listener)
+    def subscribe_batches(self, fn: Callable) -> Callable[[], None]:
+        return self.engine.subscribe_batches(fn)
 
     @property
     def version(self) -> int:

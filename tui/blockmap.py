@@ -36,6 +36,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvplay.inert import inert
+from kvplay.wire.views import BlockArrays, summarize
 
 from .theme import FREE_STYLE, UNKNOWN_COLOUR
 
@@ -77,14 +78,10 @@ class ViewsSource:
         return len(self.views)
 
     def arrays(self, start: int = 0, stop: int | None = None):
-        from kvplay.engine.observe import BlockArrays
-
         start, stop, _ = slice(start, stop).indices(len(self.views))
         return BlockArrays(0, start, self._state[start:stop], self._creator[start:stop], self._users)
 
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        from kvplay.engine.observe import summarize
-
         return summarize(self.arrays(start, stop), cells, user)
 
     def block(self, block_id: int):

@@ -1,13 +1,13 @@
 """The cache room: the side panel of the pool's views (block map, block details, request bars,
 timeline, stats, the event log, the prefix tree) and their coalesced redraw.
 
-`CacheRoom` is the panel itself (a widget): it subscribes to the backend's event stream, keeps
+`CacheRoom` is the panel itself (a widget): it subscribes to the backend's event batches, keeps
 what its views need (hit and flash sets, each request's blocks, the finished requests, the
 counters) and redraws at most 15 times a second. The views read the backend's mirror of the
 pool, fed by the engine's event batches (or a server's KV events): the map reads it in ranges,
-the stats panel its counters, the tree a Mirror of the same events. Events queue up as they
+the stats panel its counters, the tree a Mirror of the same events. Batches queue up as they
 come (deque.append is thread-safe) and the tick takes them in one go and redraws only what
-they marked dirty.
+their events marked dirty.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class CacheRoom(VerticalScroll):
         self.flash_s = flash_s if timings else 0.0
         self.backend = None  # the ChatBackend whose pool this panel shows, once ready
         self._unsubscribe = None
-        self._event_queue: deque = deque()  # engine events not yet taken in (see _tick)
+        self._event_queue: deque = deque()  # event batches not yet taken in (see _tick)
         self._event_lines: deque[str] = deque(maxlen=EVENT_LINES)  # the event log, drawn when shown
         self._dirty = False
         self._refreshing = False
@@ -81,10 +81,14 @@ class CacheRoom(VerticalScroll):
 
     # --- the event stream -------------------------------------------------------------------
     def listen(self, source) -> None:
-        """Take `source`'s events (an Engine or a backend: `subscribe(listener)`); any thread.
-        One message per event (dozens per engine step) would crowd out keystrokes: they queue
-        here and the tick takes them in one go."""
-        self._unsubscribe = source.subscribe(self._event_queue.append)
+        """Take `source`'s event batches (an Engine or a backend: `subscribe_batches(fn)`); any
+        thread. One message per batch (one per engine step) would crowd out keystrokes: they
+        queue here and the tick takes them in one go."""
+        self._unsubscribe = source.subscribe_batches(self._on_batch)
+
+    def _on_batch(self, batch) -> None:
+        if batch.events:
+            self._event_queue.append(batch)
 
     def unsubscribe(self) -> None:
         unsubscribe, self._unsubscribe = self._unsubscribe, None
@@ -119,7 +123,7 @@ class CacheRoom(VerticalScroll):
         n = len(q)
         if not n:
             return
-        events = [q.popleft() for _ in range(n)]
+        events = [ev for _ in range(n) for ev in q.popleft().events]
         for ev in events:
             self._note_event(ev)
         lines = []  # only the newest lines survive in the event log: format those alone

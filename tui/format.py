@@ -180,7 +180,7 @@ def legend_text(looks: dict[str, UserLook]) -> Text:
 
 def range_detail(first: int, arrays, looks: dict[str, UserLook]) -> Text:
     """What a run of blocks holds: `blocks #4,096–#8,191: 120 in use · 800 cached · 3,176 free`
-    and who created them (from the state and creator codes of engine.observe.BlockArrays)."""
+    and who created them (from the state and creator codes of wire.views.BlockArrays)."""
     # start-up time: imported when this first runs
     import numpy as np
 

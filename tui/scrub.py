@@ -23,8 +23,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 
+from kvplay.engine.events import RequestFinished, RequestQueued
 from kvplay.inert import inert
-from kvplay.sessions.history import History, PoolState, Recording
+from kvplay.sessions.history import History, PoolState, Recording, turn_ends
 from kvplay.sessions.tokenizer import session_detokenizer
 
 from .blockmap import BlockMap
@@ -85,22 +86,22 @@ class ScrubScreen(Screen):
     def __init__(self, recording: Recording, cursor: int | None = None) -> None:
         super().__init__()
         self.rec = recording
-        self.history = History(recording.events, recording.num_blocks)
+        self.history = History(recording.batches, recording.num_blocks)
         names = [u["name"] for u in recording.users]
         names += [t["user"] for t in recording.turns if t["user"] not in names]
         self.looks = assign_looks(names, {u["name"]: u.get("colour") for u in recording.users})
         self.spans = request_spans(recording)
-        ts = [e.get("ts") or 0.0 for e in recording.events]
+        ts = [e.ts for e in recording.events]
         self.t0, self.t1 = (min(ts), max(ts)) if ts else (0.0, 1.0)
         self._play_t = self._compressed(ts)
-        self.turn_ends = [i + 1 for i, e in enumerate(recording.events) if e.get("kind") == "RequestFinished"]
+        self.turn_ends = turn_ends(recording)
         self._queued_at: dict[str, int] = {}  # request id -> events applied once it was queued / finished
         self._finished_at: dict[str, int] = {}
         for i, e in enumerate(recording.events):
-            if e.get("kind") == "RequestQueued":
-                self._queued_at.setdefault(e.get("request_id"), i + 1)
-            elif e.get("kind") == "RequestFinished":
-                self._finished_at[e.get("request_id")] = i + 1
+            if type(e) is RequestQueued:
+                self._queued_at.setdefault(e.request_id, i + 1)
+            elif type(e) is RequestFinished:
+                self._finished_at[e.request_id] = i + 1
         self.cursor = len(recording.events) if cursor is None else max(0, min(cursor, len(recording.events)))
         self.playing = False
         self.speed = 1
@@ -197,14 +198,8 @@ class ScrubScreen(Screen):
     def _event_text(self) -> Text:
         if self.cursor == 0:
             return Text("before the first event (→ steps, space plays)", style=DIM)
-        from kvplay.engine.events import EventError, event_from_dict
-
-        d = {k: v for k, v in self.rec.events[self.cursor - 1].items() if k != "forwards"}
-        try:
-            line = event_line(event_from_dict(d), self.looks)
-        except (EventError, KeyError, TypeError):
-            line = None
-        return Text(inert(line or f"{d.get('seq', ''):>5} {d.get('kind')} {d.get('user') or ''}", limit=1024))
+        ev = self.rec.events[self.cursor - 1]
+        return Text(inert(event_line(ev, self.looks) or f"{ev.seq:>5} {ev.kind} {getattr(ev, 'user', '')}", limit=1024))
 
     def _panes(self) -> None:
         big = len(self.rec.events) + 1
@@ -244,8 +239,7 @@ class ScrubScreen(Screen):
 
     @on(Timeline.Seek)
     def _on_seek(self, msg: Timeline.Seek) -> None:
-        ts = [e.get("ts") or 0.0 for e in self.rec.events]
-        n = sum(1 for x in ts if x <= msg.ts)
+        n = sum(1 for e in self.rec.events if e.ts <= msg.ts)
         self.seek(n)
 
     # --- actions ------------------------------------------------------------------------------

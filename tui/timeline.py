@@ -18,6 +18,8 @@ from textual import events
 from textual.message import Message
 from textual.widget import Widget
 
+from kvplay.engine.events import BlockHit, FirstToken, RequestQueued
+
 from .format import DIM, SPARK
 from .widgets import refresh_if_taller
 from .theme import UNKNOWN_COLOUR
@@ -31,19 +33,20 @@ def request_spans(rec) -> list[dict]:
     by_id: dict[str, dict] = {}
     turns = {t.get("request_id"): t for t in rec.turns}
     for i, e in enumerate(rec.events):
-        rid = e.get("request_id")
+        cls = type(e)
+        if cls is not RequestQueued and cls is not BlockHit and cls is not FirstToken:
+            continue
+        rid = e.request_id
         if not rid:
             continue
-        k = e.get("kind")
-        if k == "RequestQueued":
-            by_id[rid] = {"rid": rid, "user": e.get("user"), "queued": e.get("ts"), "event": i,
-                          "prompt": e.get("prompt_tokens") or 0, "cached": 0, "ttft_ms": None, "first": None,
-                          "cached_from": {}}
-        elif rid in by_id and k == "BlockHit":
-            by_id[rid]["cached"] = e.get("cached_tokens") or 0
-            by_id[rid]["cached_from"] = e.get("by_creator") or {}
-        elif rid in by_id and k == "FirstToken":
-            by_id[rid]["ttft_ms"], by_id[rid]["first"] = e.get("ttft_ms"), e.get("ts")
+        if cls is RequestQueued:
+            by_id[rid] = {"rid": rid, "user": e.user, "queued": e.ts, "event": i, "prompt": e.prompt_tokens,
+                          "cached": 0, "ttft_ms": None, "first": None, "cached_from": {}}
+        elif rid in by_id and cls is BlockHit:
+            by_id[rid]["cached"] = e.cached_tokens
+            by_id[rid]["cached_from"] = dict(e.by_creator)
+        elif rid in by_id and cls is FirstToken:
+            by_id[rid]["ttft_ms"], by_id[rid]["first"] = e.ttft_ms, e.ts
     for rid, sp in by_id.items():
         t = turns.get(rid)
         if t is not None and t.get("cached_tokens") is not None and not sp["cached"]:

@@ -79,8 +79,9 @@ class ChatBackend(ABC):
 
     # --- observation --------------------------------------------------------------------------
     @abstractmethod
-    def subscribe(self, listener: Callable) -> Callable[[], None]:
-        """Call `listener(event)` for every event (on the backend's thread); returns an unsubscribe."""
+    def subscribe_batches(self, fn: Callable) -> Callable[[], None]:
+        """Call `fn(batch)` with every EngineBatch of events (engine/events.py), on the backend's
+        thread; returns an unsubscribe."""
 
     @abstractmethod
     def stats(self, timeout: float = 0.0) -> dict | None:
@@ -97,15 +98,15 @@ class ChatBackend(ABC):
 
     @abstractmethod
     def summary(self, cells: int, start: int = 0, stop: int | None = None, user: str | None = None):
-        """The blocks [start, stop) in `cells` equal runs (kvplay.engine.observe.BlockSummary)."""
+        """The blocks [start, stop) in `cells` equal runs (kvplay.wire.views.BlockSummary)."""
 
     @abstractmethod
     def arrays(self, start: int = 0, stop: int | None = None):
-        """State and creator codes of the blocks [start, stop) (kvplay.engine.observe.BlockArrays)."""
+        """State and creator codes of the blocks [start, stop) (kvplay.wire.views.BlockArrays)."""
 
     @abstractmethod
     def block(self, block_id: int):
-        """One block's details (kvplay.engine.observe.BlockView), or None."""
+        """One block's details (kvplay.wire.views.BlockView), or None."""
 
     # --- controls (what `controls` says this backend supports) ---------------------------------
     def _refuse(self, name: str):

@@ -33,6 +33,7 @@ import msgpack
 import msgspec
 
 from kvplay.engine.errors import EngineError
+from kvplay.engine.events import MAX_BATCH_EVENTS, MAX_BLOCK_SIZE, MAX_EVENT_BLOCKS, MAX_EVENT_TOKENS
 
 WireHash = Union[int, bytes]
 
@@ -40,14 +41,9 @@ END_SEQ = -1
 END_SEQ_BYTES = b"\xff" * 8
 MEDIUM_GPU = "GPU"
 
-# Bounds on one decoded event or batch (a publisher's message is also capped at the socket,
-# wire/subscriber.py MAX_MESSAGE_BYTES). Generous for real servers: SGLang at page size 1 sends
-# one hash per token, so a 128k-token prefill is one event of 128k hashes.
+# Bounds on one decoded event or batch: the one set (engine/events.py), plus what only the wire
+# has; a publisher's message is also capped at the socket (wire/subscriber.py MAX_MESSAGE_BYTES).
 MAX_HASH_BYTES = 64          # vLLM's sha256 digest is 32
-MAX_BLOCKS_PER_EVENT = 1 << 18
-MAX_TOKENS_PER_EVENT = 1 << 22
-MAX_BLOCK_SIZE = 1 << 20
-MAX_EVENTS_PER_BATCH = 1 << 18
 MAX_NAME = 256               # session ids, medium, LoRA names, spec kinds, localities
 
 _Hash = Union[int, Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]]
@@ -60,14 +56,14 @@ class WireError(EngineError):
     """A frame or payload that is not a vLLM KV-event message (one line)."""
 
 
-class SGLangMetadata(msgspec.Struct):
+class SGLangMetadata(msgspec.Struct, gc=False):
     """SGLang's ``metadata`` map on BlockStored (``{cache_salt, session_id}``)."""
     session_id: Optional[_Name] = None
     cache_salt: Optional[_Name] = None
 
 
 # --- event types (vLLM's names and field order) -------------------------------------------
-class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     """Full blocks entered the prefix cache (or, with kv_cache_report_mode "full", were reused)."""
     # Positional order of the legacy array encoding (= vLLM's declaration order).
     FIELDS: ClassVar[tuple] = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -78,14 +74,14 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     # What a map-tagged event carries, in the order written.
     WIRE_FIELDS: ClassVar[tuple] = FIELDS + ("locality", "ownership", "session_id")
 
-    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
     parent_block_hash: Optional[_Hash] = None
-    token_ids: Annotated[list[_Token], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)] = []
+    token_ids: Annotated[list[_Token], msgspec.Meta(max_length=MAX_EVENT_TOKENS)] = []
     block_size: _Count = 0
     lora_id: Optional[int] = None
     medium: Optional[_Name] = None
     lora_name: Optional[_Name] = None
-    extra_keys: Optional[Annotated[list, msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]] = None
+    extra_keys: Optional[Annotated[list, msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]] = None
     group_idx: Optional[_Count] = None
     kv_cache_spec_kind: Optional[_Name] = None
     kv_cache_spec_sliding_window: Optional[int] = None
@@ -100,20 +96,20 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
         return self.token_ids[i * bs:(i + 1) * bs] if bs else []
 
 
-class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
     """Blocks left the prefix cache (vLLM sends one event per evicted block)."""
     FIELDS: ClassVar[tuple] = ("block_hashes", "medium", "group_idx")
     REQUIRED: ClassVar[tuple] = ("block_hashes", "medium")
     WIRE_FIELDS: ClassVar[tuple] = FIELDS + ("locality", "ownership")
 
-    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
     medium: Optional[_Name] = None
     group_idx: Optional[_Count] = None
     locality: Optional[_Name] = None
     ownership: Optional[_Name] = None
 
 
-class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
     """The whole prefix cache was reset (``/reset_prefix_cache``)."""
     FIELDS: ClassVar[tuple] = ()
     REQUIRED: ClassVar[tuple] = ()
@@ -124,7 +120,7 @@ EVENT_CLASSES = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlo
 WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class EventBatch(msgspec.Struct):
+class EventBatch(msgspec.Struct, gc=False):
     """One engine step's events: ``[ts, events, data_parallel_rank]`` on the wire.
 
     `bad_events` and `unknown_events` count the events `decode_batch` skipped (wrongly typed or
@@ -165,7 +161,7 @@ def encode_batch(batch: EventBatch, legacy: bool = False) -> bytes:
 
 # --- decode ---------------------------------------------------------------------------------
 _Rank = Optional[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]]
-_Events = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
+_Events = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
 
 
 class _BatchArray(msgspec.Struct, array_like=True):
@@ -180,11 +176,11 @@ class _BatchMap(msgspec.Struct):
     data_parallel_rank: _Rank = None
 
 
-class _TypedBatch(msgspec.Struct, array_like=True):
+class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
     """The usual payload, decoded in one call: an array batch whose events are all map-tagged
     events of known types, every field valid (anything else falls back to one event at a time)."""
     ts: float
-    events: Annotated[list[WireEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
+    events: Annotated[list[WireEvent], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
     data_parallel_rank: _Rank = None
 
 
@@ -325,20 +321,6 @@ def hex_to_wire_hash(hexstr: str | None, as_int: bool = True) -> WireHash | None
         hexstr = "0" + hexstr
     raw = bytes.fromhex(hexstr)
     return int.from_bytes(raw[-8:], "big") if as_int else raw
-
-
-def from_engine_event(ev, session_id: str | None = None, as_int: bool = True) -> WireEvent | None:
-    """kvplay engine event -> wire event (None for events vLLM's wire does not carry)."""
-    kind = type(ev).__name__
-    if kind == "BlockStored":
-        return BlockStored([hex_to_wire_hash(h, as_int) for h in ev.block_hashes],
-                           hex_to_wire_hash(ev.parent_block_hash, as_int), list(ev.token_ids),
-                           ev.block_size, None, MEDIUM_GPU, None, session_id=session_id)
-    if kind == "BlockRemoved":
-        return BlockRemoved([hex_to_wire_hash(h, as_int) for h in ev.block_hashes], MEDIUM_GPU)
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
-    return None
 
 
 # --- frames ---------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """A prefix cache as its events describe it: the one `Mirror` every view reads (numpy slot
 arrays, one slot per block), one per pod; a `Fleet` of them.
 
-Sources, all through `apply`: the local engine's `EngineBatch` (`Engine.subscribe_batches`,
-`apply_batch`), a recorded row (a mapping with the engine event's fields, `sessions/history.py`),
-and a watched server's decoded wire `EventBatch` (vLLM, SGLang, kvplay serve: `apply_wire`).
+One source of truth, one entry point: `apply(batch)` takes an `EngineBatch` of engine events
+(engine/events.py) and matches on their types — the one state machine of the pool. Every source
+gives it that: the local engine (`Engine.subscribe_batches`), a recording (sessions/event_log.py
+reads rows back as batches), and a watched server, whose decoded wire batches a `FromWire`
+(wire/translate.py) turns into engine batches first (slots for blocks named by hash, attribution).
 What views ask: `summary(cells, start, stop, user)` (the block map's ranged summary,
-engine/observe.py `BlockSummary`), `block(i)` (one `BlockView`), `arrays`, `counts()`, `stats()`,
+wire/views.py `BlockSummary`), `block(i)` (one `BlockView`), `arrays`, `counts()`, `stats()`,
 `summary()` (the watch counters), `creators()`, `by_session` (who holds what), `blocks` (the
 per-hash view the prefix tree and attribution read: hash -> slot, parent, tokens, creator,
 holders, hits, age) and `copy()` (a cheap checkpoint). No Textual, no SQLite, no network.
@@ -18,60 +20,41 @@ session that used a few hundred blocks of a 1,000,000-block pool costs a few hun
 
 Which blocks are in use: the engine's `BlocksAllocated` / `BlocksTouched` / `BlocksReleased`
 events keep every block's ref count, so the state equals the engine pool's after any event.
-Recordings made before those events existed hold no ref events: then a block is in use while a
-request that stored or hit it is running (what a finished or preempted request held it
-releases), which equals the pool between turns.
+Recordings made before those events existed hold no ref events (nor do servers send any): then a
+block is in use while a request that stored or hit it is running (what a finished or preempted
+request held it releases), which equals the pool between turns; a server's blocks are cached.
 
-Blocks by hash: a block's key is its hash as the source sends it (kvplay's engine: hex; vLLM:
-a uint64 or a digest's bytes; SGLang: an int64), `(pod, hash)` for a recorded watched pod's,
-`(group, hash)` for a hybrid model's group other than 0 (so no two alias). Events without block
-ids (every server's wire) get a slot per key: the lowest free one when stored, freed when
-removed or when the pod's cache is cleared.
+Blocks by hash: a block's key is its hash as the source sent it (kvplay's engine: hex; vLLM: a
+uint64; SGLang: an int64), `(pod, hash)` in a batch from a pod of a recording of watched pods (its
+`pod` envelope), `(group, hash)` for a hybrid model's group other than 0 (so no two alias). Block
+ids are the pod's place in a fleet's numbering (`offset` + slot).
 
-**The one converter** between vLLM's form and kvplay's is `apply_wire`: a wire batch applied
-in order, and, when `convert` is set (a watch recording, attach's views), the same changes as
-kvplay engine events (a new block a `BlockStored` with `user` = who stored it, a re-announced
-one — vLLM's kv_cache_report_mode "full" — a `BlockHit` of the reusing session with
-`by_creator`, an eviction a `BlockRemoved` with its creators, a reset an `AllBlocksCleared`;
-hashes as hex; `block_ids` the slots + `offset`).
+Watch counters (`summary()`, kept by the pod's `FromWire` and subscriber): `blocks` cached now;
+`stored` block entries announced by `BlockStored` (new and re-announced), `removed` blocks
+evicted, `cleared` cache resets; `by_session` blocks each session holds now; `stored_by_session`
+blocks each session stored in all; `gaps`, `replayed`, `restarts`, `lost` are counted by the
+subscriber that feeds the mirror.
 
-Attribution of a stored wire block, in order: the event's `session_id` (vLLM copies it from
-the request; SGLang sends it in metadata); else the session whose registered prompt
-(`register_prompt`, called by kvplay's own panes for what they send) has the same token chain up
-to this block; else `SOMEONE_ELSE` (another client of a shared server).
-
-Watch counters (`summary()`): `blocks` cached now; `stored` block entries announced by
-`BlockStored` (new and re-announced), `removed` blocks evicted, `cleared` cache resets;
-`by_session` blocks each session holds now; `stored_by_session` blocks each session stored in
-all; `gaps`, `replayed`, `restarts`, `lost` are counted by the subscriber that feeds the mirror.
-Only the device tier is mirrored: wire events for another medium (vLLM's CPU offload tier "CPU",
-"STORAGE") or with locality "REMOTE" are counted in `other_medium` and otherwise ignored.
-
-Hostile input: an engine-form event with wrong types or block ids out of range is counted in
-`bad` and skipped; wire events were typed at decode (wire/codec.py).
+Events were typed and bounded where they entered (decoding a recorded row or a wire payload):
+`apply` checks nothing again.
 """
 from __future__ import annotations
 
-import heapq
 import threading
 from collections import Counter
 from collections.abc import Mapping
 from operator import itemgetter
-from typing import NamedTuple
 
-import msgspec
 import numpy as np
 
 from kvplay.engine import events as ev_
-from kvplay.engine.observe import BlockArrays, BlockSummary, BlockView, summarize
 
-from .codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, hash_hex
+from .codec import hash_hex
+from .translate import FromWire, PromptIndex
+from .views import STATES, BlockArrays, BlockSummary, BlockView, summarize
 
-MAX_BLOCKS = 1 << 22  # the largest pool a mirror holds (~130 MB of arrays); larger ids are bad input
-STATES = ("free", "cached", "in_use")
+MAX_BLOCKS = ev_.MAX_BLOCKS  # the largest pool a mirror holds (~130 MB of arrays)
 FREE, CACHED, IN_USE = 0, 1, 2
-_REF_KINDS = ("BlocksAllocated", "BlocksTouched", "BlocksReleased")
-SOMEONE_ELSE = "someone else"
 
 
 def _let_go(by_session: Counter, holders) -> None:
@@ -82,15 +65,6 @@ def _let_go(by_session: Counter, holders) -> None:
             by_session[u] = c
         else:
             del by_session[u]
-
-
-class Applied(NamedTuple):
-    """What one wire batch did: block entries stored, removed, caches cleared; and the engine
-    events saying so (empty unless the mirror's `convert` is set)."""
-    stored: int
-    removed: int
-    cleared: int
-    events: list
 
 
 class Block(tuple):
@@ -187,12 +161,10 @@ class BlocksByKey(Mapping):
 class Mirror:
     """One pool (one pod's cache), rebuilt from its events (see the module docstring)."""
 
-    def __init__(self, num_blocks: int = 0, offset: int = 0, pod: str = "pod0", prompts: "PromptIndex | None" = None):
+    def __init__(self, num_blocks: int = 0, offset: int = 0, pod: str = "pod0"):
         self.num_blocks = min(MAX_BLOCKS, max(0, int(num_blocks)))  # grows when an event names a block beyond it
-        self.bad = 0  # events skipped as malformed (a recording or a wire is untrusted input)
         self.offset = offset  # where block 0 sits in a fleet's numbering (one map per pod)
         self.pod = pod
-        self.prompts = prompts if prompts is not None else PromptIndex()
         cap = max(16, min(self.num_blocks, 1024))  # grows by doubling as blocks are named
         self._alloc(cap)
         self.hw = 0  # 1 + the highest block id ever named
@@ -202,7 +174,6 @@ class Mirror:
         self.tokens: dict[int, tuple] = {}
         self.request: dict[int, str] = {}
         self.users_of: dict[int, tuple] = {}  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
-        self._chain: dict[int, int] = {}  # slot -> token-chain id (attribution by registered prompts)
         self.by_session: Counter = Counter()  # blocks each user holds now
         self.stored_by_session: Counter = Counter()  # wire: blocks each session stored, in all
         self.users: list[str] = []
@@ -216,17 +187,14 @@ class Mirror:
         self.hit: frozenset = frozenset()  # blocks the latest request reused
         self.last_blocks: tuple = ()  # blocks of the latest BlockStored / BlockHit
         self.hit_tokens = self.query_tokens = self.evictions = self.preemptions = 0
-        self.requests_finished = self.collisions = 0
+        self.requests_finished = self.collisions = self.cleared = 0
         self.extra_users = 0  # sum over blocks of max(0, len(users) - 1)
-        self.applied = 0  # engine-form events applied
-        self.version = 0  # bumps with every applied event or batch (views redraw when it moves)
+        self.applied = 0  # events applied
+        self.version = 0  # bumps with every applied event (views redraw when it moves)
         self.ts: float | None = None
-        self._free_slots: list[int] = []  # a heap of freed slots (blocks named by hash only)
-        self._next_slot = 0
-        # wire counters (see the module docstring)
-        self.convert = False  # apply_wire also returns engine events
+        # wire counters (see the module docstring): the pod's FromWire and subscriber keep them
         self.stored = self.new_blocks = self.reannounced = self.removed = self.removed_unknown = 0
-        self.cleared = self.other_medium = self.gaps = self.replayed = self.restarts = self.lost = 0
+        self.other_medium = self.gaps = self.replayed = self.restarts = self.lost = 0
         self.batches = self.events = 0
         self.last_seq = -1
         self.last_ts = 0.0
@@ -243,7 +211,7 @@ class Mirror:
         self._mvs = None
 
     _ARRAYS = ("state", "ref", "creator", "hits", "indexed", "created_at", "last_used")
-    _DICTS = ("key_slot", "key", "parent", "tokens", "request", "_chain", "_code", "prompt")
+    _DICTS = ("key_slot", "key", "parent", "tokens", "request", "_code", "prompt")
 
     def _grow(self, need: int) -> None:
         cap = len(self.state)
@@ -255,14 +223,6 @@ class Mirror:
             setattr(self, name, arr)
         self._mvs = None
 
-    def _see(self, ids) -> None:
-        """Check block ids `ids` (ints in [0, MAX_BLOCKS), else ValueError) and make room for them."""
-        if not all(type(b) is int for b in ids):
-            raise ValueError("block ids must be integers")
-        if min(ids) < 0 or max(ids) >= MAX_BLOCKS:
-            raise ValueError("block id out of range")
-        self._room(max(ids) + 1)
-
     def _room(self, top: int) -> None:
         if top > self.hw:
             if top > len(self.state):
@@ -270,6 +230,14 @@ class Mirror:
             self.hw = top
             if top > self.num_blocks:
                 self.num_blocks = top
+
+    def _views(self) -> tuple:
+        """Memoryviews of the arrays (an item write costs less than numpy's)."""
+        v = self._mvs
+        if v is None:
+            v = self._mvs = tuple(memoryview(getattr(self, n)) for n in
+                                  ("state", "ref", "creator", "indexed", "created_at", "last_used", "hits"))
+        return v
 
     def code(self, user: str | None) -> int:
         if not user:
@@ -286,8 +254,7 @@ class Mirror:
 
     # --- copies (checkpoints) ---------------------------------------------------------------------
     def copy(self) -> "Mirror":
-        """An independent copy: arrays up to `hw`, dicts of the blocks that hold something (the
-        prompt index is shared: it only grows)."""
+        """An independent copy: arrays up to `hw`, dicts of the blocks that hold something."""
         m = Mirror.__new__(Mirror)
         m.__dict__.update(self.__dict__)
         cap = max(16, self.hw)
@@ -300,51 +267,10 @@ class Mirror:
         m.users = list(self.users)
         m.held = {r: list(b) for r, b in self.held.items()}
         m.started, m.running, m.waiting = set(self.started), set(self.running), set(self.waiting)
-        m._free_slots = list(self._free_slots)
         m._mvs = None
         return m
 
-    # --- what every source shares -----------------------------------------------------------------
-    def _slot_for(self, key) -> int:
-        """A slot for a block named by key only: its own, else the lowest free one."""
-        s = self.key_slot.get(key)
-        if s is None:
-            if self._free_slots:
-                s = heapq.heappop(self._free_slots)
-            elif self._next_slot >= MAX_BLOCKS:
-                raise ValueError("too many blocks")
-            else:
-                s = self._next_free()
-            self.key_slot[key] = s
-        return s
-
-    def _next_free(self) -> int:
-        """The lowest never-used slot (the caller checked it is below MAX_BLOCKS), with room in
-        the arrays (which may be new ones)."""
-        s = self._next_slot
-        self._next_slot = s + 1
-        if s >= self.hw:
-            self._room(s + 1)
-        return s
-
-    def _free_slot(self, key) -> int | None:
-        """Forget the slot of a block named by key only (it goes back to the free heap)."""
-        s = self.key_slot.pop(key, None)
-        if s is not None:
-            heapq.heappush(self._free_slots, s)
-            if self.key.get(s) == key:
-                del self.key[s]
-        return s
-
-    def _name(self, b: int, key) -> None:
-        """Block `b` holds `key` now (a block id's former key lets go of it)."""
-        old = self.key.get(b)
-        if old is not None and old != key and self.key_slot.get(old) == b:
-            del self.key_slot[old]
-        self.key[b] = key
-        self.key_slot[key] = b
-        self._chain.pop(b, None)
-
+    # --- what a block's events change ---------------------------------------------------------------
     def _reset(self, b: int) -> None:
         """Forget what block `b` held (it is free now)."""
         key = self.key.pop(b, None)
@@ -353,7 +279,6 @@ class Mirror:
         self.parent.pop(b, None)
         self.tokens.pop(b, None)
         self.request.pop(b, None)
-        self._chain.pop(b, None)
         users = self.users_of.pop(b, None)
         if users:
             self.extra_users -= len(users) - 1
@@ -363,26 +288,17 @@ class Mirror:
         self.indexed[b] = 0
         self.state[b] = FREE
 
-    def _add_user(self, b: int, user: str) -> bool:
-        users = self.users_of.get(b)
-        if users is None:
+    def _add_user(self, b: int, user: str) -> None:
+        """`user` holds block `b` too (its creator first, then who reused it, in order)."""
+        held = self.users_of.get(b)
+        if held is None:
             self.users_of[b] = (user,)
-        elif user in users:
-            return False
+        elif user in held:
+            return
         else:
-            self.users_of[b] = users + (user,)
+            self.users_of[b] = held + (user,)
             self.extra_users += 1
         self.by_session[user] += 1
-        return True
-
-    def _settle(self, b: int) -> None:
-        """State from ref count and index, after a change to either."""
-        if self.ref[b] > 0:
-            self.state[b] = IN_USE
-        elif self.indexed[b]:
-            self.state[b] = CACHED
-        else:
-            self._reset(b)
 
     def _hold(self, rid: str, b: int) -> None:
         """Recordings without ref events: request `rid` holds block `b` (once)."""
@@ -392,478 +308,255 @@ class Mirror:
             self.ref[b] += 1
             self.state[b] = IN_USE
 
+    def _rename(self, b: int, key) -> None:
+        """Block `b` is to hold `key` (None: none): the key it held lets go of it."""
+        old = self.key.get(b)
+        if old is not None and old != key:
+            del self.key[b]
+            if self.key_slot.get(old) == b:
+                del self.key_slot[old]
+
     def _release(self, rid: str, ts: float) -> None:
         for b in self.held.pop(rid, ()):
             self.ref[b] -= 1
             self.last_used[b] = ts
-            self._settle(b)
-
-    def _clear_keys(self, pod=None, everything: bool = False) -> None:
-        """A cache reset that names no blocks: every block named by key (of `pod`) goes."""
-        keys = list(self.key_slot) if everything else \
-            [k for k in self.key_slot if (k[0] if type(k) is tuple else None) == pod]
-        for k in keys:
-            s = self._free_slot(k)
-            if s is None:
-                continue
-            self.indexed[s] = 0
-            if self.ref[s] == 0:
-                self._reset(s)
-
-    # --- one entry point ----------------------------------------------------------------------------
-    def apply(self, item, arg=None):
-        """Apply what a source gives: a wire `EventBatch` (`apply_wire`; `arg` its seq), an
-        engine `EngineBatch` (`apply_batch`), one engine event, or one engine-form event as a
-        mapping (a recorded row: `arg` its kind, else its "kind" key)."""
-        if type(item) is EventBatch:
-            return self.apply_wire(item, -1 if arg is None else arg)
-        if isinstance(item, ev_.Event):
-            return self.apply_event(msgspec.structs.asdict(item), type(item).__name__)
-        if hasattr(item, "events") and hasattr(item, "step"):
-            return self.apply_batch(item)
-        return self.apply_event(item, arg)
-
-    def apply_batch(self, batch) -> None:
-        """An `EngineBatch` (engine/events.py): its events in order."""
-        for ev in batch.events:
-            self.apply_event(msgspec.structs.asdict(ev), type(ev).__name__)
-
-    def apply_all(self, events) -> None:
-        for e in events:
-            self.apply_event(e)
-
-    # --- kvplay's engine events (live, or recorded rows) --------------------------------------------
-    def apply_event(self, e, kind: str | None = None) -> bool:
-        """Apply one event: a mapping with the engine event's fields (a recorded row's payload,
-        or `msgspec.structs.asdict(event)`), its kind given or under "kind". A malformed one (wrong types, block
-        ids out of range) is counted in `bad` and skipped: False, never an exception. Checks
-        come before changes, except that a BlockStored or BlockRemoved naming blocks by hash
-        may have taken slots before a later field fails."""
-        self.applied += 1  # every event counts, good or bad: History indexes events by it
-        self.version += 1
-        try:
-            if kind is None:
-                kind = e.get("kind")
-            self._apply(e, kind)
-            return True
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError):
-            self.bad += 1
-            return False
-
-    @staticmethod
-    def _keys(e, hashes) -> list:
-        pod = e.get("pod")
-        if pod is not None and type(pod) is not str:
-            raise TypeError("pod")
-        return list(hashes) if pod is None else [(pod, h) for h in hashes]
-
-    def _ids(self, e, store: bool = False) -> list[int]:
-        """The blocks an event names: its block ids, else one slot per key."""
-        ids = e.get("block_ids")
-        if ids:
-            if not isinstance(ids, list):
-                raise TypeError("block_ids")
-            return ids
-        hashes = e.get("block_hashes") or ()
-        if not isinstance(hashes, list) or not all(type(h) is str for h in hashes):
-            raise TypeError("block_hashes")
-        keys = self._keys(e, hashes)
-        if store:
-            return [self._slot_for(k) for k in keys]
-        return [s for s in map(self.key_slot.get, keys) if s is not None]
-
-    def _apply(self, e, kind) -> None:
-        ts = e.get("ts") or 0.0
-        if not isinstance(ts, (int, float)):
-            raise TypeError("ts")
-        self.ts = ts or self.ts
-        if kind in _REF_KINDS:
-            self.exact = True
-            ids = e.get("block_ids") or []
-            if not isinstance(ids, list):
-                raise TypeError("block_ids")
-            if not ids:
-                return
-            self._see(ids)
-            if kind == "BlocksAllocated":
-                idx = np.asarray(ids, np.int64)
-                if len(ids) > 64 and not (self.key or self.users_of):  # bulk: fresh blocks of an empty pool
-                    self.ref[idx] = 1
-                    self.state[idx] = IN_USE
-                    self.created_at[idx] = ts
-                    self.last_used[idx] = ts
-                    return
-                for b in ids:
-                    if self.state[b] != FREE or b in self.key or b in self.users_of:
-                        self._reset(b)
-                    self.ref[b] = 1
-                    self.state[b] = IN_USE
-                    self.created_at[b] = self.last_used[b] = ts
-            elif kind == "BlocksTouched":
-                for b in ids:
-                    self.ref[b] += 1
-                    self.state[b] = IN_USE
-                    self.last_used[b] = ts
+            if self.ref[b] > 0:
+                self.state[b] = IN_USE
+            elif self.indexed[b]:
+                self.state[b] = CACHED
             else:
-                for b in ids:
-                    if self.ref[b] > 0:
-                        self.ref[b] -= 1
-                    self.last_used[b] = ts
-                    if self.ref[b] == 0:
-                        self._settle(b)
+                self._reset(b)
+
+    # --- the one entry point: a batch of engine events -------------------------------------------------
+    def apply(self, batch: ev_.EngineBatch, start: int = 0, stop: int | None = None) -> None:
+        """Apply `batch`'s events [start, stop) in order (all by default; a scrubber's cursor
+        stops inside a batch), matching on their types: the pool's one state machine.
+
+        One loop with what it touches held in locals: a busy server's batch is dozens of small
+        events, and per-event set-up would cost more than their blocks. Per block only what the
+        views read is written; a user's counts are added once per event."""
+        events = batch.events
+        if start or stop is not None:
+            events = events[start:stop]
+        if not events:
             return
-        rid = e.get("request_id") or ""
-        if type(rid) is not str:
-            raise TypeError("request_id")
-        if kind == "BlockStored":
-            hashes = e.get("block_hashes") or []
-            tokens = e.get("token_ids") or []
-            bs = e.get("block_size") or (len(tokens) // max(1, len(hashes)))
-            user = e.get("user") or None
-            parent = e.get("parent_block_hash")
-            if type(bs) is not int or bs < 0 or not isinstance(tokens, list) or not isinstance(hashes, list) \
-                    or not all(type(t) is int for t in tokens) \
-                    or not all(type(h) is str for h in hashes) or (user is not None and type(user) is not str) \
-                    or (parent is not None and type(parent) is not str):
-                raise TypeError("BlockStored")
-            ids = self._ids(e, store=True)
-            if not ids:
-                return
-            self._see(ids)
-            keys = self._keys(e, hashes)
-            code = self.code(user)
-            for i, b in enumerate(ids):
-                if not self.exact:
-                    if self.ref[b] == 0:
-                        self._reset(b)
-                    self.created_at[b] = ts
-                    self.last_used[b] = ts
-                self.indexed[b] = 1
-                if i < len(keys):
-                    self._name(b, keys[i])
-                    p = parent if i == 0 else hashes[i - 1]
-                    if p is None:
-                        self.parent.pop(b, None)
+        pod = batch.pod
+        off = self.offset
+        st, ref, cr, ix, ca, lu, hi = self._views()
+        key_of, key_slot, parents, toks, request, users_of, by_session = \
+            self.key, self.key_slot, self.parent, self.tokens, self.request, self.users_of, self.by_session
+        codes = self._code
+        Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
+        extra = 0  # change of extra_users
+        for ev in events:
+            cls = ev.__class__
+            ts = ev.ts
+            if cls is Stored or cls is Removed or cls is Hit:
+                ids = ev.block_ids
+                if not ids:
+                    continue
+                if off:
+                    ids = [b - off for b in ids]
+                top = max(ids) + 1
+                if top > self.hw:
+                    self._room(top)
+                    st, ref, cr, ix, ca, lu, hi = self._views()
+                if cls is Removed:
+                    if ev.reason == "evicted":
+                        self.evictions += len(ids)
+                    for b in ids:
+                        ix[b] = 0
+                        if ref[b]:
+                            continue  # in use: it keeps serving its request, freed when released
+                        key = key_of.pop(b, None)  # what `_reset` does
+                        if key is not None:
+                            s = key_slot.pop(key, b)
+                            if s != b:  # the key names another block now: it stays
+                                key_slot[key] = s
+                        parents.pop(b, None)
+                        toks.pop(b, None)
+                        if request:
+                            request.pop(b, None)
+                        held = users_of.pop(b, None)
+                        if held:
+                            extra -= len(held) - 1
+                            for u in held:
+                                c = by_session[u] - 1
+                                if c:
+                                    by_session[u] = c
+                                else:
+                                    del by_session[u]
+                        cr[b] = -1
+                        hi[b] = st[b] = 0
+                    continue
+                user = ev.user
+                one = (user,)
+                fresh = 0  # blocks `user` holds now that it did not
+                rid = ev.request_id
+                hold = rid and not self.exact
+                if cls is Hit:
+                    self.hit = frozenset(ids)
+                    self.last_blocks = tuple(ids)
+                    self.hit_tokens += ev.cached_tokens
+                    for b in ids:
+                        if not st[b]:
+                            continue  # a free block holds nothing to reuse (a damaged recording)
+                        hi[b] += 1
+                        lu[b] = ts
+                        if user:
+                            self._add_user(b, user)
+                        if hold:
+                            self._hold(rid, b)
+                else:  # BlockStored
+                    hashes = ev.block_hashes
+                    nh = len(hashes)
+                    tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
+                    bs = ev.block_size or (len(tokens) // max(1, nh))
+                    if pod is not None:
+                        keys = [(pod, h) for h in hashes]
+                    elif ev.group_idx:
+                        keys = [(ev.group_idx, h) for h in hashes]
                     else:
-                        self.parent[b] = p
-                else:
-                    old = self.key.pop(b, None)
-                    if old is not None and self.key_slot.get(old) == b:
-                        del self.key_slot[old]
-                self.creator[b] = code
-                self.request[b] = rid or None
-                self.tokens[b] = tuple(tokens[i * bs:(i + 1) * bs])
-                if user:
-                    self._add_user(b, user)
-                if rid and not self.exact:
-                    self._hold(rid, b)
-                elif self.ref[b] == 0:
-                    self.state[b] = CACHED
-            self.last_blocks = tuple(ids)
-        elif kind == "BlockHit":
-            if not isinstance(e.get("cached_tokens") or 0, int) or not isinstance(e.get("user") or "", str):
-                raise TypeError("BlockHit")
-            hit = self._ids(e)
-            if hit:
-                self._see(hit)
-            self.hit = frozenset(hit)
-            self.last_blocks = tuple(hit)
-            self.hit_tokens += e.get("cached_tokens") or 0
-            user = e.get("user")
-            for b in hit:
-                self.hits[b] += 1
-                self.last_used[b] = ts
-                if user:
-                    self._add_user(b, user)
-                if rid and not self.exact:
-                    self._hold(rid, b)
-        elif kind == "BlockRemoved":
-            ids = self._ids(e)
-            if ids:
-                self._see(ids)
-            if not e.get("block_ids"):
-                for k in self._keys(e, e.get("block_hashes") or []):
-                    self._free_slot(k)
-            if e.get("reason", "evicted") == "evicted":
-                self.evictions += len(ids)
-            for b in ids:
-                self.indexed[b] = 0
-                if self.ref[b] == 0:
-                    self._reset(b)
-        elif kind == "AllBlocksCleared":
-            self.hit = frozenset()
-            pod = e.get("pod")
-            if pod is not None or self._next_slot:  # a server's reset names no blocks: all of the pod's go
-                self._clear_keys(pod)
-        elif kind == "RequestQueued":
-            n = e.get("prompt_tokens") or 0
-            if type(n) is not int:
-                raise TypeError("prompt_tokens")
-            self.prompt[rid] = n
-            self.waiting.add(rid)
-        elif kind == "RequestStarted":
+                        keys = hashes
+                    code = codes.get(user, -1) if user else -1
+                    if user and code < 0:
+                        code = self.code(user)
+                    exact = self.exact
+                    prev = ev.parent_block_hash
+                    o = 0
+                    for i, b in enumerate(ids):
+                        clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
+                        if not clean:
+                            if ref[b] or exact:  # allocated to its request (ref events), or in use
+                                self._rename(b, keys[i] if i < nh else None)
+                            else:  # a slot reused without ref events: what it held goes
+                                self._reset(b)
+                                clean = True
+                        if not exact:
+                            ca[b] = lu[b] = ts
+                        ix[b] = 1
+                        if i < nh:
+                            k = keys[i]
+                            key_of[b] = k
+                            key_slot[k] = b
+                            if prev is not None:
+                                parents[b] = prev
+                            elif not clean:
+                                parents.pop(b, None)
+                            prev = hashes[i]
+                        cr[b] = code
+                        if rid:
+                            request[b] = rid
+                        elif not clean and request:
+                            request.pop(b, None)
+                        toks[b] = tokens[o:o + bs]
+                        o += bs
+                        if user:
+                            held = None if clean else users_of.get(b)
+                            if held is None:
+                                users_of[b] = one
+                                fresh += 1
+                            elif user not in held:
+                                users_of[b] = held + one
+                                fresh += 1
+                                extra += 1
+                        if hold:
+                            self._hold(rid, b)
+                        elif not ref[b]:
+                            st[b] = CACHED
+                    self.last_blocks = tuple(ids)
+                if fresh:
+                    by_session[user] += fresh
+            elif cls is ev_.BlocksAllocated or cls is ev_.BlocksTouched or cls is ev_.BlocksReleased:
+                self.extra_users += extra
+                extra = 0
+                self._refs(cls, ev, ev.block_ids if not off else [b - off for b in ev.block_ids])
+                st, ref, cr, ix, ca, lu, hi = self._views()
+            else:
+                self.extra_users += extra
+                extra = 0
+                self._other(cls, ev)
+        self.extra_users += extra
+        if ts:
+            self.ts = ts
+        self.applied += len(events)
+        self.version += len(events)
+
+    def _other(self, cls, ev) -> None:
+        """The events that change no block: requests, clears (their blocks went in a BlockRemoved
+        just before), collisions; the rest (settings, groups, first tokens) change nothing here."""
+        if cls is ev_.RequestQueued:
+            self.prompt[ev.request_id] = ev.prompt_tokens
+            self.waiting.add(ev.request_id)
+        elif cls is ev_.RequestStarted:
+            rid = ev.request_id
             if rid not in self.started:
                 self.started.add(rid)
                 self.query_tokens += self.prompt.get(rid, 0)
-                if not e.get("cached_tokens"):
+                if not ev.cached_tokens:
                     self.hit = frozenset()
             self.waiting.discard(rid)
             self.running.add(rid)
-        elif kind == "RequestPreempted":
+        elif cls is ev_.RequestPreempted:
             self.preemptions += 1
             if not self.exact:
-                self._release(rid, ts)
-            self.running.discard(rid)
-            self.waiting.add(rid)
-        elif kind == "RequestFinished":
+                self._release(ev.request_id, ev.ts)
+            self.running.discard(ev.request_id)
+            self.waiting.add(ev.request_id)
+        elif cls is ev_.RequestFinished:
+            rid = ev.request_id
             if not self.exact:
-                self._release(rid, ts)
+                self._release(rid, ev.ts)
             self.running.discard(rid)
             self.waiting.discard(rid)
             self.prompt.pop(rid, None)
             self.started.discard(rid)
             self.requests_finished += 1
-        elif kind == "CollisionCaught":
+        elif cls is ev_.AllBlocksCleared:
+            self.hit = frozenset()
+            self.cleared += 1
+        elif cls is ev_.CollisionCaught:
             self.collisions += 1
 
-    # --- a server's wire batches: the one converter ---------------------------------------------------
-    def apply_wire(self, batch: EventBatch, seq: int = -1) -> Applied:
-        """Apply one decoded wire batch in order (see the module docstring)."""
-        out = [] if self.convert else None
-        stored, removed, cleared = self._wire_events(batch.events, batch.ts, out)
-        self.batches += 1
-        self.events += len(batch.events)
-        if seq >= 0:
-            self.last_seq = seq
-        ts = batch.ts
-        self.last_ts = ts
-        self.ts = ts or self.ts
-        self.version += 1
-        return Applied(stored, removed, cleared, out or [])
-
-    def _views(self) -> tuple:
-        """Memoryviews of the arrays the wire path writes (an item write costs less than numpy's)."""
-        v = self._mvs
-        if v is None:
-            v = self._mvs = tuple(memoryview(getattr(self, n)) for n in
-                                  ("state", "creator", "indexed", "created_at", "last_used", "hits"))
-        return v
-
-    def _wire_events(self, events, ts: float, out) -> tuple[int, int, int]:
-        """A wire batch's events, in one loop with what it touches held in locals (a busy server
-        sends dozens of small events a batch: per-call set-up would cost more than the blocks).
-        Per block only what the block map needs is written; a session's counters are added once
-        per event (the blocks it holds even when a later block of the event fails). Returns
-        (block entries stored, blocks removed, caches cleared)."""
-        key_slot, keys, parents, tokens, chains = self.key_slot, self.key, self.parent, self.tokens, self._chain
-        stored_by, by_session, users_of, codes = self.stored_by_session, self.by_session, self.users_of, self._code
-        users = self.users
-        free = self._free_slots
-        heappop, heappush = heapq.heappop, heapq.heappush
-        st, cr, ix, ca, lu, hi = self._views()
-        offset = self.offset
-        Stored, Hit, Removed = ev_.BlockStored, ev_.BlockHit, ev_.BlockRemoved
-        last = None  # the engine event the next change may extend (convert)
-        total = new = extra = n_removed = unknown = cleared = 0
-        try:
-            for ev in events:
-                cls = type(ev)
-                if cls is AllBlocksCleared:
-                    self.clear()
-                    if out is not None:
-                        out.append(ev_.AllBlocksCleared(ts=ts, reason="cleared"))
-                        last = None
-                    cleared += 1
-                    continue
-                if cls is not BlockStored and cls is not BlockRemoved:
-                    continue  # no wire event: nothing to apply
-                medium = ev.medium
-                hashes = ev.block_hashes
-                if (medium is not None and medium != MEDIUM_GPU) or ev.locality == "REMOTE":
-                    self.other_medium += len(hashes)  # another tier: not mirrored
-                    continue
-                g = ev.group_idx
-                if cls is BlockRemoved:
-                    for h in hashes:
-                        s = key_slot.pop((g, h) if g else h, None)
-                        if s is None:
-                            unknown += 1
-                            continue
-                        if out is not None:
-                            if type(last) is not Removed:
-                                last = Removed(ts=ts, block_hashes=[], block_ids=[], creators=[])
-                                out.append(last)
-                            c = cr[s]
-                            last.block_hashes.append(hash_hex(h))
-                            last.block_ids.append(s + offset)
-                            last.creators.append(users[c] if c >= 0 else "")
-                        del keys[s]
-                        heappush(free, s)
-                        parents.pop(s, None)
-                        del tokens[s]
-                        if chains:
-                            chains.pop(s, None)
-                        held = users_of.pop(s)
-                        extra -= len(held) - 1
-                        _let_go(by_session, held)
-                        cr[s] = -1
-                        hi[s] = st[s] = 0
-                        n_removed += 1
-                    continue
-                # BlockStored
-                n = len(hashes)
-                if not n:
-                    continue
-                room = len(free) + MAX_BLOCKS - self._next_slot
-                if n > room and sum(((g, h) if g else h) not in key_slot for h in hashes) > room:
-                    raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
-                sid = ev.session_id
-                parent = ev.parent_block_hash
-                size = ev.block_size
-                tok = None  # its tokens as a tuple, made for its first new block (tuples: the GC stops tracking them)
-                total += n  # announced
-                off = 0
-                sid_new = 0  # blocks of this event `sid` stored
-                code = codes.get(sid)  # None: named when it first stores a block
-                only = (sid,)  # its holders when `sid` stored it (one tuple for the event's blocks)
-                prev = hash_hex(parent) if out is not None else None  # the hex of the block before this one
-                if sid is not None:
-                    stored_by[sid] += n
-                try:
-                    for h in hashes:
-                        key = (g, h) if g else h
-                        s = key_slot.get(key)
-                        if s is None:
-                            if tok is None:
-                                tok = tuple(ev.token_ids)
-                            if sid is None:
-                                who = self._attribute(parent, tok, off, size, g)
-                                c = codes.get(who)
-                                cr_code = self.code(who) if c is None else c
-                            else:
-                                if code is None:
-                                    code = self.code(sid)
-                                who, cr_code = sid, code
-                            if free:
-                                s = heappop(free)
-                            else:
-                                s = self._next_free()
-                                if s >= len(st):
-                                    st, cr, ix, ca, lu, hi = self._views()
-                            key_slot[key] = s
-                            keys[s] = key
-                            if parent is not None:
-                                parents[s] = parent
-                            toks = tokens[s] = tok[off:off + size]
-                            cr[s] = cr_code
-                            st[s] = CACHED  # `indexed` is the engine's ref-count bookkeeping: a server's block is just cached
-                            ca[s] = lu[s] = ts
-                            users_of[s] = only if who is sid else (who,)
-                            new += 1
-                            if sid is None:
-                                by_session[who] += 1
-                            else:
-                                sid_new += 1
-                            if out is not None:
-                                hx = hash_hex(h)
-                                if type(last) is Stored and last.user == who and last.block_size == size \
-                                        and last.block_hashes[-1] == prev:  # the chain goes on: one event, like vLLM's
-                                    last.block_hashes.append(hx)
-                                    last.block_ids.append(s + offset)
-                                    last.token_ids.extend(toks)
-                                else:
-                                    last = Stored(ts=ts, block_hashes=[hx], parent_block_hash=prev,
-                                                  token_ids=list(toks), block_size=size, block_ids=[s + offset],
-                                                  user=who)
-                                    out.append(last)
-                                prev = hx
-                        else:
-                            c = cr[s]
-                            creator = users[c] if c >= 0 else ""  # "": stored with an empty session id
-                            who = creator if sid is None else sid
-                            held = users_of[s]
-                            if who not in held:
-                                users_of[s] = held + (who,)
-                                extra += 1
-                                by_session[who] += 1
-                            hi[s] += 1
-                            lu[s] = ts
-                            if out is not None:
-                                if type(last) is not Hit or last.user != who:
-                                    last = Hit(ts=ts, user=who, block_hashes=[], block_ids=[], cached_tokens=0,
-                                               by_creator={})
-                                    out.append(last)
-                                prev = hash_hex(h)
-                                last.block_hashes.append(prev)
-                                last.block_ids.append(s + offset)
-                                last.cached_tokens += size
-                                last.by_creator[creator] = last.by_creator.get(creator, 0) + size
-                        if sid is None:
-                            stored_by[who] += 1
-                        parent = h
-                        off += size
-                finally:
-                    if sid_new:
-                        by_session[sid] += sid_new
-        finally:
-            self.extra_users += extra
-            self.new_blocks += new
-            self.reannounced += total - new
-            self.stored += total
-            self.removed_unknown += unknown
-            self.evictions += n_removed
-            self.removed += n_removed
-        return total, n_removed, cleared
-
-    def clear(self) -> None:
-        """AllBlocksCleared from a server (or a publisher restart): its cache is empty."""
-        self._clear_keys(everything=True)
-        self.hit = frozenset()
-        self.cleared += 1
-        self.version += 1
-
-    def reset_for_restart(self) -> None:
-        """The publisher restarted (its seq went backwards): its cache is gone with it."""
-        self._clear_keys(everything=True)
-        self.hit = frozenset()
-        self.restarts += 1
-        self.last_seq = -1
-        self.version += 1
-
-    # --- attribution by token chain ----------------------------------------------------------
-    def _chain_of(self, key, group_idx) -> int | None:
-        """The token-chain id of a cached block (None when its chain leaves the mirror). Walks
-        up iteratively: prompts can be thousands of blocks deep."""
-        path = []
-        s = self.key_slot.get(key)
-        chains = self._chain
-        while s is not None and s not in chains:
-            path.append(s)
-            p = self.parent.get(s)
-            if p is None:
-                s = None
-                chain = None
-                break
-            s = self.key_slot.get((group_idx, p) if group_idx else p)
+    def _refs(self, cls, ev, ids: list) -> None:
+        self.exact = True
+        if not ids:
+            return
+        top = max(ids) + 1
+        if top > self.hw:
+            self._room(top)
+        ts = ev.ts
+        st, ref, cr, ix, ca, lu, hi = self._views()
+        if cls is ev_.BlocksAllocated:
+            if len(ids) > 64 and not (self.key or self.users_of):  # bulk: fresh blocks of an empty pool
+                idx = np.asarray(ids, np.int64)
+                self.ref[idx] = 1
+                self.state[idx] = IN_USE
+                self.created_at[idx] = ts
+                self.last_used[idx] = ts
+                return
+            key, users_of = self.key, self.users_of
+            for b in ids:
+                if st[b] != FREE or b in key or b in users_of:
+                    self._reset(b)
+                ref[b] = 1
+                st[b] = IN_USE
+                ca[b] = lu[b] = ts
+        elif cls is ev_.BlocksTouched:
+            for b in ids:
+                ref[b] += 1
+                st[b] = IN_USE
+                lu[b] = ts
         else:
-            if s is None:
-                return None
-            chain = chains[s]
-        for slot in reversed(path):
-            chain = chains[slot] = hash((chain, tuple(self.tokens.get(slot, ()))))
-        return chain
-
-    def _attribute(self, parent, tok, off, size, group_idx) -> str:
-        if not self.prompts or not size:
-            return SOMEONE_ELSE
-        if parent is None:
-            parent_chain = None
-        else:
-            parent_chain = self._chain_of((group_idx, parent) if group_idx else parent, group_idx)
-            if parent_chain is None:
-                return SOMEONE_ELSE
-        chain = hash((parent_chain, tuple(tok[off:off + size])))
-        return self.prompts.lookup(chain, size) or SOMEONE_ELSE
+            for b in ids:
+                if ref[b] > 0:
+                    ref[b] -= 1
+                lu[b] = ts
+                if ref[b] == 0:
+                    if ix[b]:
+                        st[b] = CACHED
+                    else:
+                        self._reset(b)
 
     # --- what views ask -------------------------------------------------------------------------
     def counts(self) -> tuple[int, int, int]:
@@ -914,7 +607,7 @@ class Mirror:
 
     def summary(self, cells: int | None = None, start: int = 0, stop: int | None = None,
                 user: str | None = None):
-        """With `cells`: blocks [start, stop) in `cells` equal runs (engine/observe.summarize; the
+        """With `cells`: blocks [start, stop) in `cells` equal runs (wire/views.summarize; the
         block map's `BlockSummary`), costing the part of the range below `hw`. Without: the
         watch counters (module docstring) as a dict."""
         if cells is None:
@@ -975,52 +668,27 @@ class Mirror:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-class PromptIndex:
-    """Prompts kvplay's own panes sent, indexed by token chain per block size, so blocks stored
-    without a session_id can still be attributed to the pane that caused them."""
-
-    def __init__(self):
-        self._prompts: list[tuple[str, tuple[int, ...]]] = []
-        self._by_size: dict[int, dict[int, str]] = {}
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def register(self, session: str, token_ids) -> None:
-        toks = tuple(token_ids)
-        self._prompts.append((session, toks))
-        for size, index in self._by_size.items():
-            self._index(index, session, toks, size)
-
-    @staticmethod
-    def _index(index: dict, session: str, toks: tuple, size: int) -> None:
-        chain = None
-        for start in range(0, len(toks) - size + 1, size):
-            chain = hash((chain, toks[start:start + size]))
-            index.setdefault(chain, session)  # the first pane that sent a prefix stored it
-
-    def lookup(self, chain: int, size: int) -> str | None:
-        index = self._by_size.get(size)
-        if index is None:
-            index = self._by_size[size] = {}
-            for session, toks in self._prompts:
-                self._index(index, session, toks, size)
-        return index.get(chain)
-
-
 class Fleet:
-    """Mirrors by pod name, sharing one prompt index (a pane's prompt may land on any pod)."""
+    """Mirrors by pod name, each with its translator (`FromWire`), sharing one prompt index (a
+    pane's prompt may land on any pod)."""
 
     def __init__(self):
         self.prompts = PromptIndex()
         self.pods: dict[str, Mirror] = {}
+        self.wire: dict[str, FromWire] = {}
         self.lock = threading.RLock()  # held while a batch is applied; views take it to read
 
     def pod(self, name: str, num_blocks: int = 0, offset: int = 0) -> Mirror:
         m = self.pods.get(name)
         if m is None:
-            m = self.pods[name] = Mirror(num_blocks, offset, name, self.prompts)
+            m = self.pods[name] = Mirror(num_blocks, offset, name)
+            self.wire[name] = FromWire(m, self.prompts)
         return m
+
+    def from_wire(self, name: str) -> FromWire:
+        """Pod `name`'s translator of its wire batches (made with its mirror)."""
+        self.pod(name)
+        return self.wire[name]
 
     def register_prompt(self, session: str, token_ids) -> None:
         with self.lock:

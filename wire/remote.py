@@ -6,20 +6,20 @@ is re-announced as events), ``stream_options.include_usage`` for ``cached_tokens
 measured here, at the client. Per turn "from whom": the re-announced blocks (``BlockHit``
 events) of that session that arrive while the turn runs, by the session that stored them.
 
-Cache: the pods' KV events (wire/subscriber.py) feed a `Fleet` of `Mirror`s (wire/mirror.py, the
-mirror every cache view reads), one per pod; each applied batch also comes back as kvplay's
-engine events (the mirror's one converter, `apply_wire` with `convert` set), so the app's views
-and recorder read the same events as from a local engine. vLLM sends no block ids, so a pod's
-mirror gives every cached block a slot (the lowest free one) and the events carry those ids;
-pod k's slots follow pod k-1's. Every mirrored block is "cached": the events do not say which
-ones running requests hold.
+Cache: the pods' KV events (wire/subscriber.py) are translated into engine batches (each pod's
+`FromWire`, wire/translate.py) that feed a `Fleet` of `Mirror`s (wire/mirror.py, the mirror every
+cache view reads), one per pod; the same batches go to this backend's batch subscribers
+(`subscribe_batches`), so the app's views and recorder read the same events as from a local
+engine. vLLM sends no block ids, so a pod's translator gives every cached block a slot (the
+lowest free one) and the events carry those ids; pod k's slots follow pod k-1's. Every mirrored
+block is "cached": the events do not say which ones running requests hold.
 
 Predicted vs delivered: before a turn is sent, its prompt's token ids (the server's `/tokenize`)
 are matched against the mirrored blocks (wire/tree.PrefixMatcher, per pod, the best pod counts):
 `RemoteStats.predicted_tokens`; after it, the server's `usage.prompt_tokens_details.cached_tokens`
 is what was delivered. `stats()` counts the turns predicted and those where the two differ (a
 stale mirror, an eviction or store the events did not show). Each pod's PrefixMatcher is kept up
-to date from the mirror's converted events as batches arrive, so a prediction costs O(prompt), not
+to date from the translated events as batches arrive, so a prediction costs O(prompt), not
 O(blocks).
 
 Salts: a server that hashes blocks with extra keys (vLLM's and SGLang's `cache_salt`, kvplay
@@ -53,16 +53,15 @@ import httpx
 import numpy as np
 
 from kvplay.engine.errors import EngineError
-from kvplay.engine.events import AllBlocksCleared
+from kvplay.engine.events import AllBlocksCleared, BlockHit, BlockRemoved, BlockStored, EngineBatch
 from kvplay.engine.request import RequestResult, RequestStats, TokenDelta
 
-from kvplay.engine.observe import BlockArrays, summarize
 from kvplay.inert import inert, scalars
 
 from .chat_backend import ChatBackend, Controls
-from .codec import hash_hex
 from .mirror import Fleet, Mirror
 from .subscriber import TROUBLE, PodSource, Subscriber
+from .views import BlockArrays, summarize
 from .tree import PrefixMatcher, frozen_extra
 
 DEFAULT_SLOTS = 4096
@@ -193,8 +192,7 @@ class RemoteBackend(ChatBackend):
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
         self.pods: dict[str, Mirror] = {}
         for k, src in enumerate(sources):
-            m = self.pods[src.name] = self.fleet.pod(src.name, capacity, offset=k * capacity)
-            m.convert = True  # its batches come back as engine events too (views, recorder)
+            self.pods[src.name] = self.fleet.pod(src.name, capacity, offset=k * capacity)
         self._sub = None
         self._thread = None
         self._join_waited = False  # a turn has waited for the join replays (later ones do not)
@@ -278,69 +276,67 @@ class RemoteBackend(ChatBackend):
             self.users.append(user)
         return c
 
-    def _on_restart(self, pod: str) -> None:
+    def _on_restart(self, pod: str, batch: EngineBatch) -> None:
         """The pod's publisher restarted: the subscriber cleared its mirror; views hear it."""
         with self._lock:
             self._matchers.pop(pod, None)
             self._version += 1
+        self._hand_over(batch)
+
+    def _hand_over(self, batch: EngineBatch) -> None:
+        with self._lock:
             listeners = list(self._listeners)
-        ev = AllBlocksCleared(ts=time.time(), reason="publisher restarted")
         for fn in listeners:
             try:
-                fn(ev)
+                fn(batch)
             except Exception:  # a view's error must not stop the mirror (it runs on our thread)
                 pass
 
-    def _on_batch(self, pod: str, seq: int, batch, applied, replayed: bool) -> None:
-        events = applied.events
+    def _on_batch(self, pod: str, seq: int, batch: EngineBatch, replayed: bool) -> None:
         now = time.monotonic()
-        extras = {hash_hex(h): x for h, x in self._extras(batch).items()}  # by hex, as the events name blocks
+        extras = self._extras(batch)
         with self._lock:
             matcher = self._matchers.setdefault(pod, PrefixMatcher())
-            for ev in events:  # the prediction's index, kept as the mirror changes
-                k = ev.kind
-                if k == "BlockStored":
+            for ev in batch.events:  # the prediction's index, kept as the mirror changes
+                cls = type(ev)
+                if cls is BlockStored:
                     self._code(ev.user)
                     self._block_size = ev.block_size or self._block_size
                     parent, size, toks = ev.parent_block_hash, ev.block_size, ev.token_ids
                     for i, h in enumerate(ev.block_hashes):
                         matcher.add(h, parent, toks[i * size:(i + 1) * size], extras.get(h))
                         parent = h
-                elif k == "BlockHit":
+                elif cls is BlockHit:
                     self._hits.setdefault(ev.user, []).append((now, dict(ev.by_creator)))
-                elif k == "BlockRemoved":
+                elif cls is BlockRemoved:
                     for h in ev.block_hashes:
                         matcher.remove(h)
-                elif k == "AllBlocksCleared":
+                elif cls is AllBlocksCleared:
                     matcher.clear()
             self._version += 1
-            listeners = list(self._listeners)
-        for ev in events:
-            for fn in listeners:
-                try:
-                    fn(ev)
-                except Exception:  # a view's error must not stop the mirror (it runs on our thread)
-                    pass
+        self._hand_over(batch)
         # Let the app's thread in. A busy server keeps this thread computing; each time the UI
         # thread waits in select() it must take the GIL back, which takes up to the 5 ms switch
         # interval from a thread that never blocks: its loop crawled (~100 ms lags at 50,000
         # events/s). Releasing it after every batch hands it over at once.
         time.sleep(0)
 
-    def _extras(self, batch) -> dict:
-        """{block hash: its extra keys} of a batch's stored blocks that have any, hashable; each
-        session_id's salts are remembered on the way (what its requests get hashed with)."""
+    def _extras(self, batch: EngineBatch) -> dict:
+        """{block hash: its extra keys} of a batch's announced blocks (stored or announced again)
+        that have any, hashable; each session's salts are remembered on the way (what its
+        requests get hashed with)."""
         out = {}
         for ev in batch.events:
-            keys = getattr(ev, "extra_keys", None)
+            cls = type(ev)
+            keys = ev.extra_keys if cls is BlockStored or cls is BlockHit else None
             if not keys:
                 continue
             for h, x in zip(ev.block_hashes, keys):
                 if not x and x != 0:  # None, or an empty list: no extra keys
                     continue
                 x = out[h] = frozen_extra(x)
-                sid = ev.session_id
-                if sid is None or x == "?":
+                sid = ev.user
+                if not sid or x == "?":
                     continue
                 with self._lock:
                     salts = self._salts.get(sid)
@@ -353,14 +349,16 @@ class RemoteBackend(ChatBackend):
                         del salts[next(iter(salts))]
         return out
 
-    def subscribe(self, listener: Callable) -> Callable[[], None]:
+    def subscribe_batches(self, fn: Callable) -> Callable[[], None]:
+        """Call `fn(batch)` with each pod's applied batch as an EngineBatch (on the subscriber's
+        thread), as an Engine does: the recorder and the app's views read them."""
         with self._lock:
-            self._listeners.append(listener)
+            self._listeners.append(fn)
 
         def unsubscribe():
             with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
+                if fn in self._listeners:
+                    self._listeners.remove(fn)
         return unsubscribe
 
     # --- chat ---------------------------------------------------------------------------------

@@ -53,8 +53,11 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvplay.engine.events import AllBlocksCleared, EngineBatch
+
 from .codec import WireError, decode_batch, parse_frames, replay_request, topic_bytes, unpack_seq
-from .mirror import Applied, Fleet, Mirror
+from .mirror import Fleet, Mirror
+from .translate import FromWire
 
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -116,6 +119,7 @@ class PodSource:
 class _Pod:
     src: PodSource
     mirror: Mirror
+    wire: FromWire              # the pod's wire batches -> engine batches (slots, attribution)
     sub: object = None
     dealer: object = None
     monitor: object = None
@@ -154,10 +158,10 @@ class _Pod:
 class Subscriber:
     """Drives the pods' sockets and applies their batches to `fleet` in seq order.
 
-    on_batch(pod, seq, batch, applied, replayed) is called after each applied batch (`applied`:
-    the mirror's `Applied` — stored, removed, cleared, and the batch as engine events when the
-    pod's mirror has `convert` set) (the CLI prints it, the recorder writes it); on_state(pod, state) when a pod changes
-    state; on_restart(pod) when a pod's publisher restarted (its mirror was cleared).
+    on_batch(pod, seq, batch, replayed) is called after each applied batch (`batch`: the pod's
+    wire batch as the `EngineBatch` its mirror applied, wire/translate.py) (the CLI prints it, the
+    recorder writes it, attach's views read it); on_state(pod, state) when a pod changes state;
+    on_restart(pod, batch) when a pod's publisher restarted (`batch`: the clear its mirror applied).
     """
 
     def __init__(self, sources: list[PodSource], fleet: Fleet | None = None, on_batch=None,
@@ -187,7 +191,7 @@ class Subscriber:
                 check_endpoint(src.endpoint, "--events-bind" if src.bind else "--events")
                 if src.replay:
                     check_endpoint(src.replay, "--replay")
-                pod = _Pod(src, self.fleet.pod(src.name))
+                pod = _Pod(src, self.fleet.pod(src.name), self.fleet.from_wire(src.name))
                 self._pods[src.name] = pod
                 self._open_sub(pod)
                 if src.replay:
@@ -449,21 +453,22 @@ class Subscriber:
         pod.last_payload = payload
         with self.fleet.lock:
             try:
-                counts = m.apply_wire(batch, seq)
+                eb = pod.wire(batch, seq)
+                m.apply(eb)
             except Exception:  # decode typed every field, so this is a bug: never the loop's death
-                counts = Applied(0, 0, 0, [])
+                eb = EngineBatch(ts=batch.ts, wire_seq=seq)
                 pod.bad_events += len(batch.events)
                 pod.incomplete = True
             if replayed:
                 m.replayed += 1
         pod.last_applied = seq
         pod.seen = True
-        if counts[2] and pod.incomplete and not pod.replaying:
+        if pod.incomplete and not pod.replaying and any(type(e) is AllBlocksCleared for e in eb.events):
             pod.incomplete = False  # the cache was reset: the mirror is exact again
         if batch.bad_events:
             pod.incomplete = True  # events were skipped: the mirror may miss blocks
         if self.on_batch is not None:
-            self.on_batch(pod.src.name, seq, batch, counts, replayed)
+            self.on_batch(pod.src.name, seq, eb, replayed)
         return 1
 
     def _on_live(self, pod: _Pod, frames) -> int:
@@ -557,7 +562,8 @@ class Subscriber:
 
     def _restart(self, pod: _Pod) -> None:
         with self.fleet.lock:
-            pod.mirror.reset_for_restart()
+            cleared = pod.wire.restart()
+            pod.mirror.apply(cleared)
         pod.last_applied = -1
         pod.last_live = -1
         pod.incomplete = False
@@ -569,7 +575,7 @@ class Subscriber:
             pod.replaying = False
             self._reset_dealer(pod)
         if self.on_restart is not None:
-            self.on_restart(pod.src.name)
+            self.on_restart(pod.src.name, cleared)
 
     def _start_replay(self, pod: _Pod, start: int) -> None:
         pod.replaying = True

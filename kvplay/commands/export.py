@@ -19,7 +19,7 @@ import sys
 
 from kvplay.inert import inert, json_dumps
 from kvplay.options import KvplayError, add_db_arg, check_output_file
-from kvplay.sessions.history import session_events
+from kvplay.sessions.history import session_batches
 from kvplay.sessions.query import load_session, resolve_session, session_script
 from kvplay.sessions.report import attribution, computed_cell, when
 from kvplay.sessions.script import dump_script
@@ -99,5 +99,5 @@ def main(args: argparse.Namespace) -> int:
 def trace_export(db, ident: str, fmt: str):
     if fmt == "mooncake":
         return to_mooncake(db, ident)
-    events = session_events(db, resolve_session(db, ident)["id"])
-    return to_vllm_jsonl(events) if fmt == "vllm-jsonl" else to_vllm_msgpack(events)
+    batches = session_batches(db, resolve_session(db, ident)["id"])
+    return to_vllm_jsonl(batches) if fmt == "vllm-jsonl" else to_vllm_msgpack(batches)

@@ -36,12 +36,13 @@ def load(db_path: str | None, ident: str):
 
 def main(args: argparse.Namespace) -> int:
     # start-up time: imported when this first runs
+    from kvplay.sessions.history import turn_ends
     from kvplay.tui.scrub import ScrubApp
 
     rec = load(args.db, args.id)
     cursor = args.at
     if args.turn is not None:
-        ends = [i + 1 for i, e in enumerate(rec.events) if e.get("kind") == "RequestFinished"]
+        ends = turn_ends(rec)
         if not 1 <= args.turn <= len(ends):
             raise KvplayError(f"--turn {args.turn}: session {rec.id} has turns 1 to {len(ends)}")
         cursor = ends[args.turn - 1]

@@ -45,26 +45,28 @@ def configure(p: argparse.ArgumentParser) -> None:
 def session_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a recorded session after --at events, its header, and detokenize."""
     # start-up time: imported when this first runs
-    from kvplay.sessions.history import pool_state, recorded_pool_size, session_events
+    from kvplay.sessions.event_log import read_batches
+    from kvplay.sessions.history import flat_events, pool_state, recorded_pool_size
     from kvplay.sessions.query import resolve_session
     from kvplay.sessions.store import open_db
 
     db = open_db(args.db, create=False)
     try:
         s = resolve_session(db, args.target)
-        events = session_events(db, s["id"])
+        batches, bad = read_batches(db, s["id"])
     finally:
         db.close()
+    events = flat_events(batches)
     n = len(events) if args.at is None else args.at
     if not 0 <= n <= len(events):
         raise KvplayError(f"--at {args.at}: session {s['id']} has events 0 to {len(events)}")
-    m = pool_state(events, n, recorded_pool_size(s, events) or 1).mirror
+    m = pool_state(batches, n, recorded_pool_size(s, batches) or 1).mirror
     hits = m.block_hits()
     trees = {pod: PrefixTree(blocks, hits, m.version) for pod, blocks in m.pods_blocks().items()}
     head = {"session": s["id"], "model": s.get("model"), "at": n, "events": len(events),
-            "at_ts": (events[n - 1].get("ts") or None) if n else None}  # ages count to event N
-    if m.bad:
-        head["bad_events"] = m.bad
+            "at_ts": (events[n - 1].ts or None) if n else None}  # ages count to event N
+    if bad:
+        head["bad_events"] = bad
     detok = None if args.ids else session_detokenizer(s.get("model"))
     return trees, head, detok
 
