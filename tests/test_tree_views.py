@@ -425,9 +425,8 @@ async def test_the_tree_is_in_the_footer_and_the_help_and_t_in_the_scrubbers_hel
     from kvplay.tui.scrub import ScrubApp
 
     scrub = ScrubApp(Recording({"id": "s", "model": "tiny:llama"}, [], [], [], 32))
-    async with scrub.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.2)
-        assert any(k.key == "t" for k in scrub.screen.query(FooterKey))
+    async with scrub.run_test(size=(80, 24)) as pilot:  # the footer is laid out once mounted: wait for it
+        await wait_until(pilot, lambda: any(k.key == "t" for k in scrub.screen.query(FooterKey)), timeout=10)
         await pilot.press("f1")
         await wait_until(pilot, lambda: isinstance(scrub.screen, HelpScreen))
         assert "| t | the prefix tree at the cursor" in scrub.screen.query_one(Markdown).source
