@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from itertools import chain
 from collections.abc import Mapping
 from operator import itemgetter
 
@@ -334,7 +335,10 @@ class Mirror:
 
         One loop with what it touches held in locals: a busy server's batch is dozens of small
         events, and per-event set-up would cost more than their blocks. Per block only what the
-        views read is written; a user's counts are added once per event."""
+        views read is written; a user's counts are added once per event, and the holders of
+        the blocks that go are let go of once per batch (counting is commutative). A store
+        into free slots by a user, outside requests and ref events (what a watched server's
+        are), takes a shorter loop that writes the same."""
         events = batch.events
         if start or stop is not None:
             events = events[start:stop]
@@ -342,117 +346,77 @@ class Mirror:
             return
         pod = batch.pod
         off = self.offset
+        hw = self.hw
         st, ref, cr, ix, ca, lu, hi = self._views()
         key_of, key_slot, parents, toks, request, users_of, by_session = \
             self.key, self.key_slot, self.parent, self.tokens, self.request, self.users_of, self.by_session
         codes = self._code
         Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
         extra = 0  # change of extra_users
+        let_go: list = []  # the holders of each block that went
+        hit = last = None  # the blocks of the latest BlockHit, of the latest BlockStored or BlockHit
         for ev in events:
             cls = ev.__class__
-            ts = ev.ts
-            if cls is Stored or cls is Removed or cls is Hit:
+            if cls is Removed:
                 ids = ev.block_ids
                 if not ids:
                     continue
                 if off:
                     ids = [b - off for b in ids]
                 top = max(ids) + 1
-                if top > self.hw:
+                if top > hw:
                     self._room(top)
+                    hw = self.hw
                     st, ref, cr, ix, ca, lu, hi = self._views()
-                if cls is Removed:
-                    if ev.reason == "evicted":
-                        self.evictions += len(ids)
-                    for b in ids:
-                        ix[b] = 0
-                        if ref[b]:
-                            continue  # in use: it keeps serving its request, freed when released
-                        key = key_of.pop(b, None)  # what `_reset` does
-                        if key is not None:
-                            s = key_slot.pop(key, b)
-                            if s != b:  # the key names another block now: it stays
-                                key_slot[key] = s
-                        parents.pop(b, None)
-                        toks.pop(b, None)
-                        if request:
-                            request.pop(b, None)
-                        held = users_of.pop(b, None)
-                        if held:
-                            extra -= len(held) - 1
-                            for u in held:
-                                c = by_session[u] - 1
-                                if c:
-                                    by_session[u] = c
-                                else:
-                                    del by_session[u]
-                        cr[b] = -1
-                        hi[b] = st[b] = 0
+                if ev.reason == "evicted":
+                    self.evictions += len(ids)
+                for b in ids:
+                    ix[b] = 0
+                    if ref[b]:
+                        continue  # in use: it keeps serving its request, freed when released
+                    key = key_of.pop(b, None)  # what `_reset` does
+                    if key is not None:
+                        s = key_slot.pop(key, b)
+                        if s != b:  # the key names another block now: it stays
+                            key_slot[key] = s
+                    parents.pop(b, None)
+                    toks.pop(b, None)
+                    if request:
+                        request.pop(b, None)
+                    held = users_of.pop(b, None)
+                    if held:
+                        let_go.append(held)
+                    cr[b] = -1
+                    hi[b] = st[b] = 0
+                continue
+            if cls is Stored or cls is Hit:
+                ids = ev.block_ids
+                if not ids:
                     continue
+                if off:
+                    ids = [b - off for b in ids]
+                top = max(ids) + 1
+                if top > hw:
+                    self._room(top)
+                    hw = self.hw
+                    st, ref, cr, ix, ca, lu, hi = self._views()
+                ts = ev.ts
                 user = ev.user
                 one = (user,)
                 fresh = 0  # blocks `user` holds now that it did not
                 rid = ev.request_id
-                hold = rid and not self.exact
+                last = ids
                 if cls is Hit:
-                    self.hit = frozenset(ids)
-                    self.last_blocks = tuple(ids)
+                    hold = rid and not self.exact
+                    hit = ids
                     self.hit_tokens += ev.cached_tokens
                     for b in ids:
                         if not st[b]:
                             continue  # a free block holds nothing to reuse (a damaged recording)
                         hi[b] += 1
                         lu[b] = ts
-                        if user:
-                            self._add_user(b, user)
-                        if hold:
-                            self._hold(rid, b)
-                else:  # BlockStored
-                    hashes = ev.block_hashes
-                    nh = len(hashes)
-                    tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
-                    bs = ev.block_size or (len(tokens) // max(1, nh))
-                    if pod is not None:
-                        keys = [(pod, h) for h in hashes]
-                    elif ev.group_idx:
-                        keys = [(ev.group_idx, h) for h in hashes]
-                    else:
-                        keys = hashes
-                    code = codes.get(user, -1) if user else -1
-                    if user and code < 0:
-                        code = self.code(user)
-                    exact = self.exact
-                    prev = ev.parent_block_hash
-                    o = 0
-                    for i, b in enumerate(ids):
-                        clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
-                        if not clean:
-                            if ref[b] or exact:  # allocated to its request (ref events), or in use
-                                self._rename(b, keys[i] if i < nh else None)
-                            else:  # a slot reused without ref events: what it held goes
-                                self._reset(b)
-                                clean = True
-                        if not exact:
-                            ca[b] = lu[b] = ts
-                        ix[b] = 1
-                        if i < nh:
-                            k = keys[i]
-                            key_of[b] = k
-                            key_slot[k] = b
-                            if prev is not None:
-                                parents[b] = prev
-                            elif not clean:
-                                parents.pop(b, None)
-                            prev = hashes[i]
-                        cr[b] = code
-                        if rid:
-                            request[b] = rid
-                        elif not clean and request:
-                            request.pop(b, None)
-                        toks[b] = tokens[o:o + bs]
-                        o += bs
-                        if user:
-                            held = None if clean else users_of.get(b)
+                        if user:  # what `_add_user` does
+                            held = users_of.get(b)
                             if held is None:
                                 users_of[b] = one
                                 fresh += 1
@@ -462,21 +426,114 @@ class Mirror:
                                 extra += 1
                         if hold:
                             self._hold(rid, b)
-                        elif not ref[b]:
-                            st[b] = CACHED
-                    self.last_blocks = tuple(ids)
+                    if fresh:
+                        by_session[user] += fresh
+                    continue
+                hashes = ev.block_hashes
+                nh = len(hashes)
+                tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
+                bs = ev.block_size or (len(tokens) // max(1, nh))
+                code = codes.get(user, -1) if user else -1
+                if user and code < 0:
+                    code = self.code(user)
+                prev = ev.parent_block_hash
+                o = 0
+                if user and not rid and nh == len(ids) and pod is None and not ev.group_idx and not self.exact \
+                        and not self.held:
+                    # a user's new blocks outside requests and ref events (no block is held: none has a
+                    # ref count, so a slot in use is reused and what it held goes): every write below
+                    # is the general loop's for such a block
+                    for b, k in zip(ids, hashes):
+                        if st[b]:
+                            self._reset(b)
+                        ca[b] = lu[b] = ts
+                        ix[b] = 1
+                        key_of[b] = k
+                        key_slot[k] = b
+                        if prev is not None:
+                            parents[b] = prev
+                        prev = k
+                        cr[b] = code
+                        toks[b] = tokens[o:o + bs]
+                        o += bs
+                        users_of[b] = one
+                        st[b] = CACHED
+                    by_session[user] += len(ids)
+                    continue
+                if pod is not None:
+                    keys = [(pod, h) for h in hashes]
+                elif ev.group_idx:
+                    keys = [(ev.group_idx, h) for h in hashes]
+                else:
+                    keys = hashes
+                exact = self.exact
+                hold = rid and not exact
+                for i, b in enumerate(ids):
+                    clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
+                    if not clean:
+                        if ref[b] or exact:  # allocated to its request (ref events), or in use
+                            self._rename(b, keys[i] if i < nh else None)
+                        else:  # a slot reused without ref events: what it held goes
+                            self._reset(b)
+                            clean = True
+                    if not exact:
+                        ca[b] = lu[b] = ts
+                    ix[b] = 1
+                    if i < nh:
+                        k = keys[i]
+                        key_of[b] = k
+                        key_slot[k] = b
+                        if prev is not None:
+                            parents[b] = prev
+                        elif not clean:
+                            parents.pop(b, None)
+                        prev = hashes[i]
+                    cr[b] = code
+                    if rid:
+                        request[b] = rid
+                    elif not clean and request:
+                        request.pop(b, None)
+                    toks[b] = tokens[o:o + bs]
+                    o += bs
+                    if user:
+                        held = None if clean else users_of.get(b)
+                        if held is None:
+                            users_of[b] = one
+                            fresh += 1
+                        elif user not in held:
+                            users_of[b] = held + one
+                            fresh += 1
+                            extra += 1
+                    if hold:
+                        self._hold(rid, b)
+                    elif not ref[b]:
+                        st[b] = CACHED
                 if fresh:
                     by_session[user] += fresh
             elif cls is ev_.BlocksAllocated or cls is ev_.BlocksTouched or cls is ev_.BlocksReleased:
-                self.extra_users += extra
-                extra = 0
                 self._refs(cls, ev, ev.block_ids if not off else [b - off for b in ev.block_ids])
+                hw = self.hw
                 st, ref, cr, ix, ca, lu, hi = self._views()
             else:
-                self.extra_users += extra
-                extra = 0
+                if hit is not None:  # a request's start or a clear sets it
+                    self.hit = frozenset(hit)
+                    hit = None
                 self._other(cls, ev)
+        if hit is not None:
+            self.hit = frozenset(hit)
+        if last is not None:
+            self.last_blocks = tuple(last)
+        if let_go:
+            gone = Counter(chain.from_iterable(let_go))
+            extra -= sum(gone.values()) - len(let_go)
+            for u, c in gone.items():
+                c = by_session[u] - c
+                if c:
+                    by_session[u] = c
+                else:
+                    del by_session[u]
         self.extra_users += extra
+        ts = events[-1].ts
         if ts:
             self.ts = ts
         self.applied += len(events)
