@@ -265,31 +265,33 @@ class FromWire:
         m = self.mirror
         slots = self.slots
         of, owner, chains, free = slots.of, self.owner, self._chain, slots.free
-        of_get = of.get
+        of_get, of_pop, owner_of = of.get, of.pop, owner.__getitem__
         attrib = bool(self.prompts)  # prompts registered: new blocks' chains are kept
         digests = self._digests  # the pod sends digests (bytes, made hex); None: not known yet
         off = m.offset
         stored_by = m.stored_by_session
         Stored, Hit, Removed = ev_.BlockStored, ev_.BlockHit, ev_.BlockRemoved
         mirrored = _MIRRORED
+        max_blocks = ev_.MAX_BLOCKS
         gone_g = -1  # the group of the BlockRemoved the next eviction extends (-1: none; vLLM sends one per block)
+        evicted: list = []  # the block ids of each BlockRemoved of evictions
         last = None  # the BlockStored or BlockHit the next block may extend
-        total = new = n_removed = unknown = other = 0
+        total = new = unknown = other = 0
         try:
             for ev in events:
                 cls = ev.__class__
                 if cls is BlockRemoved:
                     hashes = ev.block_hashes
-                    if ev.medium not in mirrored or ev.locality == "REMOTE":
+                    if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
                         other += len(hashes)  # another tier: not mirrored
                         continue
                     if digests is not False and hashes:
                         digests = self._digests = hashes[0].__class__ is bytes
                         if digests:
                             hashes = _hex_hashes(ev).block_hashes
-                    g = ev.group_idx or 0
+                    g = ev.group_idx
                     for h in hashes:
-                        s = of.pop((g, h) if g else h, None)
+                        s = of_pop((g, h) if g else h, None)
                         if s is None:
                             unknown += 1
                             continue
@@ -301,13 +303,13 @@ class FromWire:
                             gone_i(s + off)
                             gone_c(owner[s])
                         else:
-                            gone = Removed([h], [s + off], "evicted", [owner[s]], g, ts=ts)
+                            gone = Removed([h], [s + off], "evicted", [owner[s]], g or 0, ts=ts)
                             out.append(gone)
-                            gone_h, gone_i, gone_c = gone.block_hashes.append, gone.block_ids.append, \
-                                gone.creators.append
+                            gone_ids = gone.block_ids
+                            evicted.append(gone_ids)
+                            gone_h, gone_i, gone_c = gone.block_hashes.append, gone_ids.append, gone.creators.append
                             gone_g = g
                             last = None
-                        n_removed += 1
                     continue
                 if cls is AllBlocksCleared:
                     self._clear(ts, out, "cleared")
@@ -322,7 +324,7 @@ class FromWire:
                     if digests:
                         ev = _hex_hashes(ev)
                         hashes = ev.block_hashes
-                if ev.medium not in mirrored or ev.locality == "REMOTE":
+                if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
                     other += len(hashes)  # another tier: not mirrored
                     continue
                 n = len(hashes)
@@ -330,7 +332,7 @@ class FromWire:
                     continue
                 gone_g = -1
                 g = ev.group_idx or 0
-                if slots.next + n > ev_.MAX_BLOCKS and n > slots.room() and \
+                if slots.next + n > max_blocks and n > slots.room() and \
                         sum(((g, h) if g else h) not in of for h in hashes) > slots.room():
                     raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
                 sid = ev.session_id
@@ -351,10 +353,14 @@ class FromWire:
                                 last = out[-1] if out else None
                                 continue
                             ids = [b + off for b in ss] if off else ss
-                            by = {}
-                            for b in ss:
-                                c = owner[b]
-                                by[c] = by.get(c, 0) + size
+                            cs = list(map(owner_of, ss))
+                            c = cs[0]
+                            if cs.count(c) == n:  # the usual: one creator
+                                by = {c: n * size}
+                            else:
+                                by = {}
+                                for c in cs:
+                                    by[c] = by.get(c, 0) + size
                         stored_by[sid] += n
                         last = Hit("", sid, ids, hashes, n * size, by, tokens, size,
                                    [None] * n if not extras else list(extras) if len(extras) == n else
@@ -398,7 +404,7 @@ class FromWire:
             m.reannounced += total - new
             m.stored += total
             m.removed_unknown += unknown
-            m.removed += n_removed
+            m.removed += sum(map(len, evicted))
             m.other_medium += other
 
     def _stored(self, ev, g: int, tokens: list, extras, ts: float, out: list, last) -> int:
