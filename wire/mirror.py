@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from itertools import chain
-from collections.abc import Mapping
-from operator import itemgetter
+from collections.abc import Mapping, MutableMapping
+from itertools import chain, compress, repeat
+from operator import index, is_not, itemgetter
 
 import numpy as np
 
@@ -66,6 +66,85 @@ def _let_go(by_session: Counter, holders) -> None:
             by_session[u] = c
         else:
             del by_session[u]
+
+
+class SlotMap(MutableMapping):
+    """slot -> value, kept in a list indexed by slot (None: no value) as long as the mirror's
+    arrays: what the mirror keeps for some blocks (key, parent, tokens, holders). Its apply loop
+    reads and writes the list (`v`) itself: a slot's entry is one list item, where a dict of
+    100,000 blocks costs two cache misses and a resize now and then. Read as a mapping (the
+    views), it is a dict of the slots that hold a value; iterating costs O(slots)."""
+    __slots__ = ("v",)
+
+    def __init__(self, values: list | None = None):
+        self.v = [] if values is None else values
+
+    def get(self, s, default=None):
+        v = self.v
+        if s.__class__ is not int:
+            try:
+                s = index(s)
+            except TypeError:
+                return default
+        if 0 <= s < len(v):
+            x = v[s]
+            if x is not None:
+                return x
+        return default
+
+    def __getitem__(self, s):
+        x = self.get(s)
+        if x is None:
+            raise KeyError(s)
+        return x
+
+    def __contains__(self, s) -> bool:
+        return self.get(s) is not None
+
+    def __setitem__(self, s: int, x) -> None:
+        if x is None:
+            raise ValueError("a slot map holds no None")
+        v = self.v
+        if not 0 <= s < len(v):
+            if s < 0:
+                raise KeyError(s)
+            v.extend([None] * (s + 1 - len(v)))
+        v[s] = x
+
+    def __delitem__(self, s) -> None:
+        self[s]  # KeyError when it holds nothing
+        self.v[s] = None
+
+    def __iter__(self):
+        v = self.v
+        return compress(range(len(v)), map(is_not, v, repeat(None)))
+
+    def __len__(self) -> int:
+        return len(self.v) - self.v.count(None)
+
+    def __bool__(self) -> bool:
+        return any(map(is_not, self.v, repeat(None)))
+
+    def items(self) -> list:
+        v = self.v
+        return list(compress(enumerate(v), map(is_not, v, repeat(None))))
+
+    def values(self):
+        return [x for x in self.v if x is not None]
+
+    def as_dict(self) -> dict:
+        v = self.v
+        return dict(compress(enumerate(v), map(is_not, v, repeat(None))))
+
+    def copy(self, n: int | None = None) -> "SlotMap":
+        """A copy of slots [0, n) (all by default)."""
+        return SlotMap(self.v[:n] if n is not None else list(self.v))
+
+    def clear(self) -> None:
+        self.v[:] = [None] * len(self.v)
+
+    def __repr__(self) -> str:
+        return f"SlotMap({self.as_dict()!r})"
 
 
 class Block(tuple):
@@ -140,14 +219,13 @@ class BlocksByKey(Mapping):
         hw = m.hw
         creator, hits = m.creator[:hw].tolist(), m.hits[:hw].tolist()
         created, last = m.created_at[:hw].tolist(), m.last_used[:hw].tolist()
-        users, parent, tokens, users_of = m.users, m.parent, m.tokens, m.users_of
+        users, parent, tokens, users_of = m.users, m.parent.v, m.tokens.v, m.users_of.v
         mk = tuple.__new__
         out = {}
         for k, s in m.key_slot.items():
             c = creator[s]
-            out[k] = mk(Block, (k, k[1] if type(k) is tuple else k, s, parent.get(s), tokens.get(s, ()),
-                                users[c] if c >= 0 else None, tuple(users_of.get(s, ())), hits[s], created[s],
-                                last[s]))
+            out[k] = mk(Block, (k, k[1] if type(k) is tuple else k, s, parent[s], tokens[s] or (),
+                                users[c] if c >= 0 else None, tuple(users_of[s] or ()), hits[s], created[s], last[s]))
         return out
 
     def columns(self) -> tuple:
@@ -170,11 +248,7 @@ class Mirror:
         self._alloc(cap)
         self.hw = 0  # 1 + the highest block id ever named
         self.key_slot: dict = {}   # block key (module docstring) -> slot
-        self.key: dict = {}        # slot -> block key
-        self.parent: dict = {}     # slot -> its parent's hash (as the source sent it)
-        self.tokens: dict[int, tuple] = {}
         self.request: dict[int, str] = {}
-        self.users_of: dict[int, tuple] = {}  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
         self.by_session: Counter = Counter()  # blocks each user holds now
         self.stored_by_session: Counter = Counter()  # wire: blocks each session stored, in all
         self.users: list[str] = []
@@ -210,9 +284,14 @@ class Mirror:
         self.created_at = np.zeros(cap, np.float64)
         self.last_used = np.zeros(cap, np.float64)
         self._mvs = None
+        self.key = SlotMap([None] * cap)       # slot -> block key
+        self.parent = SlotMap([None] * cap)    # slot -> its parent's hash (as the source sent it)
+        self.tokens = SlotMap([None] * cap)    # slot -> its tokens (a tuple)
+        self.users_of = SlotMap([None] * cap)  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
 
     _ARRAYS = ("state", "ref", "creator", "hits", "indexed", "created_at", "last_used")
-    _DICTS = ("key_slot", "key", "parent", "tokens", "request", "_code", "prompt")
+    _SLOT_MAPS = ("key", "parent", "tokens", "users_of")  # as long as the arrays
+    _DICTS = ("key_slot", "request", "_code", "prompt")
 
     def _grow(self, need: int) -> None:
         cap = len(self.state)
@@ -222,6 +301,8 @@ class Mirror:
             arr = np.full(new, -1, old.dtype) if name == "creator" else np.zeros(new, old.dtype)
             arr[:cap] = old
             setattr(self, name, arr)
+        for name in self._SLOT_MAPS:
+            getattr(self, name).v.extend([None] * (new - cap))  # in place: the apply loop holds the lists
         self._mvs = None
 
     def _room(self, top: int) -> None:
@@ -255,15 +336,17 @@ class Mirror:
 
     # --- copies (checkpoints) ---------------------------------------------------------------------
     def copy(self) -> "Mirror":
-        """An independent copy: arrays up to `hw`, dicts of the blocks that hold something."""
+        """An independent copy: arrays and slot maps up to `hw`, dicts of the blocks that hold
+        something."""
         m = Mirror.__new__(Mirror)
         m.__dict__.update(self.__dict__)
         cap = max(16, self.hw)
         for name in self._ARRAYS:
             setattr(m, name, getattr(self, name)[:cap].copy())
+        for name in self._SLOT_MAPS:
+            setattr(m, name, getattr(self, name).copy(cap))
         for name in self._DICTS:
             setattr(m, name, dict(getattr(self, name)))
-        m.users_of = dict(self.users_of)
         m.by_session, m.stored_by_session = Counter(self.by_session), Counter(self.stored_by_session)
         m.users = list(self.users)
         m.held = {r: list(b) for r, b in self.held.items()}
@@ -274,13 +357,18 @@ class Mirror:
     # --- what a block's events change ---------------------------------------------------------------
     def _reset(self, b: int) -> None:
         """Forget what block `b` held (it is free now)."""
-        key = self.key.pop(b, None)
-        if key is not None and self.key_slot.get(key) == b:
-            del self.key_slot[key]
-        self.parent.pop(b, None)
-        self.tokens.pop(b, None)
+        kl = self.key.v
+        key = kl[b]
+        if key is not None:
+            kl[b] = None
+            if self.key_slot.get(key) == b:
+                del self.key_slot[key]
+        self.parent.v[b] = None
+        self.tokens.v[b] = None
         self.request.pop(b, None)
-        users = self.users_of.pop(b, None)
+        ul = self.users_of.v
+        users = ul[b]
+        ul[b] = None
         if users:
             self.extra_users -= len(users) - 1
             _let_go(self.by_session, users)
@@ -291,13 +379,14 @@ class Mirror:
 
     def _add_user(self, b: int, user: str) -> None:
         """`user` holds block `b` too (its creator first, then who reused it, in order)."""
-        held = self.users_of.get(b)
+        ul = self.users_of.v
+        held = ul[b]
         if held is None:
-            self.users_of[b] = (user,)
+            ul[b] = (user,)
         elif user in held:
             return
         else:
-            self.users_of[b] = held + (user,)
+            ul[b] = held + (user,)
             self.extra_users += 1
         self.by_session[user] += 1
 
@@ -311,9 +400,10 @@ class Mirror:
 
     def _rename(self, b: int, key) -> None:
         """Block `b` is to hold `key` (None: none): the key it held lets go of it."""
-        old = self.key.get(b)
+        kl = self.key.v
+        old = kl[b]
         if old is not None and old != key:
-            del self.key[b]
+            kl[b] = None
             if self.key_slot.get(old) == b:
                 del self.key_slot[old]
 
@@ -348,8 +438,8 @@ class Mirror:
         off = self.offset
         hw = self.hw
         st, ref, cr, ix, ca, lu, hi = self._views()
-        key_of, key_slot, parents, toks, request, users_of, by_session = \
-            self.key, self.key_slot, self.parent, self.tokens, self.request, self.users_of, self.by_session
+        key_slot, request, by_session = self.key_slot, self.request, self.by_session
+        key_of, parents, toks, users_of = self.key.v, self.parent.v, self.tokens.v, self.users_of.v  # slot -> ...: lists
         codes = self._code
         Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
         extra = 0  # change of extra_users
@@ -374,17 +464,18 @@ class Mirror:
                     ix[b] = 0
                     if ref[b]:
                         continue  # in use: it keeps serving its request, freed when released
-                    key = key_of.pop(b, None)  # what `_reset` does
+                    key = key_of[b]  # what `_reset` does
                     if key is not None:
+                        key_of[b] = None
                         s = key_slot.pop(key, b)
                         if s != b:  # the key names another block now: it stays
                             key_slot[key] = s
-                    parents.pop(b, None)
-                    toks.pop(b, None)
+                    parents[b] = toks[b] = None
                     if request:
                         request.pop(b, None)
-                    held = users_of.pop(b, None)
-                    if held:
+                    held = users_of[b]
+                    if held is not None:
+                        users_of[b] = None
                         let_go.append(held)
                     cr[b] = -1
                     hi[b] = st[b] = 0
@@ -416,7 +507,7 @@ class Mirror:
                         hi[b] += 1
                         lu[b] = ts
                         if user:  # what `_add_user` does
-                            held = users_of.get(b)
+                            held = users_of[b]
                             if held is None:
                                 users_of[b] = one
                                 fresh += 1
@@ -450,8 +541,7 @@ class Mirror:
                         ix[b] = 1
                         key_of[b] = k
                         key_slot[k] = b
-                        if prev is not None:
-                            parents[b] = prev
+                        parents[b] = prev
                         prev = k
                         cr[b] = code
                         toks[b] = tokens[o:o + bs]
@@ -483,10 +573,7 @@ class Mirror:
                         k = keys[i]
                         key_of[b] = k
                         key_slot[k] = b
-                        if prev is not None:
-                            parents[b] = prev
-                        elif not clean:
-                            parents.pop(b, None)
+                        parents[b] = prev
                         prev = hashes[i]
                     cr[b] = code
                     if rid:
@@ -496,7 +583,7 @@ class Mirror:
                     toks[b] = tokens[o:o + bs]
                     o += bs
                     if user:
-                        held = None if clean else users_of.get(b)
+                        held = None if clean else users_of[b]
                         if held is None:
                             users_of[b] = one
                             fresh += 1
@@ -592,9 +679,9 @@ class Mirror:
                 self.created_at[idx] = ts
                 self.last_used[idx] = ts
                 return
-            key, users_of = self.key, self.users_of
+            kl, ul = self.key.v, self.users_of.v
             for b in ids:
-                if st[b] != FREE or b in key or b in users_of:
+                if st[b] != FREE or kl[b] is not None or ul[b] is not None:
                     self._reset(b)
                 ref[b] = 1
                 st[b] = IN_USE
