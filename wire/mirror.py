@@ -44,7 +44,7 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, MutableMapping
 from itertools import chain, compress, repeat
-from operator import index, is_not, itemgetter
+from operator import is_not, itemgetter
 
 import numpy as np
 
@@ -80,17 +80,11 @@ class SlotMap(MutableMapping):
         self.v = [] if values is None else values
 
     def get(self, s, default=None):
-        v = self.v
-        if s.__class__ is not int:
-            try:
-                s = index(s)
-            except TypeError:
-                return default
-        if 0 <= s < len(v):
-            x = v[s]
-            if x is not None:
-                return x
-        return default
+        try:
+            x = self.v[s]
+        except (IndexError, TypeError):  # no slot (or no int)
+            return default
+        return default if x is None or s < 0 else x
 
     def __getitem__(self, s):
         x = self.get(s)
