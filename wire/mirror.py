@@ -13,10 +13,12 @@ per-hash view the prefix tree and attribution read: hash -> slot, parent, tokens
 holders, hits, age) and `copy()` (a cheap checkpoint). No Textual, no SQLite, no network.
 
 Per block, numbers live in numpy arrays (state, ref count, creator, hits, created, last used);
-what only some blocks have (hash key, parent, tokens, request, holders) lives in dicts of the
-blocks that have it. Nothing costs O(pool) per event; the arrays are touched only up to the
-highest block id ever named (`hw`): the engine hands out never-used blocks in id order, so a
-session that used a few hundred blocks of a 1,000,000-block pool costs a few hundred slots to copy.
+a block's key, parent, tokens and holders in lists by slot (`SlotMap`: a mapping to the views,
+one list item to the apply loop, where a dict of 100,000 blocks costs cache misses on every
+write), the requests of a recording's blocks in a dict. Nothing costs O(pool) per event; the
+arrays and lists are copied only up to the highest block id ever named (`hw`): the engine hands
+out never-used blocks in id order, so a session that used a few hundred blocks of a
+1,000,000-block pool costs a few hundred slots to copy.
 
 Which blocks are in use: the engine's `BlocksAllocated` / `BlocksTouched` / `BlocksReleased`
 events keep every block's ref count, so the state equals the engine pool's after any event.
@@ -54,7 +56,7 @@ from .codec import hash_hex
 from .translate import FromWire, PromptIndex
 from .views import STATES, BlockArrays, BlockSummary, BlockView, summarize
 
-MAX_BLOCKS = ev_.MAX_BLOCKS  # the largest pool a mirror holds (~130 MB of arrays)
+MAX_BLOCKS = ev_.MAX_BLOCKS  # the largest pool a mirror holds (~130 MB of arrays, ~130 MB of slot lists)
 FREE, CACHED, IN_USE = 0, 1, 2
 
 
