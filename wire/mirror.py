@@ -373,18 +373,23 @@ class Mirror:
         self.indexed[b] = 0
         self.state[b] = FREE
 
-    def _add_user(self, b: int, user: str) -> None:
-        """`user` holds block `b` too (its creator first, then who reused it, in order)."""
-        ul = self.users_of.v
-        held = ul[b]
-        if held is None:
-            ul[b] = (user,)
-        elif user in held:
-            return
-        else:
-            ul[b] = held + (user,)
-            self.extra_users += 1
-        self.by_session[user] += 1
+    def _take_up(self, user: str, one: tuple, ids) -> None:
+        """`user` (`one`: the tuple of it) holds blocks `ids` too: each block's holders are its
+        creator first, then who reused it, in order (a block's tuple is replaced, never changed)."""
+        users_of = self.users_of.v
+        fresh = more = 0
+        for b in ids:
+            held = users_of[b]
+            if held is None:
+                users_of[b] = one
+                fresh += 1
+            elif user not in held:
+                users_of[b] = held + one
+                more += 1
+        if more:
+            self.extra_users += more
+        if fresh or more:
+            self.by_session[user] += fresh + more
 
     def _hold(self, rid: str, b: int) -> None:
         """Recordings without ref events: request `rid` holds block `b` (once)."""
@@ -443,7 +448,7 @@ class Mirror:
         hit = last = None  # the blocks of the latest BlockHit, of the latest BlockStored or BlockHit
         for ev in events:
             cls = ev.__class__
-            if cls is Removed:
+            if cls is Removed or cls is Stored or cls is Hit:
                 ids = ev.block_ids
                 if not ids:
                     continue
@@ -454,67 +459,49 @@ class Mirror:
                     self._room(top)
                     hw = self.hw
                     st, ref, cr, ix, ca, lu, hi = self._views()
-                if ev.reason == "evicted":
-                    self.evictions += len(ids)
-                for b in ids:
-                    ix[b] = 0
-                    if ref[b]:
-                        continue  # in use: it keeps serving its request, freed when released
-                    key = key_of[b]  # what `_reset` does
-                    if key is not None:
-                        key_of[b] = None
-                        s = key_slot.pop(key, b)
-                        if s != b:  # the key names another block now: it stays
-                            key_slot[key] = s
-                    parents[b] = toks[b] = None
-                    if request:
-                        request.pop(b, None)
-                    held = users_of[b]
-                    if held is not None:
-                        users_of[b] = None
-                        let_go.append(held)
-                    cr[b] = -1
-                    hi[b] = st[b] = 0
-                continue
-            if cls is Stored or cls is Hit:
-                ids = ev.block_ids
-                if not ids:
+                if cls is Removed:
+                    if ev.reason == "evicted":
+                        self.evictions += len(ids)
+                    for b in ids:
+                        ix[b] = 0
+                        if ref[b]:
+                            continue  # in use: it keeps serving its request, freed when released
+                        key = key_of[b]  # what `_reset` does
+                        if key is not None:
+                            key_of[b] = None
+                            s = key_slot.pop(key, b)
+                            if s != b:  # the key names another block now: it stays
+                                key_slot[key] = s
+                        parents[b] = toks[b] = None
+                        if request:
+                            request.pop(b, None)
+                        held = users_of[b]
+                        if held is not None:
+                            users_of[b] = None
+                            let_go.append(held)
+                        cr[b] = -1
+                        hi[b] = st[b] = 0
                     continue
-                if off:
-                    ids = [b - off for b in ids]
-                top = max(ids) + 1
-                if top > hw:
-                    self._room(top)
-                    hw = self.hw
-                    st, ref, cr, ix, ca, lu, hi = self._views()
                 ts = ev.ts
                 user = ev.user
                 one = (user,)
-                fresh = 0  # blocks `user` holds now that it did not
                 rid = ev.request_id
                 last = ids
                 if cls is Hit:
                     hold = rid and not self.exact
                     hit = ids
                     self.hit_tokens += ev.cached_tokens
+                    reused = ids
                     for b in ids:
-                        if not st[b]:
-                            continue  # a free block holds nothing to reuse (a damaged recording)
+                        if not st[b]:  # a free block holds nothing to reuse (a damaged recording)
+                            reused = [b for b in ids if st[b]]
+                            continue
                         hi[b] += 1
                         lu[b] = ts
-                        if user:  # what `_add_user` does
-                            held = users_of[b]
-                            if held is None:
-                                users_of[b] = one
-                                fresh += 1
-                            elif user not in held:
-                                users_of[b] = held + one
-                                fresh += 1
-                                extra += 1
                         if hold:
                             self._hold(rid, b)
-                    if fresh:
-                        by_session[user] += fresh
+                    if user:
+                        self._take_up(user, one, reused)
                     continue
                 hashes = ev.block_hashes
                 nh = len(hashes)
@@ -578,21 +565,12 @@ class Mirror:
                         request.pop(b, None)
                     toks[b] = tokens[o:o + bs]
                     o += bs
-                    if user:
-                        held = None if clean else users_of[b]
-                        if held is None:
-                            users_of[b] = one
-                            fresh += 1
-                        elif user not in held:
-                            users_of[b] = held + one
-                            fresh += 1
-                            extra += 1
                     if hold:
                         self._hold(rid, b)
                     elif not ref[b]:
                         st[b] = CACHED
-                if fresh:
-                    by_session[user] += fresh
+                if user:
+                    self._take_up(user, one, ids)
             elif cls is ev_.BlocksAllocated or cls is ev_.BlocksTouched or cls is ev_.BlocksReleased:
                 self._refs(cls, ev, ev.block_ids if not off else [b - off for b in ev.block_ids])
                 hw = self.hw
