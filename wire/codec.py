@@ -272,10 +272,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass  # some event is legacy, unknown or bad (or the payload is no batch): one at a time
         else:
-            if payload.__class__ is not bytes or b"metadata" in payload:  # SGLang's: its session_id is lifted (bytes without the word have none)
-                for ev in t.events:
-                    if type(ev) is BlockStored and ev.metadata is not None:
-                        _lift_session(ev)
+            for ev in t.events:
+                if type(ev) is BlockStored and ev.metadata is not None:
+                    _lift_session(ev)
             return EventBatch(t.ts, t.events, t.data_parallel_rank)
     try:
         if _is_array(first):

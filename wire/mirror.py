@@ -373,24 +373,6 @@ class Mirror:
         self.indexed[b] = 0
         self.state[b] = FREE
 
-    def _take_up(self, user: str, one: tuple, ids) -> None:
-        """`user` (`one`: the tuple of it) holds blocks `ids` too: each block's holders are its
-        creator first, then who reused it, in order (a block's tuple is replaced, never changed)."""
-        users_of = self.users_of.v
-        fresh = more = 0
-        for b in ids:
-            held = users_of[b]
-            if held is None:
-                users_of[b] = one
-                fresh += 1
-            elif user not in held:
-                users_of[b] = held + one
-                more += 1
-        if more:
-            self.extra_users += more
-        if fresh or more:
-            self.by_session[user] += fresh + more
-
     def _hold(self, rid: str, b: int) -> None:
         """Recordings without ref events: request `rid` holds block `b` (once)."""
         held = self.held.setdefault(rid, [])
@@ -500,77 +482,87 @@ class Mirror:
                         lu[b] = ts
                         if hold:
                             self._hold(rid, b)
-                    if user:
-                        self._take_up(user, one, reused)
-                    continue
-                hashes = ev.block_hashes
-                nh = len(hashes)
-                tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
-                bs = ev.block_size or (len(tokens) // max(1, nh))
-                code = codes.get(user, -1) if user else -1
-                if user and code < 0:
-                    code = self.code(user)
-                prev = ev.parent_block_hash
-                o = 0
-                if user and not rid and nh == len(ids) and pod is None and not ev.group_idx and not self.exact \
-                        and not self.held:
-                    # a user's new blocks outside requests and ref events (no block is held: none has a
-                    # ref count, so a slot in use is reused and what it held goes): every write below
-                    # is the general loop's for such a block
-                    for b, k in zip(ids, hashes):
-                        if st[b]:
-                            self._reset(b)
-                        ca[b] = lu[b] = ts
+                    ids = reused
+                else:
+                    hashes = ev.block_hashes
+                    nh = len(hashes)
+                    tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
+                    bs = ev.block_size or (len(tokens) // max(1, nh))
+                    code = codes.get(user, -1) if user else -1
+                    if user and code < 0:
+                        code = self.code(user)
+                    prev = ev.parent_block_hash
+                    o = 0
+                    if user and not rid and nh == len(ids) and pod is None and not ev.group_idx and not self.exact \
+                            and not self.held:
+                        # a user's new blocks outside requests and ref events (no block is held: none has a
+                        # ref count, so a slot in use is reused and what it held goes): every write below
+                        # is the general loop's for such a block
+                        for b, k in zip(ids, hashes):
+                            if st[b]:
+                                self._reset(b)
+                            ca[b] = lu[b] = ts
+                            ix[b] = 1
+                            key_of[b] = k
+                            key_slot[k] = b
+                            parents[b] = prev
+                            prev = k
+                            cr[b] = code
+                            toks[b] = tokens[o:o + bs]
+                            o += bs
+                            users_of[b] = one
+                            st[b] = CACHED
+                        by_session[user] += len(ids)
+                        continue
+                    if pod is not None:
+                        keys = [(pod, h) for h in hashes]
+                    elif ev.group_idx:
+                        keys = [(ev.group_idx, h) for h in hashes]
+                    else:
+                        keys = hashes
+                    exact = self.exact
+                    hold = rid and not exact
+                    for i, b in enumerate(ids):
+                        clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
+                        if not clean:
+                            if ref[b] or exact:  # allocated to its request (ref events), or in use
+                                self._rename(b, keys[i] if i < nh else None)
+                            else:  # a slot reused without ref events: what it held goes
+                                self._reset(b)
+                                clean = True
+                        if not exact:
+                            ca[b] = lu[b] = ts
                         ix[b] = 1
-                        key_of[b] = k
-                        key_slot[k] = b
-                        parents[b] = prev
-                        prev = k
+                        if i < nh:
+                            k = keys[i]
+                            key_of[b] = k
+                            key_slot[k] = b
+                            parents[b] = prev
+                            prev = hashes[i]
                         cr[b] = code
+                        if rid:
+                            request[b] = rid
+                        elif not clean and request:
+                            request.pop(b, None)
                         toks[b] = tokens[o:o + bs]
                         o += bs
-                        users_of[b] = one
-                        st[b] = CACHED
-                    by_session[user] += len(ids)
-                    continue
-                if pod is not None:
-                    keys = [(pod, h) for h in hashes]
-                elif ev.group_idx:
-                    keys = [(ev.group_idx, h) for h in hashes]
-                else:
-                    keys = hashes
-                exact = self.exact
-                hold = rid and not exact
-                for i, b in enumerate(ids):
-                    clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
-                    if not clean:
-                        if ref[b] or exact:  # allocated to its request (ref events), or in use
-                            self._rename(b, keys[i] if i < nh else None)
-                        else:  # a slot reused without ref events: what it held goes
-                            self._reset(b)
-                            clean = True
-                    if not exact:
-                        ca[b] = lu[b] = ts
-                    ix[b] = 1
-                    if i < nh:
-                        k = keys[i]
-                        key_of[b] = k
-                        key_slot[k] = b
-                        parents[b] = prev
-                        prev = hashes[i]
-                    cr[b] = code
-                    if rid:
-                        request[b] = rid
-                    elif not clean and request:
-                        request.pop(b, None)
-                    toks[b] = tokens[o:o + bs]
-                    o += bs
-                    if hold:
-                        self._hold(rid, b)
-                    elif not ref[b]:
-                        st[b] = CACHED
-                if user:
-                    self._take_up(user, one, ids)
+                        if hold:
+                            self._hold(rid, b)
+                        elif not ref[b]:
+                            st[b] = CACHED
+                if user:  # `user` holds the blocks too: each block's holders are its creator, then who reused it, in order
+                    fresh = more = 0
+                    for b in ids:
+                        held = users_of[b]
+                        if held is None:
+                            users_of[b] = one
+                            fresh += 1
+                        elif user not in held:
+                            users_of[b] = held + one
+                            more += 1
+                    if fresh or more:
+                        by_session[user] += fresh + more
+                        extra += more
             elif cls is ev_.BlocksAllocated or cls is ev_.BlocksTouched or cls is ev_.BlocksReleased:
                 self._refs(cls, ev, ev.block_ids if not off else [b - off for b in ev.block_ids])
                 hw = self.hw
