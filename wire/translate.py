@@ -303,6 +303,8 @@ class FromWire:
                             gone_i(s + off)
                             gone_c(owner[s])
                         else:
+                            # (block_hashes, block_ids, reason, creators, group_idx): the hot events are
+                            # made with their fields in order (a keyword costs a look-up)
                             gone = Removed([h], [s + off], "evicted", [owner[s]], g or 0, ts=ts)
                             out.append(gone)
                             gone_ids = gone.block_ids
@@ -362,6 +364,8 @@ class FromWire:
                                 for c in cs:
                                     by[c] = by.get(c, 0) + size
                         stored_by[sid] += n
+                        # (request_id, user, block_ids, block_hashes, cached_tokens, by_creator, token_ids,
+                        # block_size, extra_keys)
                         last = Hit("", sid, ids, hashes, n * size, by, tokens, size,
                                    [None] * n if not extras else list(extras) if len(extras) == n else
                                    [extras[i] if i < len(extras) else None for i in range(n)], ts=ts)
@@ -390,6 +394,8 @@ class FromWire:
                             ids = [b + off for b in ids]
                         if attrib:
                             self._chains(ev.parent_block_hash, tokens, size, ids, off, 0)
+                        # (block_hashes, parent_block_hash, token_ids, block_size, block_ids, user, request_id,
+                        # extra_keys)
                         last = Stored(hashes, ev.parent_block_hash, tokens, size, ids, sid, "",
                                       list(extras) if extras else [], ts=ts)
                         out.append(last)
