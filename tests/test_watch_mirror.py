@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from kvplay.engine import events as ev_
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvplay.wire.mirror import Fleet, Mirror
+from kvplay.wire.mirror import Fleet, Mirror, SlotMap
 from kvplay.wire.translate import SOMEONE_ELSE, FromWire, Slots, counts
 
 BS = 4
@@ -333,3 +334,23 @@ def test_the_wire_path_holds_what_a_plain_model_says(seed):
         again.apply(name_blocks(b, slots))
     assert sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in again.blocks.values()) == \
         sorted((b.hex, b.creator, b.holders, tuple(b.tokens)) for b in m.blocks.values())
+
+
+def test_slot_map_reads_as_a_dict_of_the_slots_that_hold_something():
+    """A mirror's key, parent, tokens and holders are lists by slot read as mappings: only slots
+    with a value are keys; no index wraps (a negative slot), a slot past the list or no int at
+    all is missing; a copy is independent."""
+    sm = SlotMap([None, "a", None, ("x",)])
+    assert dict(sm) == {1: "a", 3: ("x",)} == sm and len(sm) == 2 and sorted(sm) == [1, 3]
+    assert sm.get(1) == "a" and sm.get(0) is None and sm.get(-1) is None and sm.get(9, "d") == "d"
+    assert sm.get("1") is None and sm.get(np.int64(3)) == ("x",) and 3 in sm and -1 not in sm and 0 not in sm
+    with pytest.raises(KeyError):
+        sm[2]
+    sm[6] = "far"
+    del sm[1]
+    assert sm.items() == [(3, ("x",)), (6, "far")] and sm.pop(6) == "far" and sm.pop(6, None) is None
+    c = sm.copy()
+    c[0] = "only in the copy"
+    assert 0 not in sm and bool(sm) and not SlotMap([None, None])
+    m = Mirror()
+    assert m.key == {} and not m.tokens and len(m.users_of) == 0

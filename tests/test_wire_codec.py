@@ -94,6 +94,18 @@ def test_unknown_event_type_is_skipped_and_sglang_metadata_session():
     assert b.events == [] and b.unknown_events == 1 and b.bad_events == 1
 
 
+def test_sglang_metadata_session_in_a_batch_of_known_events():
+    """The one-call decode of a batch of known events lifts SGLang's metadata session too, from
+    bytes or any other buffer."""
+    payload = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                    "token_ids": [1, 2], "block_size": 2, "medium": "GPU",
+                                    "metadata": {"session_id": "bob", "cache_salt": "s"}},
+                                   {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]])
+    for buf in (payload, bytearray(payload), memoryview(payload)):
+        b = decode_batch(buf)
+        assert b.events[0].session_id == "bob" and b.bad_events == b.unknown_events == 0
+
+
 @pytest.mark.parametrize("payload", [b"\xc1", b"", msgpack.packb({"a": 1}), msgpack.packb([1]),
                                      msgpack.packb(["x", []]), msgpack.packb([0.0, 7]),
                                      msgpack.packb([0.0, [], "rank"]), msgpack.packb([0.0, [], -1])])

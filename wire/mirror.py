@@ -13,10 +13,12 @@ per-hash view the prefix tree and attribution read: hash -> slot, parent, tokens
 holders, hits, age) and `copy()` (a cheap checkpoint). No Textual, no SQLite, no network.
 
 Per block, numbers live in numpy arrays (state, ref count, creator, hits, created, last used);
-what only some blocks have (hash key, parent, tokens, request, holders) lives in dicts of the
-blocks that have it. Nothing costs O(pool) per event; the arrays are touched only up to the
-highest block id ever named (`hw`): the engine hands out never-used blocks in id order, so a
-session that used a few hundred blocks of a 1,000,000-block pool costs a few hundred slots to copy.
+a block's key, parent, tokens and holders in lists by slot (`SlotMap`: a mapping to the views,
+one list item to the apply loop, where a dict of 100,000 blocks costs cache misses on every
+write), the requests of a recording's blocks in a dict. Nothing costs O(pool) per event; the
+arrays and lists are copied only up to the highest block id ever named (`hw`): the engine hands
+out never-used blocks in id order, so a session that used a few hundred blocks of a
+1,000,000-block pool costs a few hundred slots to copy.
 
 Which blocks are in use: the engine's `BlocksAllocated` / `BlocksTouched` / `BlocksReleased`
 events keep every block's ref count, so the state equals the engine pool's after any event.
@@ -42,8 +44,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping
-from operator import itemgetter
+from collections.abc import Mapping, MutableMapping
+from itertools import chain, compress, repeat
+from operator import is_not, itemgetter
 
 import numpy as np
 
@@ -53,7 +56,7 @@ from .codec import hash_hex
 from .translate import FromWire, PromptIndex
 from .views import STATES, BlockArrays, BlockSummary, BlockView, summarize
 
-MAX_BLOCKS = ev_.MAX_BLOCKS  # the largest pool a mirror holds (~130 MB of arrays)
+MAX_BLOCKS = ev_.MAX_BLOCKS  # the largest pool a mirror holds (~130 MB of arrays, ~130 MB of slot lists)
 FREE, CACHED, IN_USE = 0, 1, 2
 
 
@@ -65,6 +68,79 @@ def _let_go(by_session: Counter, holders) -> None:
             by_session[u] = c
         else:
             del by_session[u]
+
+
+class SlotMap(MutableMapping):
+    """slot -> value, kept in a list indexed by slot (None: no value) as long as the mirror's
+    arrays: what the mirror keeps for some blocks (key, parent, tokens, holders). Its apply loop
+    reads and writes the list (`v`) itself: a slot's entry is one list item, where a dict of
+    100,000 blocks costs two cache misses and a resize now and then. Read as a mapping (the
+    views), it is a dict of the slots that hold a value; iterating costs O(slots)."""
+    __slots__ = ("v",)
+
+    def __init__(self, values: list | None = None):
+        self.v = [] if values is None else values
+
+    def get(self, s, default=None):
+        try:
+            x = self.v[s]
+        except (IndexError, TypeError):  # no slot (or no int)
+            return default
+        return default if x is None or s < 0 else x
+
+    def __getitem__(self, s):
+        x = self.get(s)
+        if x is None:
+            raise KeyError(s)
+        return x
+
+    def __contains__(self, s) -> bool:
+        return self.get(s) is not None
+
+    def __setitem__(self, s: int, x) -> None:
+        if x is None:
+            raise ValueError("a slot map holds no None")
+        v = self.v
+        if not 0 <= s < len(v):
+            if s < 0:
+                raise KeyError(s)
+            v.extend([None] * (s + 1 - len(v)))
+        v[s] = x
+
+    def __delitem__(self, s) -> None:
+        self[s]  # KeyError when it holds nothing
+        self.v[s] = None
+
+    def __iter__(self):
+        v = self.v
+        return compress(range(len(v)), map(is_not, v, repeat(None)))
+
+    def __len__(self) -> int:
+        return len(self.v) - self.v.count(None)
+
+    def __bool__(self) -> bool:
+        return any(map(is_not, self.v, repeat(None)))
+
+    def items(self) -> list:
+        v = self.v
+        return list(compress(enumerate(v), map(is_not, v, repeat(None))))
+
+    def values(self):
+        return [x for x in self.v if x is not None]
+
+    def as_dict(self) -> dict:
+        v = self.v
+        return dict(compress(enumerate(v), map(is_not, v, repeat(None))))
+
+    def copy(self, n: int | None = None) -> "SlotMap":
+        """A copy of slots [0, n) (all by default)."""
+        return SlotMap(self.v[:n] if n is not None else list(self.v))
+
+    def clear(self) -> None:
+        self.v[:] = [None] * len(self.v)
+
+    def __repr__(self) -> str:
+        return f"SlotMap({self.as_dict()!r})"
 
 
 class Block(tuple):
@@ -139,14 +215,13 @@ class BlocksByKey(Mapping):
         hw = m.hw
         creator, hits = m.creator[:hw].tolist(), m.hits[:hw].tolist()
         created, last = m.created_at[:hw].tolist(), m.last_used[:hw].tolist()
-        users, parent, tokens, users_of = m.users, m.parent, m.tokens, m.users_of
+        users, parent, tokens, users_of = m.users, m.parent.v, m.tokens.v, m.users_of.v
         mk = tuple.__new__
         out = {}
         for k, s in m.key_slot.items():
             c = creator[s]
-            out[k] = mk(Block, (k, k[1] if type(k) is tuple else k, s, parent.get(s), tokens.get(s, ()),
-                                users[c] if c >= 0 else None, tuple(users_of.get(s, ())), hits[s], created[s],
-                                last[s]))
+            out[k] = mk(Block, (k, k[1] if type(k) is tuple else k, s, parent[s], tokens[s] or (),
+                                users[c] if c >= 0 else None, tuple(users_of[s] or ()), hits[s], created[s], last[s]))
         return out
 
     def columns(self) -> tuple:
@@ -169,11 +244,7 @@ class Mirror:
         self._alloc(cap)
         self.hw = 0  # 1 + the highest block id ever named
         self.key_slot: dict = {}   # block key (module docstring) -> slot
-        self.key: dict = {}        # slot -> block key
-        self.parent: dict = {}     # slot -> its parent's hash (as the source sent it)
-        self.tokens: dict[int, tuple] = {}
         self.request: dict[int, str] = {}
-        self.users_of: dict[int, tuple] = {}  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
         self.by_session: Counter = Counter()  # blocks each user holds now
         self.stored_by_session: Counter = Counter()  # wire: blocks each session stored, in all
         self.users: list[str] = []
@@ -209,9 +280,14 @@ class Mirror:
         self.created_at = np.zeros(cap, np.float64)
         self.last_used = np.zeros(cap, np.float64)
         self._mvs = None
+        self.key = SlotMap([None] * cap)       # slot -> block key
+        self.parent = SlotMap([None] * cap)    # slot -> its parent's hash (as the source sent it)
+        self.tokens = SlotMap([None] * cap)    # slot -> its tokens (a tuple)
+        self.users_of = SlotMap([None] * cap)  # slot -> (creator, then users that reused it), in order; replaced, never changed in place (a shallow copy is a snapshot)
 
     _ARRAYS = ("state", "ref", "creator", "hits", "indexed", "created_at", "last_used")
-    _DICTS = ("key_slot", "key", "parent", "tokens", "request", "_code", "prompt")
+    _SLOT_MAPS = ("key", "parent", "tokens", "users_of")  # as long as the arrays
+    _DICTS = ("key_slot", "request", "_code", "prompt")
 
     def _grow(self, need: int) -> None:
         cap = len(self.state)
@@ -221,6 +297,8 @@ class Mirror:
             arr = np.full(new, -1, old.dtype) if name == "creator" else np.zeros(new, old.dtype)
             arr[:cap] = old
             setattr(self, name, arr)
+        for name in self._SLOT_MAPS:
+            getattr(self, name).v.extend([None] * (new - cap))  # in place: the apply loop holds the lists
         self._mvs = None
 
     def _room(self, top: int) -> None:
@@ -254,15 +332,17 @@ class Mirror:
 
     # --- copies (checkpoints) ---------------------------------------------------------------------
     def copy(self) -> "Mirror":
-        """An independent copy: arrays up to `hw`, dicts of the blocks that hold something."""
+        """An independent copy: arrays and slot maps up to `hw`, dicts of the blocks that hold
+        something."""
         m = Mirror.__new__(Mirror)
         m.__dict__.update(self.__dict__)
         cap = max(16, self.hw)
         for name in self._ARRAYS:
             setattr(m, name, getattr(self, name)[:cap].copy())
+        for name in self._SLOT_MAPS:
+            setattr(m, name, getattr(self, name).copy(cap))
         for name in self._DICTS:
             setattr(m, name, dict(getattr(self, name)))
-        m.users_of = dict(self.users_of)
         m.by_session, m.stored_by_session = Counter(self.by_session), Counter(self.stored_by_session)
         m.users = list(self.users)
         m.held = {r: list(b) for r, b in self.held.items()}
@@ -273,13 +353,18 @@ class Mirror:
     # --- what a block's events change ---------------------------------------------------------------
     def _reset(self, b: int) -> None:
         """Forget what block `b` held (it is free now)."""
-        key = self.key.pop(b, None)
-        if key is not None and self.key_slot.get(key) == b:
-            del self.key_slot[key]
-        self.parent.pop(b, None)
-        self.tokens.pop(b, None)
+        kl = self.key.v
+        key = kl[b]
+        if key is not None:
+            kl[b] = None
+            if self.key_slot.get(key) == b:
+                del self.key_slot[key]
+        self.parent.v[b] = None
+        self.tokens.v[b] = None
         self.request.pop(b, None)
-        users = self.users_of.pop(b, None)
+        ul = self.users_of.v
+        users = ul[b]
+        ul[b] = None
         if users:
             self.extra_users -= len(users) - 1
             _let_go(self.by_session, users)
@@ -287,18 +372,6 @@ class Mirror:
         self.hits[b] = 0
         self.indexed[b] = 0
         self.state[b] = FREE
-
-    def _add_user(self, b: int, user: str) -> None:
-        """`user` holds block `b` too (its creator first, then who reused it, in order)."""
-        held = self.users_of.get(b)
-        if held is None:
-            self.users_of[b] = (user,)
-        elif user in held:
-            return
-        else:
-            self.users_of[b] = held + (user,)
-            self.extra_users += 1
-        self.by_session[user] += 1
 
     def _hold(self, rid: str, b: int) -> None:
         """Recordings without ref events: request `rid` holds block `b` (once)."""
@@ -310,9 +383,10 @@ class Mirror:
 
     def _rename(self, b: int, key) -> None:
         """Block `b` is to hold `key` (None: none): the key it held lets go of it."""
-        old = self.key.get(b)
+        kl = self.key.v
+        old = kl[b]
         if old is not None and old != key:
-            del self.key[b]
+            kl[b] = None
             if self.key_slot.get(old) == b:
                 del self.key_slot[old]
 
@@ -334,7 +408,10 @@ class Mirror:
 
         One loop with what it touches held in locals: a busy server's batch is dozens of small
         events, and per-event set-up would cost more than their blocks. Per block only what the
-        views read is written; a user's counts are added once per event."""
+        views read is written; a user's counts are added once per event, and the holders of
+        the blocks that go are let go of once per batch (counting is commutative). A store
+        into free slots by a user, outside requests and ref events (what a watched server's
+        are), takes a shorter loop that writes the same."""
         events = batch.events
         if start or stop is not None:
             events = events[start:stop]
@@ -342,24 +419,27 @@ class Mirror:
             return
         pod = batch.pod
         off = self.offset
+        hw = self.hw
         st, ref, cr, ix, ca, lu, hi = self._views()
-        key_of, key_slot, parents, toks, request, users_of, by_session = \
-            self.key, self.key_slot, self.parent, self.tokens, self.request, self.users_of, self.by_session
+        key_slot, request, by_session = self.key_slot, self.request, self.by_session
+        key_of, parents, toks, users_of = self.key.v, self.parent.v, self.tokens.v, self.users_of.v  # slot -> ...: lists
         codes = self._code
         Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
         extra = 0  # change of extra_users
+        let_go: list = []  # the holders of each block that went
+        hit = last = None  # the blocks of the latest BlockHit, of the latest BlockStored or BlockHit
         for ev in events:
             cls = ev.__class__
-            ts = ev.ts
-            if cls is Stored or cls is Removed or cls is Hit:
+            if cls is Removed or cls is Stored or cls is Hit:
                 ids = ev.block_ids
                 if not ids:
                     continue
                 if off:
                     ids = [b - off for b in ids]
                 top = max(ids) + 1
-                if top > self.hw:
+                if top > hw:
                     self._room(top)
+                    hw = self.hw
                     st, ref, cr, ix, ca, lu, hi = self._views()
                 if cls is Removed:
                     if ev.reason == "evicted":
@@ -368,62 +448,80 @@ class Mirror:
                         ix[b] = 0
                         if ref[b]:
                             continue  # in use: it keeps serving its request, freed when released
-                        key = key_of.pop(b, None)  # what `_reset` does
+                        key = key_of[b]  # what `_reset` does
                         if key is not None:
+                            key_of[b] = None
                             s = key_slot.pop(key, b)
                             if s != b:  # the key names another block now: it stays
                                 key_slot[key] = s
-                        parents.pop(b, None)
-                        toks.pop(b, None)
+                        parents[b] = toks[b] = None
                         if request:
                             request.pop(b, None)
-                        held = users_of.pop(b, None)
-                        if held:
-                            extra -= len(held) - 1
-                            for u in held:
-                                c = by_session[u] - 1
-                                if c:
-                                    by_session[u] = c
-                                else:
-                                    del by_session[u]
+                        held = users_of[b]
+                        if held is not None:
+                            users_of[b] = None
+                            let_go.append(held)
                         cr[b] = -1
                         hi[b] = st[b] = 0
                     continue
+                ts = ev.ts
                 user = ev.user
                 one = (user,)
-                fresh = 0  # blocks `user` holds now that it did not
                 rid = ev.request_id
-                hold = rid and not self.exact
+                last = ids
                 if cls is Hit:
-                    self.hit = frozenset(ids)
-                    self.last_blocks = tuple(ids)
+                    hold = rid and not self.exact
+                    hit = ids
                     self.hit_tokens += ev.cached_tokens
+                    reused = ids
                     for b in ids:
-                        if not st[b]:
-                            continue  # a free block holds nothing to reuse (a damaged recording)
+                        if not st[b]:  # a free block holds nothing to reuse (a damaged recording)
+                            reused = [b for b in ids if st[b]]
+                            continue
                         hi[b] += 1
                         lu[b] = ts
-                        if user:
-                            self._add_user(b, user)
                         if hold:
                             self._hold(rid, b)
-                else:  # BlockStored
+                    ids = reused
+                else:
                     hashes = ev.block_hashes
                     nh = len(hashes)
                     tokens = tuple(ev.token_ids)  # each block's a slice of it (tuples: the GC stops tracking them)
                     bs = ev.block_size or (len(tokens) // max(1, nh))
+                    code = codes.get(user, -1) if user else -1
+                    if user and code < 0:
+                        code = self.code(user)
+                    prev = ev.parent_block_hash
+                    o = 0
+                    if user and not rid and nh == len(ids) and pod is None and not ev.group_idx and not self.exact \
+                            and not self.held:
+                        # a user's new blocks outside requests and ref events (no block is held: none has a
+                        # ref count, so a slot in use is reused and what it held goes): every write below
+                        # is the general loop's for such a block
+                        for b, k in zip(ids, hashes):
+                            if st[b]:
+                                self._reset(b)
+                            ca[b] = lu[b] = ts
+                            ix[b] = 1
+                            key_of[b] = k
+                            key_slot[k] = b
+                            parents[b] = prev
+                            prev = k
+                            cr[b] = code
+                            toks[b] = tokens[o:o + bs]
+                            o += bs
+                            users_of[b] = one
+                            st[b] = CACHED
+                        by_session[user] += len(ids)
+                        continue
                     if pod is not None:
                         keys = [(pod, h) for h in hashes]
                     elif ev.group_idx:
                         keys = [(ev.group_idx, h) for h in hashes]
                     else:
                         keys = hashes
-                    code = codes.get(user, -1) if user else -1
-                    if user and code < 0:
-                        code = self.code(user)
                     exact = self.exact
-                    prev = ev.parent_block_hash
-                    o = 0
+                    hold = rid and not exact
                     for i, b in enumerate(ids):
                         clean = not st[b]  # a free slot holds nothing (what `_reset` leaves): a new block
                         if not clean:
@@ -439,10 +537,7 @@ class Mirror:
                             k = keys[i]
                             key_of[b] = k
                             key_slot[k] = b
-                            if prev is not None:
-                                parents[b] = prev
-                            elif not clean:
-                                parents.pop(b, None)
+                            parents[b] = prev
                             prev = hashes[i]
                         cr[b] = code
                         if rid:
@@ -451,32 +546,47 @@ class Mirror:
                             request.pop(b, None)
                         toks[b] = tokens[o:o + bs]
                         o += bs
-                        if user:
-                            held = None if clean else users_of.get(b)
-                            if held is None:
-                                users_of[b] = one
-                                fresh += 1
-                            elif user not in held:
-                                users_of[b] = held + one
-                                fresh += 1
-                                extra += 1
                         if hold:
                             self._hold(rid, b)
                         elif not ref[b]:
                             st[b] = CACHED
-                    self.last_blocks = tuple(ids)
-                if fresh:
-                    by_session[user] += fresh
+                if user:  # `user` holds the blocks too: each block's holders are its creator, then who reused it, in order
+                    fresh = more = 0
+                    for b in ids:
+                        held = users_of[b]
+                        if held is None:
+                            users_of[b] = one
+                            fresh += 1
+                        elif user not in held:
+                            users_of[b] = held + one
+                            more += 1
+                    if fresh or more:
+                        by_session[user] += fresh + more
+                        extra += more
             elif cls is ev_.BlocksAllocated or cls is ev_.BlocksTouched or cls is ev_.BlocksReleased:
-                self.extra_users += extra
-                extra = 0
                 self._refs(cls, ev, ev.block_ids if not off else [b - off for b in ev.block_ids])
+                hw = self.hw
                 st, ref, cr, ix, ca, lu, hi = self._views()
             else:
-                self.extra_users += extra
-                extra = 0
+                if hit is not None:  # a request's start or a clear sets it
+                    self.hit = frozenset(hit)
+                    hit = None
                 self._other(cls, ev)
+        if hit is not None:
+            self.hit = frozenset(hit)
+        if last is not None:
+            self.last_blocks = tuple(last)
+        if let_go:
+            gone = Counter(chain.from_iterable(let_go))
+            extra -= sum(gone.values()) - len(let_go)
+            for u, c in gone.items():
+                c = by_session[u] - c
+                if c:
+                    by_session[u] = c
+                else:
+                    del by_session[u]
         self.extra_users += extra
+        ts = events[-1].ts
         if ts:
             self.ts = ts
         self.applied += len(events)
@@ -535,9 +645,9 @@ class Mirror:
                 self.created_at[idx] = ts
                 self.last_used[idx] = ts
                 return
-            key, users_of = self.key, self.users_of
+            kl, ul = self.key.v, self.users_of.v
             for b in ids:
-                if st[b] != FREE or b in key or b in users_of:
+                if st[b] != FREE or kl[b] is not None or ul[b] is not None:
                     self._reset(b)
                 ref[b] = 1
                 st[b] = IN_USE

@@ -28,6 +28,7 @@ from kvplay.engine.cbor_hash import vllm_extra_keys
 from .codec import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, hash_hex, hex_to_wire_hash
 
 SPEC_KIND = "full_attention"  # what vLLM 0.32 sends for a plain decoder's one KV-cache group
+_MIRRORED = (MEDIUM_GPU, None)  # the media a mirror follows (the device tier; None: not said)
 
 
 # --- out: the engine's batches as vLLM's --------------------------------------------------------
@@ -212,7 +213,7 @@ class FromWire:
         self.mirror = mirror
         self.prompts = prompts if prompts is not None else PromptIndex()
         self.slots = Slots()
-        self.owner: dict[int, str] = {}  # slot -> who stored it
+        self.owner: list[str] = []  # slot -> who stored it (as long as `slots.next`; a free slot's is stale)
         self._chain: dict[int, int] = {}  # slot -> token-chain id (attribution by registered prompts)
         self._taken: set[int] = set()  # slots taken in the batch being translated (while prompts exist)
         self._digests: bool | None = None  # the pod's hashes are digests (bytes): a publisher uses one form
@@ -247,7 +248,7 @@ class FromWire:
             for key, s in of.items():
                 hashes.append(key[1] if type(key) is tuple else key)
                 ids.append(s + off)
-                creators.append(owner.get(s, ""))
+                creators.append(owner[s])
             out.append(ev_.BlockRemoved(ts=ts, block_hashes=hashes, block_ids=ids, creators=creators, reason=reason))
         out.append(ev_.AllBlocksCleared(ts=ts, reason=reason))
         self.slots.clear()
@@ -256,55 +257,66 @@ class FromWire:
 
     def _translate(self, events, ts: float, out: list) -> None:
         """The batch's events in one loop with what it touches held in locals (a busy server
-        sends dozens of small events a batch: per-call set-up would cost more than the blocks)."""
+        sends dozens of small events a batch: per-call set-up would cost more than the blocks).
+        The usual events take the shortest way: an eviction extends the BlockRemoved before it,
+        a store of new blocks with a session is one BlockStored, a re-announcement of cached
+        blocks one BlockHit (their hashes and tokens handed on as they came); anything else goes
+        block by block (`_stored`)."""
         m = self.mirror
         slots = self.slots
         of, owner, chains, free = slots.of, self.owner, self._chain, slots.free
+        of_get, of_pop, owner_of = of.get, of.pop, owner.__getitem__
         attrib = bool(self.prompts)  # prompts registered: new blocks' chains are kept
         digests = self._digests  # the pod sends digests (bytes, made hex); None: not known yet
         off = m.offset
         stored_by = m.stored_by_session
         Stored, Hit, Removed = ev_.BlockStored, ev_.BlockHit, ev_.BlockRemoved
-        gone = None  # the BlockRemoved the next eviction extends (vLLM sends one per block)
+        mirrored = _MIRRORED
+        max_blocks = ev_.MAX_BLOCKS
+        gone_g = -1  # the group of the BlockRemoved the next eviction extends (-1: none; vLLM sends one per block)
+        evicted: list = []  # the block ids of each BlockRemoved of evictions
         last = None  # the BlockStored or BlockHit the next block may extend
-        total = new = n_removed = unknown = other = 0
+        total = new = unknown = other = 0
         try:
             for ev in events:
                 cls = ev.__class__
                 if cls is BlockRemoved:
-                    medium = ev.medium
-                    if (medium != MEDIUM_GPU and medium is not None) or ev.locality == "REMOTE":
-                        other += len(ev.block_hashes)  # another tier: not mirrored
+                    hashes = ev.block_hashes
+                    if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
+                        other += len(hashes)  # another tier: not mirrored
                         continue
-                    if digests is not False and ev.block_hashes:
-                        digests = self._digests = ev.block_hashes[0].__class__ is bytes
+                    if digests is not False and hashes:
+                        digests = self._digests = hashes[0].__class__ is bytes
                         if digests:
-                            ev = _hex_hashes(ev)
-                    g = ev.group_idx or 0
-                    for h in ev.block_hashes:
-                        s = of.pop((g, h) if g else h, None)
+                            hashes = _hex_hashes(ev).block_hashes
+                    g = ev.group_idx
+                    for h in hashes:
+                        s = of_pop((g, h) if g else h, None)
                         if s is None:
                             unknown += 1
                             continue
                         heappush(free, s)
                         if chains:
                             chains.pop(s, None)
-                        if gone is None or gone.group_idx != g:
-                            gone = Removed(ts=ts, block_hashes=[h], block_ids=[s + off], creators=[owner.pop(s)],
-                                           group_idx=g)
-                            out.append(gone)
-                            gone_h, gone_i, gone_c = gone.block_hashes.append, gone.block_ids.append, \
-                                gone.creators.append
-                            last = None
-                        else:
+                        if gone_g == g:
                             gone_h(h)
                             gone_i(s + off)
-                            gone_c(owner.pop(s))
-                        n_removed += 1
+                            gone_c(owner[s])
+                        else:
+                            # (block_hashes, block_ids, reason, creators, group_idx): the hot events are
+                            # made with their fields in order (a keyword costs a look-up)
+                            gone = Removed([h], [s + off], "evicted", [owner[s]], g or 0, ts=ts)
+                            out.append(gone)
+                            gone_ids = gone.block_ids
+                            evicted.append(gone_ids)
+                            gone_h, gone_i, gone_c = gone.block_hashes.append, gone_ids.append, gone.creators.append
+                            gone_g = g
+                            last = None
                     continue
                 if cls is AllBlocksCleared:
                     self._clear(ts, out, "cleared")
-                    gone = last = None
+                    gone_g = -1
+                    last = None
                     continue
                 if cls is not BlockStored:
                     continue  # no wire event: nothing to translate
@@ -314,16 +326,15 @@ class FromWire:
                     if digests:
                         ev = _hex_hashes(ev)
                         hashes = ev.block_hashes
-                medium = ev.medium
-                if (medium != MEDIUM_GPU and medium is not None) or ev.locality == "REMOTE":
+                if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
                     other += len(hashes)  # another tier: not mirrored
                     continue
                 n = len(hashes)
                 if not n:
                     continue
-                gone = None
+                gone_g = -1
                 g = ev.group_idx or 0
-                if slots.next + n > ev_.MAX_BLOCKS and n > slots.room() and \
+                if slots.next + n > max_blocks and n > slots.room() and \
                         sum(((g, h) if g else h) not in of for h in hashes) > slots.room():
                     raise ValueError("too many blocks")  # before any change: an event is applied whole or not at all
                 sid = ev.session_id
@@ -332,45 +343,66 @@ class FromWire:
                 extras = ev.extra_keys
                 total += n
                 if sid is not None and not g and len(tokens) == n * size:
-                    if n == 1:
-                        s = of.get(hashes[0])
-                        if s is not None:  # the usual re-announcement: one block reused (report mode "full")
-                            stored_by[sid] += 1
-                            creator = owner[s]
-                            last = Hit(ts=ts, user=sid, block_hashes=hashes, block_ids=[s + off], cached_tokens=size,
-                                       by_creator={creator: size}, token_ids=tokens, block_size=size,
-                                       extra_keys=list(extras) if extras else [None])
-                            out.append(last)
-                            continue
+                    s = of_get(hashes[0])
+                    if s is not None:  # a re-announcement (report mode "full"): every block cached?
+                        if n == 1:
+                            ids = [s + off]
+                            by = {owner[s]: size}
+                        else:
+                            ss = list(map(of_get, hashes))
+                            if None in ss:
+                                new += self._stored(ev, g, tokens, extras, ts, out, last)
+                                last = out[-1] if out else None
+                                continue
+                            ids = [b + off for b in ss] if off else ss
+                            cs = list(map(owner_of, ss))
+                            c = cs[0]
+                            if cs.count(c) == n:  # the usual: one creator
+                                by = {c: n * size}
+                            else:
+                                by = {}
+                                for c in cs:
+                                    by[c] = by.get(c, 0) + size
+                        stored_by[sid] += n
+                        # (request_id, user, block_ids, block_hashes, cached_tokens, by_creator, token_ids,
+                        # block_size, extra_keys)
+                        last = Hit("", sid, ids, hashes, n * size, by, tokens, size,
+                                   [None] * n if not extras else list(extras) if len(extras) == n else
+                                   [extras[i] if i < len(extras) else None for i in range(n)], ts=ts)
+                        out.append(last)
+                        continue
                     ids = []
                     for h in hashes:  # the usual store: every block new (else undone below)
                         if h in of:
                             break
                         if free:
                             s = heappop(free)
+                            owner[s] = sid
                         else:
                             s = slots.next
                             slots.next = s + 1
+                            owner.append(sid)
                         of[h] = s
-                        owner[s] = sid
-                        ids.append(s + off)
+                        ids.append(s)
                     else:
                         new += n
                         stored_by[sid] += n
                         if chains:
                             for b in ids:
-                                chains.pop(b - off, None)
+                                chains.pop(b, None)
+                        if off:
+                            ids = [b + off for b in ids]
                         if attrib:
                             self._chains(ev.parent_block_hash, tokens, size, ids, off, 0)
-                        last = Stored(ts=ts, block_hashes=hashes, parent_block_hash=ev.parent_block_hash,
-                                      token_ids=tokens, block_size=size, block_ids=ids, user=sid,
-                                      extra_keys=list(extras) if extras else [])
+                        # (block_hashes, parent_block_hash, token_ids, block_size, block_ids, user, request_id,
+                        # extra_keys)
+                        last = Stored(hashes, ev.parent_block_hash, tokens, size, ids, sid, "",
+                                      list(extras) if extras else [], ts=ts)
                         out.append(last)
                         continue
                     for h, b in zip(hashes, ids):  # a block was cached (or named twice): block by block
                         del of[h]
-                        del owner[b - off]
-                        heappush(free, b - off)
+                        heappush(free, b)
                 new += self._stored(ev, g, tokens, extras, ts, out, last)
                 last = out[-1] if out else None
         finally:
@@ -378,7 +410,7 @@ class FromWire:
             m.reannounced += total - new
             m.stored += total
             m.removed_unknown += unknown
-            m.removed += n_removed
+            m.removed += sum(map(len, evicted))
             m.other_medium += other
 
     def _stored(self, ev, g: int, tokens: list, extras, ts: float, out: list, last) -> int:
@@ -411,7 +443,10 @@ class FromWire:
                 who = sid if sid is not None else SOMEONE_ELSE if chain is None else \
                     self.prompts.lookup(chain, size) or SOMEONE_ELSE
                 s = slots.take(key)
-                owner[s] = who
+                if s < len(owner):
+                    owner[s] = who
+                else:
+                    owner.append(who)
                 if chain is not None:
                     chains[s] = chain
                 elif chains:
