@@ -27,6 +27,7 @@ from collections import deque
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch, encode_frames
 from kvplay.wire.mirror import Fleet, Mirror
+from kvplay.wire.miss_watch import MissWatch
 from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
@@ -76,18 +77,31 @@ def count_events(payloads: list[bytes]) -> tuple[int, int]:
     return events, blocks
 
 
-def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> tuple[float, float]:
+def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
+                  misses: bool = False) -> tuple[float, float]:
     """(seconds, this thread's CPU seconds) to decode and apply every payload into a fresh
-    mirror (after `warm`). On a shared machine the CPU time says what the code costs; the wall
-    time also holds what the other processes took."""
-    m = Mirror(pod="bench")
-    w = FromWire(m)
+    mirror (after `warm`); with `misses`, each applied batch also goes through the miss
+    attribution (wire/miss_watch.py), as `kvplay watch` does. On a shared machine the CPU time
+    says what the code costs; the wall time also holds what the other processes took."""
+    fleet = Fleet()
+    m = fleet.pod("bench")
+    w = fleet.from_wire("bench")
+    attribute = MissWatch(fleet).pod("bench").apply if misses else None
     for seq, p in enumerate(warm or []):
-        m.apply(w(decode_batch(p), seq))
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        if attribute is not None:
+            attribute(b)
     base = len(warm or [])
     t0, c0 = time.perf_counter(), time.thread_time()
-    for seq, p in enumerate(payloads, base):
-        m.apply(w(decode_batch(p), seq))
+    if attribute is None:
+        for seq, p in enumerate(payloads, base):
+            m.apply(w(decode_batch(p), seq))
+    else:
+        for seq, p in enumerate(payloads, base):
+            b = w(decode_batch(p), seq)
+            m.apply(b)
+            attribute(b)
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
