@@ -72,6 +72,37 @@ MAX_MODEL_ID = 1024       # characters of a model id from /v1/models
 MAX_TEXT = 1 << 20        # characters of one /detokenize answer or one streamed reply kept
 
 
+def detokenize(http: httpx.Client, model: str | None, token_ids) -> str:
+    """Text of token ids through a server's ``POST /detokenize`` (vLLM's, SGLang's, kvplay
+    serve's) on `http`; "" when it has none or answers something else. The text is made valid
+    Unicode and cut at `MAX_TEXT` (views show it inert)."""
+    body = {"tokens": list(token_ids)}
+    if model:
+        body["model"] = model
+    try:
+        r = http.post("/detokenize", json=body, timeout=5)
+        answer = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return ""
+    text = answer.get("prompt") if isinstance(answer, dict) else None
+    return scalars(text[:MAX_TEXT]) if isinstance(text, str) else ""
+
+
+class ServerDetokenizer:
+    """A server's /detokenize as a callable `ids -> text` ("" when it cannot), for `kvplay watch
+    URL`'s branch texts; `close()` when done."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=5)
+
+    def __call__(self, token_ids) -> str:
+        return detokenize(self._http, None, token_ids)
+
+    def close(self) -> None:
+        self._http.close()
+
+
 class PodRange:
     """One pod's slots of a RemoteBackend as a block-map source of their own (a fleet shows one
     map per pod): block 0 here is the backend's block `offset`."""
@@ -593,13 +624,7 @@ class RemoteBackend(ChatBackend):
 
     def decode(self, token_ids) -> str:
         """Text of token ids through the server's /detokenize (vLLM's); "" when it has none."""
-        try:
-            r = self._http.post("/detokenize", json={"model": self.model_name, "tokens": list(token_ids)}, timeout=5)
-            body = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return ""
-        text = body.get("prompt") if isinstance(body, dict) else None
-        return scalars(text[:MAX_TEXT]) if isinstance(text, str) else ""
+        return detokenize(self._http, self.model_name, token_ids)
 
     def close(self, timeout: float = 1.0) -> None:
         if self._sub is not None:
