@@ -309,3 +309,76 @@ def test_watch_of_kvplay_serve_agrees_with_the_engines_reasons(serve, tmp_path, 
     assert sessions["alice"]["tokens"] == {k: v for k, v in {"evicted": alice2["reasons"]["evicted"],
                                                              "cold": 64 + again - alice2["reasons"]["evicted"]}.items()
                                            if v}
+
+
+# --- attach: each turn explained after the fact, against the engine's own reasons ------------
+def test_attach_explains_each_turn_as_the_engine_did(serve, tmp_path):  # noqa: F811 (fixture)
+    from kvplay.engine.miss import miss_from_event, miss_text
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.wire.remote import RemoteBackend
+    from kvplay.wire.subscriber import PodSource
+
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(kv_events=cfg, num_blocks=24, block_size=16)
+    engine_says = []  # the engine's MissExplained, in order
+    state.side.engine.subscribe_batches(
+        lambda b: engine_says.extend(miss_from_event(e) for e in b.events if e.kind == "MissExplained"))
+    backend = RemoteBackend(srv.url, sources=[PodSource("kv", ev, bind=True, replay=rep, topic="kv-events")])
+    system = "You answer questions about the bakery on Elm Street, briefly. " * 2
+    try:
+        def turn(user, text):
+            t = backend.submit(user, [{"role": "system", "content": system}, {"role": "user", "content": text}],
+                               SamplingParams(temperature=0.0, max_tokens=1))
+            r = t.result(60)
+            assert r.error is None, r.error
+            return r.stats
+
+        turns = [turn("alice", "When do you open?"), turn("bob", "Do you sell rye?")]
+        for i in range(4):  # carol fills the small pool
+            turns.append(turn("carol", f"{i} " + "tell me everything about your cakes " * 3))
+        turns.append(turn("alice", "When do you open?"))
+    finally:
+        backend.close()
+    assert len(engine_says) == len(turns)
+    for st_, want in zip(turns, engine_says):
+        assert st_.miss is not None, st_
+        assert st_.miss["reasons"] == want["reasons"], (st_.user, st_.miss, want)
+        assert st_.miss["diverged_at"] == want["diverged_at"]
+        assert st_.miss["evicted_by"].keys() <= {"carol", "?"}
+        assert st_.miss["tokens"] == st_.prompt_tokens - st_.cached_tokens
+    bob = turns[1].miss
+    assert bob["reasons"]["diverged"] > 0 and bob["diverged_from"] == "alice"
+    assert miss_text(bob, "bob").startswith(f"{bob['tokens']}: {bob['reasons']['diverged']} diverged at ")
+    assert turns[-1].miss["reasons"]["evicted"] > 0, turns[-1].miss
+
+
+def test_attach_says_isolated_where_the_server_salts_by_user(serve, tmp_path):  # noqa: F811 (fixture)
+    from serve_util import ALICE, BOB, chat
+
+    from kvplay.engine.miss import miss_from_event
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.wire.remote import RemoteBackend
+    from kvplay.wire.subscriber import PodSource
+
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(keys=keys(tmp_path), kv_events=cfg, num_blocks=64, isolation="user")
+    engine_says = []
+    state.side.engine.subscribe_batches(
+        lambda b: engine_says.extend(miss_from_event(e) for e in b.events if e.kind == "MissExplained"))
+    system = "You answer questions about the bakery on Elm Street, briefly. " * 2
+    backend = RemoteBackend(srv.url, ALICE, sources=[PodSource("kv", ev, bind=True, replay=rep, topic="kv-events")])
+    try:
+        with httpx.Client(timeout=60) as c:  # bob, another tenant, asks first
+            assert chat(c, srv.url, BOB, "When do you open?", system=system, max_tokens=1).status_code == 200
+        assert wait_until(lambda: len(backend.fleet.pod("kv").blocks) > 0)
+        t = backend.submit("alice", [{"role": "system", "content": system},
+                                     {"role": "user", "content": "When do you open?"}],
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        r = t.result(60)
+    finally:
+        backend.close()
+    want = engine_says[-1]
+    assert want["reasons"]["isolated"] > 0 and want["isolated_from"] == {"bob": want["reasons"]["isolated"]}
+    assert r.stats.miss["reasons"] == want["reasons"] and r.stats.miss["isolated_from"] == want["isolated_from"]

@@ -299,9 +299,10 @@ class PrefixMatcher:
     def __len__(self) -> int:
         return len(self._entry)
 
-    def _walk(self, token_ids, salts=None) -> tuple[int, int, bool]:
+    def _walk(self, token_ids, salts=None, keys: list | None = None) -> tuple[int, int, bool]:
         """(tokens matched, size of the last matched block, whether the match stopped where only
-        the salt decides: blocks with these tokens under other extra keys, salt unknown)."""
+        the salt decides: blocks with these tokens under other extra keys, salt unknown); the
+        matched blocks' keys are appended to `keys` when given."""
         toks = list(token_ids)
         pos, parent, last = 0, None, 0
         index, salted = self.index, self.salted
@@ -323,12 +324,20 @@ class PrefixMatcher:
                     if key is None:
                         continue
                     pos, parent, last = pos + size, key, size
+                    if keys is not None:
+                        keys.append(key)
                     break
             else:
                 return pos, last, unsure
 
     def match(self, token_ids, salts=None) -> int:
         return self._walk(token_ids, salts)[0]
+
+    def chain(self, token_ids, salts=None) -> list:
+        """The keys of the cached blocks a prompt's prefix matches, in order."""
+        keys: list = []
+        self._walk(token_ids, salts, keys)
+        return keys
 
     def predicted_hit(self, token_ids, salts=None) -> int | None:
         """The cached tokens a server should report for this prompt: the matched blocks, less the
