@@ -382,3 +382,52 @@ def test_attach_says_isolated_where_the_server_salts_by_user(serve, tmp_path):  
     want = engine_says[-1]
     assert want["reasons"]["isolated"] > 0 and want["isolated_from"] == {"bob": want["reasons"]["isolated"]}
     assert r.stats.miss["reasons"] == want["reasons"] and r.stats.miss["isolated_from"] == want["isolated_from"]
+
+
+# --- the prefix tree marks branch points and recomputed chains -------------------------------
+def test_tree_marks_branch_points_and_recomputed_chains():
+    from kvplay.wire.tree import Labels, PrefixTree, to_json, to_text
+
+    p = Pod()
+    p(st([1, 2, 3], None, A + B + C, "alice"))
+    p(st([20, 21], 2, [9, 10, 99, 98] + D, "\x1b[31mmallory\u202e"))
+    p(*rm(3), ts=100.0)
+    p(st([3], 2, C, "alice"), ts=110.0)
+    tree = PrefixTree(p.mirror.blocks, None, 0, p.misses.marks())
+    lines = to_text(tree, Labels(None), now=130.0)
+    text = "\n".join(lines)
+    assert "⑂ prompts branch at token 10" in text
+    assert "⑂ diverged at 10 from " in text and "mallory" in text
+    assert "↻ recomputed 1 blk, evicted 30s ago by ␛[31mmallory" in text  # the last stores before it
+    assert "\x1b" not in text and "\u202e" not in text  # a server's session ids are shown inert
+    js = to_json(tree, Labels(None), now=130.0)
+    top = js["roots"][0]
+    assert top["branch_at"] == 10 and top["marks"] == []
+    kids = {c["creator"]: c for c in top["children"]}
+    assert kids["alice"]["marks"][0]["kind"] == "recomputed" and kids["alice"]["marks"][0]["removed_at"] == 100.0
+    assert kids["\x1b[31mmallory\u202e"]["marks"][0] == {"kind": "diverged", "at": 10, "within_block": 2,
+                                                       "from": "alice", "blocks": 2}
+
+
+def test_kvplay_tree_of_a_watch_recording_shows_the_marks(pubs, watch_json, tmp_path, capsys):  # noqa: F811
+    from kvplay.cli import main
+
+    ev = f"tcp://127.0.0.1:{free_port()}"
+    db = tmp_path / "s.db"
+    w = watch_json("--events-bind", ev, "--pod", "p", "--json", "--db", str(db))
+    w.wait_err("recording")
+    pub = ZmqEventPublisher(ev, None)
+    pubs.append(pub)
+    n = iter(range(1, 1000))
+
+    def feed():  # no replay: resend the story under new hashes until it all went through
+        k = 100 * next(n)
+        pub.publish(EventBatch(time.time(), [st([k + 1, k + 2], None, [k % 97] * 4 + B, "alice"),
+                                             st([k + 3], k + 1, C, "bob")]))
+    seen = []
+    w.until(lambda d: seen.append(d) or len(seen) == 2, feed=feed)
+    w.stop()
+    sid = next(e for e in w.err if "recording the watched events as session" in e).split("session ")[1].split()[0]
+    assert main(["tree", sid, "--db", str(db), "--ids"]) == 0
+    out = capsys.readouterr().out
+    assert "⑂ prompts branch at token 4" in out and "⑂ diverged at 4 from alice" in out

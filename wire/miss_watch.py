@@ -50,6 +50,7 @@ from kvplay.engine import events as ev_
 from kvplay.engine.miss import (EXCERPT_CHARS, EXCERPT_TOKENS, REMOVAL_REASONS, MissTracker,
                                 Removal, RemovedLog, miss_object)
 
+from .mirror import Mirror
 from .tree import frozen_extra
 
 COUNTED = ("tier", "evicted", "cleared", "config", "isolated", "diverged", "cold")
@@ -725,6 +726,23 @@ class _Children:
             if s is not None and s + m.offset not in p.own:
                 out.add(s + m.offset)
         return out or default
+
+
+def recorded_marks(batches: list, n: int) -> dict:
+    """The prefix tree's marks (`PodMisses.marks`) of a recorded session after its first `n`
+    events: its batches applied to a Mirror of their own and attributed, as they came."""
+    m = Mirror()
+    pm = PodMisses(m)
+    done = 0
+    for b in batches:
+        if done >= n:
+            break
+        k = min(len(b.events), n - done)
+        part = b if k == len(b.events) else ev_.EngineBatch(b.step, b.ts, b.events[:k], b.forwards, b.pod, b.wire_seq)
+        m.apply(part)
+        pm.apply(part)
+        done += k
+    return pm.marks()
 
 
 class MissWatch:
