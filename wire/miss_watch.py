@@ -147,6 +147,8 @@ class PodMisses:
         gone: list = []    # the batch's usual evictions (keys), and whose blocks they were
         whose: list = []
         bts = batch.ts
+        held_keys = 0      # keys the batch's new chains hold
+        tracking = self.tracker is not None
         for ev in batch.events:
             cls = ev.__class__
             if cls is Stored:
@@ -198,19 +200,19 @@ class PodMisses:
                             other = []
                         other.append((user, mark[1] if mark[0] != "tier" else "tier", mark[-1], size))
                 run_of.update(zip(hs, repeat(run)))
-                self._held += n
+                held_keys += n
                 if pk is not None:
                     heads[pk] = run
                 elif toks:
                     roots[toks[0]] = run
-                if self.tracker is not None:
+                if tracking:
                     self._track(ev, hs, pk, toks, size)
             elif cls is Removed:
                 hs = ev.block_hashes
                 if not hs:
                     continue
                 if (pod is None and not ev.group_idx and ev.reason == "evicted" and not ev.by_user
-                        and ev.ts == bts and len(ev.creators) == len(hs) and self.tracker is None):
+                        and ev.ts == bts and len(ev.creators) == len(hs) and not tracking):
                     gone += hs  # the usual eviction: entered with the batch's others at its end
                     whose += ev.creators
                 else:
@@ -221,6 +223,7 @@ class PodMisses:
                 heads.clear()
                 roots.clear()
                 self.marked.clear()
+        self._held += held_keys
         if fill:
             self.last_top = max(fill, key=fill.get)
             self._count(fill, ftok, other, rep)
@@ -276,9 +279,9 @@ class PodMisses:
         return evicted and by is None
 
     def _log(self, keys: list, creators: list, ts: float) -> None:
-        """Enter a batch's usual evictions (no `by_user`, its time) into the RemovedLog."""
-        made = {c: Removal("evicted", ts, "", None, c or None) for c in set(creators)}
-        self.removed.add_many(_ikeys(keys), map(made.__getitem__, creators))
+        """Enter a batch's usual evictions (no `by_user`, its time) into the RemovedLog: one
+        Removal for all (whose blocks they were is counted in `evicted_from`, not kept per block)."""
+        self.removed.add_many(_ikeys(keys), repeat(Removal("evicted", ts)))
         self._whose(creators)
 
     def _whose(self, creators: list) -> None:
