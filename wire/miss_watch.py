@@ -120,6 +120,7 @@ class PodMisses:
         self.counts = _new_counts()
         self.last_top: str | None = None  # who stored the most in the last batch that stored
         self.by_at: dict = {}  # a batch's time -> who stored the most in it (evicted its removals)
+        self._unnamed: list = []  # the tracker's evictions of this batch that named no evicting session
         self._held = 0  # keys the chains hold (swept when it outgrows the cached blocks)
         self._detok_budget = (0.0, 0)
 
@@ -274,6 +275,8 @@ class PodMisses:
         if tr is not None and len(ev.block_ids) == len(keys):  # it forgets them, and logs them
             tr.removed_blocks([(k, b, c) for k, b, c in zip(ikeys, ev.block_ids, creators or repeat(None))],
                               ev.reason, ev.ts, by, policy)
+            if evicted and by is None:  # who evicted them is known at the batch's end (`_evicted_by`)
+                self._unnamed.append((ikeys, creators if len(creators) == len(keys) else None, ev.ts, policy))
         else:
             self.removed.add_many(ikeys, removals)
         return evicted and by is None
@@ -296,10 +299,14 @@ class PodMisses:
         """Who evicted what the batch at `ts` removed without saying: who stored the most in it
         (vLLM evicts in the step that needs the room)."""
         by_at = self.by_at
-        by_at[ts] = self.last_top
+        top = by_at[ts] = self.last_top
         if len(by_at) > BY_AT:
             for k in list(islice(by_at, len(by_at) - BY_AT)):
                 del by_at[k]
+        for ikeys, creators, when, policy in self._unnamed:  # the tracker's log entries, named
+            self.removed.add_many(ikeys, (Removal("evicted", when, policy, top, c or None)
+                                          for c in (creators or repeat(None, len(ikeys)))))
+        self._unnamed.clear()
 
     def by_of(self, r: Removal) -> str | None:
         """Who evicted a remembered removal (None: not known)."""
