@@ -148,17 +148,10 @@ class RotatingBloom:
         """Whether a key whose probe hashes are (h1, h2) (`_probe_hashes`) was added (or is a
         false positive)."""
         m = self.m
-        if self._n:
-            v, p = self._vcur, h1
-            for _ in self._range:
-                b = p % m
-                if not v[b >> 3] >> (b & 7) & 1:
-                    break
-                p += h2
-            else:
-                return True
-        if self._n_prev:
-            v, p = self._vprev, h1
+        for n, v in ((self._n, self._vcur), (self._n_prev, self._vprev)):
+            if not n:
+                continue
+            p = h1
             for _ in self._range:
                 b = p % m
                 if not v[b >> 3] >> (b & 7) & 1:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from test_watch_cmd import Watch
+from test_miss_watch import watch_json  # noqa: F401 (fixture)
 from test_watch_vllm import VllmServer, post
+
+from kvplay.wire.miss_watch import common_prefix
 
 BS = 32  # scripts/vllm-cpu.sh: --block-size 32
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,20 +35,11 @@ def chat(base, user, system, text):
     return ids, (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-def common(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.mark.vllm
-def test_watch_real_vllm_reports_a_recompute_after_eviction_and_a_divergence(tmp_path):
+def test_watch_real_vllm_reports_a_recompute_after_eviction_and_a_divergence(tmp_path, watch_json):  # noqa: F811
     vllm = VllmServer(tmp_path)
-    w = Watch(vllm.base, "--events-bind", vllm.events, "--replay", vllm.replay, "--pod", "vllm",
-              "--topic", "kv-events", "--json", "--no-record")
+    w = watch_json(vllm.base, "--events-bind", vllm.events, "--replay", vllm.replay, "--pod", "vllm",
+                   "--topic", "kv-events", "--json", "--no-record")
     try:
         # a KV cache of 48 blocks of 32 tokens: a few prompts fill it (vLLM CPU sizes its cache from
         # VLLM_CPU_KVCACHE_SPACE, whole GiB, which the block count overrides)
@@ -61,14 +54,12 @@ def test_watch_real_vllm_reports_a_recompute_after_eviction_and_a_divergence(tmp
                       timeout=60)
         rest = w.stop()
     finally:
-        if w.p.poll() is None:
-            w.p.kill()
-        vllm.stop()
+        vllm.stop()  # (the watch_json fixture ends the watch)
     assert w.p.returncode == 0, w.err
     assert alice_cached == 0 and again == alice
     # bob: vLLM reused the full blocks of the shared prefix; his first new block branches from
     # alice's at the first token where the two prompts differ
-    split = common(alice, bob)
+    split = common_prefix(alice, bob)
     assert bob_cached == split // BS * BS and split < len(alice) // BS * BS
     bob_new = len(bob) // BS - bob_cached // BS
     assert bob_new > 0

@@ -431,3 +431,14 @@ def test_kvplay_tree_of_a_watch_recording_shows_the_marks(pubs, watch_json, tmp_
     assert main(["tree", sid, "--db", str(db), "--ids"]) == 0
     out = capsys.readouterr().out
     assert "⑂ prompts branch at token 4" in out and "⑂ diverged at 4 from alice" in out
+
+
+def test_the_watch_line_says_why_in_words_and_shows_tier_names_inert():
+    from kvplay.sessions.watch import misses_text
+
+    blocks = {"tier": 6, "evicted": 10, "cleared": 2, "config": 0, "isolated": 4, "diverged": 40, "cold": 9}
+    tiers = {"CPU": {"stored": 12, "removed": 4, "hits": 6}, "\x1b[2Jevil": {"stored": 1, "removed": 0, "hits": 0}}
+    text = misses_text(blocks, tiers)
+    assert text.startswith("recomputed 12 (evicted 10, cleared 2) · diverged 40 · isolated 4 · CPU +12 -4 hits 6 · ")
+    assert "\x1b" not in text and "evil" in text
+    assert misses_text(dict.fromkeys(blocks, 0)) == ""

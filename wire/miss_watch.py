@@ -83,7 +83,7 @@ def _ikeys(keys) -> list:
     return keys if keys and keys[0].__class__ is int else list(map(hash, keys))
 
 
-def _common(a, b) -> int:
+def common_prefix(a, b) -> int:
     """How many leading tokens two blocks share."""
     if a == b:
         return len(a)
@@ -462,7 +462,7 @@ class PodMisses:
         best, sib = -1, None
         for r, i in self._siblings(pr, at, pk, tokens[0] if tokens else None):
             theirs = self._tokens(r[i])
-            c = _common(mine, theirs)
+            c = common_prefix(mine, theirs)
             if c > best:
                 best, sib = c, (r, i)
         if sib is None:
