@@ -31,7 +31,7 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
 
 **Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of at
 least the last ``recent`` removals with their details (16,384 by default, at most 512 more: about
-1.7 MiB, the details shared), and behind it, per reason, a rotating pair of Bloom filters that
+4 MiB at most, less where removals share their details), and behind it, per reason, a rotating pair of Bloom filters that
 remember at least the next
 ``bloom_capacity`` (131,072) removals without details (then ``evicted_by`` says "?"). Each
 filter has 20 bits per item and 14 probes: a false positive rate of at most 6.7e-5 per filter
