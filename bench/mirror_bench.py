@@ -8,7 +8,11 @@ a quarter re-announcing reused blocks with another session, as kv_cache_report_m
 does) and evicts old blocks one `BlockRemoved` per block, as vLLM does; the pool stays near
 `pool_blocks`.
 
-    python -m kvplay.bench.mirror_bench [--events N] [--pool-blocks N] [--json]
+    python -m kvplay.bench.mirror_bench [--events N] [--pool-blocks N] [--misses] [--json]
+
+`--misses` measures the miss attribution `kvplay watch` runs on each applied batch
+(wire/miss_watch.py) too: decode + translate + apply with it and without it, alternating in one
+process, best CPU time of three each.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from collections import deque
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch, encode_frames
 from kvplay.wire.mirror import Fleet, Mirror
+from kvplay.wire.miss_watch import MissWatch
 from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
@@ -76,18 +81,31 @@ def count_events(payloads: list[bytes]) -> tuple[int, int]:
     return events, blocks
 
 
-def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None) -> tuple[float, float]:
+def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
+                  misses: bool = False) -> tuple[float, float]:
     """(seconds, this thread's CPU seconds) to decode and apply every payload into a fresh
-    mirror (after `warm`). On a shared machine the CPU time says what the code costs; the wall
-    time also holds what the other processes took."""
-    m = Mirror(pod="bench")
-    w = FromWire(m)
+    mirror (after `warm`); with `misses`, each applied batch also goes through the miss
+    attribution (wire/miss_watch.py), as `kvplay watch` does. On a shared machine the CPU time
+    says what the code costs; the wall time also holds what the other processes took."""
+    fleet = Fleet()
+    m = fleet.pod("bench")
+    w = fleet.from_wire("bench")
+    attribute = MissWatch(fleet).pod("bench").apply if misses else None
     for seq, p in enumerate(warm or []):
-        m.apply(w(decode_batch(p), seq))
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        if attribute is not None:
+            attribute(b)
     base = len(warm or [])
     t0, c0 = time.perf_counter(), time.thread_time()
-    for seq, p in enumerate(payloads, base):
-        m.apply(w(decode_batch(p), seq))
+    if attribute is None:
+        for seq, p in enumerate(payloads, base):
+            m.apply(w(decode_batch(p), seq))
+    else:
+        for seq, p in enumerate(payloads, base):
+            b = w(decode_batch(p), seq)
+            m.apply(b)
+            attribute(b)
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -349,15 +367,24 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
             "lag_ms_max": round(max(lags, default=0), 1), "map": r["scale"]}
 
 
-def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False) -> dict:
+def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
+        misses: bool = False) -> dict:
     warm = synthetic_stream(pool_blocks // 4, pool_blocks, seed=1)  # a pool already filling up
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
     events, blocks = count_events(payloads)
-    runs = [measure_apply(payloads, warm) for _ in range(2)]
+    runs, on = [], []
+    for _ in range(3 if misses else 2):  # with misses: off and on alternate, in this one process
+        runs.append(measure_apply(payloads, warm))
+        if misses:
+            on.append(measure_apply(payloads, warm, misses=True))
     dt, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
     out = {"events": events, "blocks": blocks, "batches": len(payloads), "pool_blocks": pool_blocks,
            "apply_s": round(dt, 4), "events_per_s": round(events / dt), "blocks_per_s": round(blocks / dt),
            "apply_cpu_s": round(cpu, 4), "events_per_cpu_s": round(events / cpu), "load": os.getloadavg()[0]}
+    if misses:
+        on_dt, on_cpu = min(r[0] for r in on), min(r[1] for r in on)
+        out.update(misses_apply_s=round(on_dt, 4), misses_events_per_s=round(events / on_dt),
+                   misses_events_per_cpu_s=round(events / on_cpu), misses_ratio=round(on_cpu / cpu, 3))
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
@@ -381,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=100_000)
     ap.add_argument("--no-socket", action="store_true")
     ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
+    ap.add_argument("--misses", action="store_true",
+                    help="also measure with the miss attribution on (wire/miss_watch.py), alternating with off")
     ap.add_argument("--app", action="store_true",
                     help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
     ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
@@ -401,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
                   f"max {r['lag_ms_max']} ms")
         return 0
-    r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record)
+    r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses)
     if args.json:
         print(json.dumps(r))
     else:
@@ -409,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
               f"= {r['events_per_s']:,} events/s, {r['blocks_per_s']:,} blocks/s (decode + apply); "
               f"{r['events_per_cpu_s']:,} events per CPU second of the thread; load average {r['load']:.2f}, "
               f"{time.strftime('%H:%M UTC', time.gmtime())}")
+        if "misses_ratio" in r:
+            print(f"with the miss attribution: {r['misses_events_per_s']:,} events/s, "
+                  f"{r['misses_events_per_cpu_s']:,} events per CPU second: {r['misses_ratio']:.2f}x the CPU time "
+                  f"(off and on alternating, best of 3 each)")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:

@@ -95,6 +95,20 @@ class BlockRemoved(Event):
     policy: _Text = ""  # evicted: the eviction policy that picked them (lru | lfu | fifo | belady)
 
 
+class TierBlocks(Event):
+    """A watched server stored blocks in (or removed them from) a cache tier other than the
+    device's: vLLM's CPU offload ("CPU", "CPU_PINNED"), its FS/OBJ/"STORAGE" tiers, a pod's
+    "REMOTE" locality (wire/translate.py). A Mirror holds the device tier only, so it applies
+    nothing here; the miss attribution counts them per tier, and a device store of a block
+    another tier holds as a hit from that tier (wire/miss_watch.py). `tier`: the medium
+    upper-cased, "REMOTE:" in front for locality REMOTE; `user`: the event's session_id."""
+    tier: _Text = ""
+    removed: bool = False
+    block_hashes: _Hashes = []
+    user: _Text = ""
+    group_idx: _Size = 0
+
+
 class BlocksAllocated(Event):
     """Blocks were handed to a request (ref count 1; whatever they held is gone: an eviction
     that freed them comes first, as a BlockRemoved). With BlocksTouched and BlocksReleased it
@@ -256,7 +270,7 @@ REF_EVENTS = (BlocksAllocated, BlocksTouched, BlocksReleased)
 CACHE_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, *REF_EVENTS)
 EVENT_TYPES = {cls.__name__: cls for cls in (
     BlockStored, BlockRemoved, AllBlocksCleared, BlockHit, CollisionCaught, MissExplained, *REF_EVENTS, RequestQueued,
-    RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged, SettingsChanged)}
+    RequestStarted, FirstToken, RequestPreempted, RequestFinished, UserGroupChanged, SettingsChanged, TierBlocks)}
 AnyEvent = Union[tuple(EVENT_TYPES.values())]
 
 

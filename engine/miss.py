@@ -29,9 +29,10 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
 - ``collision``: the first missed block's hash is cached but verify-on-hit found other tokens
   (a caught hash collision; with ``--no-verify`` the engine would have served it).
 
-**Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of the
-last ``recent`` removals with their details (16,384 by default: about 4 MiB at most), and
-behind it, per reason, a rotating pair of Bloom filters that remember at least the next
+**Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of at
+least the last ``recent`` removals with their details (16,384 by default, at most 512 more: about
+4 MiB at most, less where removals share their details), and behind it, per reason, a rotating pair of Bloom filters that
+remember at least the next
 ``bloom_capacity`` (131,072) removals without details (then ``evicted_by`` says "?"). Each
 filter has 20 bits per item and 14 probes: a false positive rate of at most 6.7e-5 per filter
 when full, so a never-stored block is reported as removed with probability at most 4.0e-4
@@ -50,7 +51,8 @@ The miss object (``RequestStats.miss``, ``MissExplained``, ``kvplay run --json``
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from itertools import islice
+from operator import itemgetter
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -68,29 +70,24 @@ _MASK = (1 << 64) - 1
 
 
 # --- the bounded memory of removed blocks --------------------------------------------------------
-def _mix(x):
-    """splitmix64's finaliser on uint64 numpy arrays (wrapping arithmetic)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+_C1, _C2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # odd 64-bit multipliers (golden ratio; xxHash's)
 
 
-def _mix1(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-_SECOND = 0x5851F42D4C957F2D  # the second probe hash: mix(key ^ _SECOND) | 1
+def _probe_hashes(key: int) -> tuple[int, int]:
+    """A key's two probe hashes (h1, h2): the high 32 bits of key x C1 and of key x C2 modulo
+    2^64 (multiply-shift hashing; h2 odd)."""
+    x = key & _MASK
+    return ((x * _C1) & _MASK) >> 32, (((x * _C2) & _MASK) >> 32) | 1
 
 
 class RotatingBloom:
     """A Bloom filter in two generations: items go into the current one; once it holds
     `capacity` items it becomes the previous one and the old previous one is forgotten. So it
     remembers at least the last `capacity` items (at most 2x), in 2 x `capacity` x
-    `bits_per_item` bits, with a false positive rate of at most `false_positive_bound`."""
+    `bits_per_item` bits, with a false positive rate of at most `false_positive_bound`.
+
+    Probe i of a key is bit (h1 + i * h2) mod m: double hashing with two multiply-shift hashes
+    of the key (`_probe_hashes`). Keys are ints, taken modulo 2^64."""
 
     def __init__(self, capacity: int = 1 << 17, bits_per_item: int = 20, probes: int = 14):
         if capacity < 1 or bits_per_item < 1 or probes < 1:
@@ -99,8 +96,11 @@ class RotatingBloom:
         self.m = -(-capacity * bits_per_item // 8) * 8  # bits per generation
         self._cur = np.zeros(self.m // 8, dtype=np.uint8)
         self._prev = np.zeros(self.m // 8, dtype=np.uint8)
+        self._vcur, self._vprev = memoryview(self._cur), memoryview(self._prev)  # bytes read as ints
         self._n = 0  # items in the current generation
         self._n_prev = 0
+        self._steps = np.arange(probes, dtype=np.int64)
+        self._range = range(probes)
 
     @property
     def nbytes(self) -> int:
@@ -121,44 +121,51 @@ class RotatingBloom:
         return 2 * self.filter_rate(self.capacity, self.m, self.probes)
 
     def _positions(self, keys: list[int]) -> np.ndarray:
-        x = np.fromiter((k & _MASK for k in keys), dtype=np.uint64, count=len(keys))
-        h1 = _mix(x)
-        h2 = _mix(x ^ np.uint64(_SECOND)) | np.uint64(1)
-        i = np.arange(self.probes, dtype=np.uint64)
-        return ((h1[:, None] + i[None, :] * h2[:, None]) % np.uint64(self.m)).ravel()
+        x = np.fromiter(map(_MASK.__and__, keys), dtype=np.uint64, count=len(keys))
+        h1 = ((x * np.uint64(_C1)) >> np.uint64(32)).astype(np.int64)  # uint64 arithmetic wraps: mod 2^64
+        h2 = (((x * np.uint64(_C2)) >> np.uint64(32)) | np.uint64(1)).astype(np.int64)
+        return ((h1[:, None] + self._steps[None, :] * h2[:, None]) % self.m).ravel()
 
     def add_many(self, keys: list[int]) -> None:
         start = 0
         while start < len(keys):
             if self._n >= self.capacity:  # rotate: the current generation becomes the previous one
                 self._prev, self._cur = self._cur, self._prev
+                self._vprev, self._vcur = self._vcur, self._vprev
                 self._cur[:] = 0
                 self._n_prev, self._n = self._n, 0
             part = keys[start:start + self.capacity - self._n]
             pos = self._positions(part)
-            np.bitwise_or.at(self._cur, (pos >> np.uint64(3)).astype(np.intp),
-                             (np.uint8(1) << (pos & np.uint64(7)).astype(np.uint8)))
+            idx, bits = pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8)
+            cur = self._cur
+            cur[idx] |= bits  # buffered: of two probes into one byte only one may stick ...
+            lost = (cur[idx] & bits) != bits
+            if lost.any():  # ... so those are set again, unbuffered
+                np.bitwise_or.at(cur, idx[lost], bits[lost])
             self._n += len(part)
             start += len(part)
+
+    def has(self, h1: int, h2: int) -> bool:
+        """Whether a key whose probe hashes are (h1, h2) (`_probe_hashes`) was added (or is a
+        false positive)."""
+        m = self.m
+        for n, v in ((self._n, self._vcur), (self._n_prev, self._vprev)):
+            if not n:
+                continue
+            p = h1
+            for _ in self._range:
+                b = p % m
+                if not v[b >> 3] >> (b & 7) & 1:
+                    break
+                p += h2
+            else:
+                return True
+        return False
 
     def __contains__(self, key: int) -> bool:
         if not self._n and not self._n_prev:
             return False
-        x = key & _MASK
-        h1 = _mix1(x)
-        h2 = _mix1(x ^ _SECOND) | 1
-        m = self.m
-        for arr, n in ((self._cur, self._n), (self._prev, self._n_prev)):
-            if not n:
-                continue
-            for i in range(self.probes):
-                p = (h1 + i * h2) & _MASK
-                p %= m
-                if not (arr[p >> 3] >> (p & 7)) & 1:
-                    break
-            else:
-                return True
-        return False
+        return self.has(*_probe_hashes(key))
 
 
 class Removal(NamedTuple):
@@ -172,36 +179,50 @@ class Removal(NamedTuple):
     creator: str | None = None
 
 
+_REMOVAL_KINDS = ("evicted", "cleared", "config")
+_reason_of = itemgetter(0)  # a Removal's reason
+
+
 class RemovedLog:
-    """Keys (block hashes, or content keys) that were stored and removed, with why: the last
-    `recent` with their details in a map, older ones in a RotatingBloom per reason."""
+    """Keys (block hashes, or content keys; ints) that were stored and removed, with why: at
+    least the last `recent` with their details in a map (at most `recent` + `flush_every`: the
+    oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason."""
 
     def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 20,
                  probes: int = 14, flush_every: int = 512):
         self.recent_capacity = recent
         self._bloom_args = (bloom_capacity, bits_per_item, probes)
-        self.recent: "OrderedDict[int, Removal]" = OrderedDict()
-        self._pending: dict[int, str] = {}  # left the recent map, not yet in a filter (batched)
-        self._flush_every = flush_every
+        self.recent: dict[int, Removal] = {}  # insertion-ordered: the oldest first
+        self._flush_every = max(1, flush_every)
         self.blooms: dict[str, RotatingBloom] = {}  # reason -> filter, made on first use
 
     def add(self, key: int, removal: Removal) -> None:
         rec = self.recent
         if key in rec:
-            del rec[key]
+            del rec[key]  # removed again: it moves to the end
         rec[key] = removal
-        while len(rec) > self.recent_capacity:
-            old, r = rec.popitem(last=False)
-            self._pending[old] = r.reason
-        if len(self._pending) >= self._flush_every:
+        if len(rec) >= self.recent_capacity + self._flush_every:
+            self.flush()
+
+    def add_many(self, keys, removals) -> None:
+        """`add` for parallel iterables of keys and removals, at C speed; a key already in the
+        recent map keeps its place there (its details are replaced)."""
+        rec = self.recent
+        rec.update(zip(keys, removals))
+        if len(rec) >= self.recent_capacity + self._flush_every:
             self.flush()
 
     def flush(self) -> None:
-        by_reason: dict[str, list[int]] = {}
-        for key, reason in self._pending.items():
-            by_reason.setdefault(reason, []).append(key)
-        self._pending.clear()
-        for reason, keys in by_reason.items():
+        """Move the oldest removals beyond `recent` from the map into the filters."""
+        rec = self.recent
+        n = len(rec) - self.recent_capacity
+        if n <= 0:
+            return
+        old = list(islice(rec, n))
+        reasons = list(map(_reason_of, map(rec.pop, old)))
+        kinds = set(reasons)
+        for reason in kinds:
+            keys = old if len(kinds) == 1 else [k for k, r in zip(old, reasons) if r == reason]
             bloom = self.blooms.get(reason)
             if bloom is None:
                 bloom = self.blooms[reason] = RotatingBloom(*self._bloom_args)
@@ -209,21 +230,20 @@ class RemovedLog:
 
     def get(self, key: int) -> Removal | None:
         r = self.recent.get(key)
-        if r is not None:
+        if r is not None or not self.blooms:
             return r
-        reason = self._pending.get(key)
-        if reason is not None:
-            return Removal(reason)
-        for reason in ("evicted", "cleared", "config"):
+        x = key & _MASK
+        h1, h2 = ((x * _C1) & _MASK) >> 32, (((x * _C2) & _MASK) >> 32) | 1
+        for reason in _REMOVAL_KINDS:
             bloom = self.blooms.get(reason)
-            if bloom is not None and key in bloom:
+            if bloom is not None and bloom.has(h1, h2):
                 return Removal(reason)
         return None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the Bloom filters made so far (the recent map holds at most `recent_capacity`
-        entries of about 250 bytes each)."""
+        + `flush_every` entries of about 100 bytes each, the removals' details shared)."""
         return sum(b.nbytes for b in self.blooms.values())
 
     @property

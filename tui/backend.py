@@ -13,6 +13,7 @@ from typing import Callable
 from kvplay.wire.views import summarize
 from kvplay.wire.chat_backend import ChatBackend, Controls, Turn
 from kvplay.wire.mirror import Mirror
+from kvplay.wire.miss_watch import PodMisses
 
 # an in-process engine: every setting is the app's to change
 LOCAL_CONTROLS = Controls(isolation=True, eviction=True, deterministic=True, clear=True, groups=True, labs=True)
@@ -34,11 +35,13 @@ class LocalEngineBackend(ChatBackend):
         self.mirror = Mirror(engine.num_blocks)
         self._block_bytes = engine.block_bytes
         self._lock = threading.Lock()  # batches apply on the engine thread; views read from others
+        self.misses = PodMisses(self.mirror)  # the prefix tree's marks (branches, recomputed chains)
         self._unsub = engine.subscribe_batches(self._on_batch)
 
     def _on_batch(self, batch) -> None:
         with self._lock:
             self.mirror.apply(batch)
+            self.misses.apply(batch)
 
     def register_user(self, name: str, group: str | None = None) -> None:
         self.engine.register_user(name, group)

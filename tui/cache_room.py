@@ -311,7 +311,7 @@ class CacheRoom(VerticalScroll):
     def tree_source(self):
         """What the tree view reads: the backend's Mirror of the engine's events (wire/mirror.py)."""
         b = self.backend
-        return MirrorTrees(b.mirror, b.decode, b, lock=b._lock)
+        return MirrorTrees(b.mirror, b.decode, b, lock=b._lock, marks=getattr(getattr(b, "misses", None), "marks", None))
 
     def toggle_tree(self) -> None:
         """Open the prefix tree over the app's screen (or close it)."""

@@ -21,7 +21,8 @@ The trees are built on a worker thread from copies of the mirrors (`Mirror.copy`
 takes seconds to build: the screen stays live meanwhile and shows the last tree).
 
 A *tree source* gives the mirrors and maps their blocks to map cells:
-`version`, `snapshot() -> [(pod, blocks, hits or None, version)]` (copies), `block_ids(pod, keys) -> [block id]`,
+`version`, `snapshot() -> [(pod, blocks, hits or None, version, marks or None)]` (copies; marks: the
+miss attribution's, wire/miss_watch.py), `block_ids(pod, keys) -> [block id]`,
 `key_of(block_id) -> (pod, key) | None`, `detokenize` (a callable or None), `map_source` (what
 the block map reads; None: the caller sets the map's blocks) and `before` (a snapshot of the step
 before, or None). `MirrorTrees` is the local engine's and a recording's Mirror, `FleetTrees` an
@@ -46,7 +47,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static, Tree
 
 from kvplay.inert import inert
-from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text
+from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, age_text, mark_text
 
 from .blockmap import BlockMap
 from .theme import UNKNOWN_COLOUR
@@ -63,23 +64,25 @@ class MirrorTrees:
     """Trees of one Mirror (wire/mirror.py: the local engine's, or a recording's at the
     scrubber's cursor); its slots are the map's block ids. `lock`: what the mirror's writer holds."""
 
-    def __init__(self, mirror, detokenize=None, map_source=None, lock=None, before=None):
+    def __init__(self, mirror, detokenize=None, map_source=None, lock=None, before=None, marks=None):
         self.mirror = mirror
         self.detokenize = detokenize
         self.map_source = map_source
         self.lock = lock if lock is not None else threading.Lock()
         self.before = before  # snapshot() of the step before (the scrubber's): what changed at this one
+        self.marks = marks  # () -> {key: mark} of the miss attribution (wire/miss_watch.py), or None
 
     @property
     def version(self) -> int:
         return self.mirror.version
 
     def snapshot(self) -> list:
-        """(pod, blocks, hits, version) of a copy of the mirror, taken under its writer's lock."""
+        """(pod, blocks, hits, version, marks) of a copy of the mirror, taken under its writer's lock."""
         with self.lock:
             m = self.mirror.copy()
+            marks = self.marks() if self.marks is not None else None
         hits = m.block_hits()
-        return [(pod, blocks, hits, m.version) for pod, blocks in m.pods_blocks().items()]
+        return [(pod, blocks, hits, m.version, marks) for pod, blocks in m.pods_blocks().items()]
 
     def block_ids(self, pod, keys) -> list[int]:
         return [s for s in map(self.mirror.key_slot.get, keys) if s is not None]
@@ -106,9 +109,10 @@ class FleetTrees:
 
     def snapshot(self) -> list:
         """Hits None: counted from the blocks' holders when the tree is built (off this thread)."""
-        with self.backend.fleet.lock:  # the subscriber thread applies batches under it
-            copies = [(name, m.copy()) for name, m in self.backend.fleet.pods.items()]
-        return [(name, m.blocks, None, m.version) for name, m in copies]
+        b = self.backend
+        with b.fleet.lock:  # the subscriber thread applies batches under it
+            copies = [(name, m.copy(), b.misses.pod(name).marks()) for name, m in b.fleet.pods.items()]
+        return [(name, m.blocks, None, m.version, marks) for name, m, marks in copies]
 
     def block_ids(self, pod, keys) -> list[int]:
         m = self.backend.pods.get(pod)
@@ -201,6 +205,15 @@ def node_label(tree: PrefixTree, node, labels: Labels, looks: dict, now: float, 
         t.append(f" · {age_text(now - node.last_ts)}", style="dim")
     if node.orphan:
         t.append(" · parent not cached", style="dim italic")
+    if node.branch_at is not None:
+        t.append(f" · ⑂ branch at {node.branch_at}", style="bold yellow")
+    for m in node.marks[:2]:
+        if m.get("kind") == "recomputed":
+            t.append(f" · ↻ {m.get('reason')}", style="bold red")
+        elif m.get("kind") == "diverged":
+            t.append(" · ⑂ diverged" + (f" at {m['at']}" if m.get("at") is not None else ""), style="yellow")
+        else:
+            t.append(f" · ≠ {m.get('kind')}", style="magenta")
     text = inert(labels(tree, node), limit=LABEL_W)
     if len(text) > LABEL_W:
         text = text[:LABEL_W - 1] + "…"
@@ -320,10 +333,10 @@ class TreeScreen(Screen):
     @staticmethod
     def _trees(snapshot: list) -> tuple[dict, dict]:
         trees, hits = {}, {}
-        for pod, blocks, h, version in snapshot:
+        for pod, blocks, h, version, *marks in snapshot:
             if h is None:  # an attached server's mirror: a block's hits are its holders beyond the creator
                 h = {k: len(b.holders) - 1 for k, b in blocks.items() if len(b.holders) > 1}
-            trees[pod], hits[pod] = PrefixTree(blocks, h, version), h
+            trees[pod], hits[pod] = PrefixTree(blocks, h, version, marks[0] if marks else None), h
         return trees, hits
 
     def _built(self, trees: dict, hits: dict, changes: list, more: int, old: dict, build_s: float) -> None:
@@ -556,6 +569,11 @@ class TreeScreen(Screen):
                 t.append(f", + {len(n.reusers) - 16:,} more", style="dim")
         t.append(f"\n{len(n.keys)} blocks, {n.tokens} tokens (prefix {tree.prefix_tokens(n)}), {n.hits} hits, "
                  f"{n.sequences} sequence{'s' if n.sequences != 1 else ''} through it", style="dim")
+        if n.branch_at is not None:
+            t.append(f"\n⑂ prompts branch here: the first differing token is {n.branch_at}", style="yellow")
+        for m in n.marks[:8]:
+            t.append("\n" + ("↻ " if m.get("kind") == "recomputed" else "⑂ ") + mark_text(m, time.time()),
+                     style="red" if m.get("kind") == "recomputed" else "yellow")
         if not ids:
             t.append("\n(its blocks are not on this map)", style="dim italic")
         t.append("\n" + inert(self.labels(tree, n), limit=1024))

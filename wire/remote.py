@@ -60,6 +60,7 @@ from kvplay.inert import inert, scalars
 
 from .chat_backend import ChatBackend, Controls
 from .mirror import Fleet, Mirror
+from .miss_watch import MissWatch
 from .subscriber import TROUBLE, PodSource, Subscriber
 from .views import BlockArrays, summarize
 from .tree import PrefixMatcher, frozen_extra
@@ -70,6 +71,37 @@ MAX_SALT_SESSIONS = 4096  # sessions whose salts are remembered (the oldest go f
 MAX_SALTS = 8             # salts remembered per session
 MAX_MODEL_ID = 1024       # characters of a model id from /v1/models
 MAX_TEXT = 1 << 20        # characters of one /detokenize answer or one streamed reply kept
+
+
+def detokenize(http: httpx.Client, model: str | None, token_ids) -> str:
+    """Text of token ids through a server's ``POST /detokenize`` (vLLM's, SGLang's, kvplay
+    serve's) on `http`; "" when it has none or answers something else. The text is made valid
+    Unicode and cut at `MAX_TEXT` (views show it inert)."""
+    body = {"tokens": list(token_ids)}
+    if model:
+        body["model"] = model
+    try:
+        r = http.post("/detokenize", json=body, timeout=5)
+        answer = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return ""
+    text = answer.get("prompt") if isinstance(answer, dict) else None
+    return scalars(text[:MAX_TEXT]) if isinstance(text, str) else ""
+
+
+class ServerDetokenizer:
+    """A server's /detokenize as a callable `ids -> text` ("" when it cannot), for `kvplay watch
+    URL`'s branch texts; `close()` when done."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=5)
+
+    def __call__(self, token_ids) -> str:
+        return detokenize(self._http, None, token_ids)
+
+    def close(self) -> None:
+        self._http.close()
 
 
 class PodRange:
@@ -189,6 +221,7 @@ class RemoteBackend(ChatBackend):
         self._salts: OrderedDict = OrderedDict()  # session -> {extra keys its blocks carry}
         self._identity: str | None = None  # who the server says our key is (kvplay serve's kvplay.user)
         self._hits: dict[str, list] = {}  # session -> [(time, {creator: tokens})] recently re-announced
+        self.misses = MissWatch(self.fleet, explain=True)  # why each pod computed what it did
         capacity = slots or self._server_blocks() or DEFAULT_SLOTS
         self.pods: dict[str, Mirror] = {}
         for k, src in enumerate(sources):
@@ -280,6 +313,7 @@ class RemoteBackend(ChatBackend):
         """The pod's publisher restarted: the subscriber cleared its mirror; views hear it."""
         with self._lock:
             self._matchers.pop(pod, None)
+            self.misses.on_batch(pod, batch)
             self._version += 1
         self._hand_over(batch)
 
@@ -313,6 +347,7 @@ class RemoteBackend(ChatBackend):
                         matcher.remove(h)
                 elif cls is AllBlocksCleared:
                     matcher.clear()
+            self.misses.on_batch(pod, batch)
             self._version += 1
         self._hand_over(batch)
         # Let the app's thread in. A busy server keeps this thread computing; each time the UI
@@ -409,13 +444,14 @@ class RemoteBackend(ChatBackend):
         replays did not end within the replay timeout (the mirror may lack older blocks)."""
         return self._predict(user, messages)[0]
 
-    def _predict(self, user: str, messages: list[dict]) -> tuple[int | None, bool]:
-        """(prediction, whether it is None because the salt is not known)."""
+    def _predict(self, user: str, messages: list[dict]) -> tuple[int | None, bool, list | None]:
+        """(prediction, whether it is None because the salt is not known, the prompt's token ids
+        when the mirror is complete enough to explain the turn after it)."""
         if self._sub is None:
-            return None, False
+            return None, False, None
         ids = self.tokenize(messages)
         if ids is None:
-            return None, False
+            return None, False, None
         with self.fleet.lock:
             self.fleet.prompts.register(user, ids)
         # Before the pods' join replays are over the mirror lacks what they cached before we came:
@@ -423,13 +459,64 @@ class RemoteBackend(ChatBackend):
         joined = self._sub.wait_joined(0.0 if self._join_waited else self._sub.replay_timeout + 1.0)
         self._join_waited = True
         if not joined:
-            return None, False
+            return None, False, None
         with self._lock:
             salts = self.salts_of(user)
             got = [mt.predicted_hit(ids, salts) for mt in self._matchers.values()]
         if None in got:
-            return None, True
-        return max(got, default=0), False
+            return None, True, ids
+        return max(got, default=0), False, ids
+
+    def explain(self, user: str, ids: list[int], prompt_tokens: int, cached_tokens: int,
+                wait: float = 1.0) -> dict | None:
+        """Why a finished turn's uncached prompt tokens were computed (the miss object of
+        engine/miss.py), after the fact: its prompt (`ids`, the server's /tokenize) walked
+        through the mirror of the pod that holds most of it, once its own stored blocks are there
+        (events come after the server's step: up to `wait` s), and explained by that pod's
+        attribution (wire/miss_watch.py `explain_prompt`). None when the mirror cannot tell:
+        no events, a prompt /tokenize counted otherwise than the usage, a cached prefix the mirror
+        does not hold."""
+        if self._sub is None or len(ids) != prompt_tokens or not ids:
+            return None
+        end = time.monotonic() + wait
+        while True:
+            with self._lock:
+                bs = self._block_size  # (known from the first stored block on)
+                salts = self.salts_of(user)
+                best, keys = None, []
+                for pod, mt in self._matchers.items():
+                    k = mt.chain(ids, salts)
+                    if best is None or len(k) > len(keys):
+                        best, keys = pod, k
+            if (bs and best is not None and len(keys) >= (len(ids) - 1) // bs) or time.monotonic() >= end:
+                break
+            time.sleep(0.02)
+        if best is None or not bs:
+            return None
+        # the excerpts' text comes from the server's /detokenize, never asked under the lock (the
+        # events wait on it): a first pass notes the token runs it needs, a second has them
+        texts: dict = {}
+        wanted: list = []
+
+        def known(token_ids) -> str:
+            text = texts.get(tuple(token_ids))
+            if text is None:
+                wanted.append(list(token_ids))
+                return ""
+            return text
+
+        salt = salts[0] if salts else None
+        pm = self.misses.pod(best)
+        with self._lock:
+            pm.tracker.decode = known
+            miss = pm.explain_prompt(ids, keys, cached_tokens, bs, salt)
+        if miss is None or not wanted or not miss["reasons"]["diverged"]:
+            return miss
+        for token_ids in wanted[:3]:
+            texts[tuple(token_ids)] = self.decode(token_ids)
+        with self._lock:
+            pm.tracker.decode = known
+            return pm.explain_prompt(ids, keys, cached_tokens, bs, salt)
 
     def salts_of(self, user: str) -> list | None:
         """The extra keys this pane's requests are hashed with, as learned from the events of its
@@ -441,7 +528,7 @@ class RemoteBackend(ChatBackend):
 
     def _stream(self, turn: RemoteTurn, body: dict) -> None:
         stats = RemoteStats(turn.request_id, turn.user)
-        stats.predicted_tokens, stats.unpredictable = self._predict(turn.user, body["messages"])
+        stats.predicted_tokens, stats.unpredictable, ids = self._predict(turn.user, body["messages"])
         text, finish, error = [], "stop", None
         t0 = time.monotonic()
         usage, size = None, 0
@@ -486,6 +573,8 @@ class RemoteBackend(ChatBackend):
         if stats.output_tokens and stats.ttft_ms is not None and stats.total_ms > stats.ttft_ms:
             stats.decode_tok_s = max(0, stats.output_tokens - 1) / ((stats.total_ms - stats.ttft_ms) / 1000)
         stats.cached_from = self._cached_from(turn.user, t0, stats.cached_tokens)
+        if error is None and ids is not None and stats.prompt_tokens:
+            stats.miss = self.explain(turn.user, ids, stats.prompt_tokens, stats.cached_tokens)
         stats.finish_reason = finish if error is None else "error"
         with self._lock:
             self._finished += 1
@@ -593,13 +682,7 @@ class RemoteBackend(ChatBackend):
 
     def decode(self, token_ids) -> str:
         """Text of token ids through the server's /detokenize (vLLM's); "" when it has none."""
-        try:
-            r = self._http.post("/detokenize", json={"model": self.model_name, "tokens": list(token_ids)}, timeout=5)
-            body = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return ""
-        text = body.get("prompt") if isinstance(body, dict) else None
-        return scalars(text[:MAX_TEXT]) if isinstance(text, str) else ""
+        return detokenize(self._http, self.model_name, token_ids)
 
     def close(self, timeout: float = 1.0) -> None:
         if self._sub is not None:

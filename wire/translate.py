@@ -179,6 +179,20 @@ def _hex_hashes(ev):
     return msgspec.structs.replace(ev, block_hashes=hx, parent_block_hash=hash_hex(ev.parent_block_hash))
 
 
+def _other_tier(ev, medium, ts: float, out: list) -> bool:
+    """A wire event of a cache tier other than the device's as a ``TierBlocks`` on `out`; False
+    (nothing added) when it is the device's after all: a local "gpu" in another case."""
+    remote = ev.locality == "REMOTE"
+    tier = (medium or MEDIUM_GPU).upper()
+    if tier == MEDIUM_GPU and not remote:
+        return False
+    stored = type(ev) is BlockStored
+    out.append(ev_.TierBlocks(ts=ts, tier="REMOTE:" + tier if remote else tier, removed=not stored,
+                              block_hashes=[hash_key(h) for h in ev.block_hashes],
+                              user=(ev.session_id or "") if stored else "", group_idx=ev.group_idx or 0))
+    return True
+
+
 class FromWire:
     """One pod's translator: its decoded wire batches (wire/codec.py) as engine batches of the one
     vocabulary, which its `mirror` (wire/mirror.py) then applies like any other.
@@ -201,7 +215,9 @@ class FromWire:
       of every slot (reason "cleared") and an ``AllBlocksCleared``, as the engine says a clear.
 
     Only the device tier is mirrored: events for another medium (vLLM's CPU offload tier "CPU",
-    "STORAGE") or with locality "REMOTE" are counted (`mirror.other_medium`) and dropped. A
+    "STORAGE"; the medium in any case, "gpu" being the device) or with locality "REMOTE" are
+    counted (`mirror.other_medium`) and passed on as ``TierBlocks`` (`_other_tier`), which no
+    mirror applies. A
     hybrid model's group other than 0 keys its blocks (group, hash). The watch counters (module
     docstring of wire/mirror.py) are kept on the mirror. Hashes stay as the server sent them
     (ints), but for full digests, which become hex (`hash_key`).
@@ -282,8 +298,10 @@ class FromWire:
                 cls = ev.__class__
                 if cls is BlockRemoved:
                     hashes = ev.block_hashes
-                    if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
+                    if (ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE") and \
+                            _other_tier(ev, ev.medium, ts, out):
                         other += len(hashes)  # another tier: not mirrored
+                        gone_g, last = -1, None
                         continue
                     if digests is not False and hashes:
                         digests = self._digests = hashes[0].__class__ is bytes
@@ -326,8 +344,10 @@ class FromWire:
                     if digests:
                         ev = _hex_hashes(ev)
                         hashes = ev.block_hashes
-                if ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE":
+                if (ev.medium not in mirrored or ev.locality is not None and ev.locality == "REMOTE") and \
+                        _other_tier(ev, ev.medium, ts, out):
                     other += len(hashes)  # another tier: not mirrored
+                    gone_g, last = -1, None
                     continue
                 n = len(hashes)
                 if not n:

@@ -21,7 +21,10 @@ into text through a `detokenize(token_ids) -> str` callable (the local tokenizer
 labels; a branch's label starts where it differs from its siblings ("… and why does it").
 
 `to_text` is a human view: its labels and names are inert (kvplay/inert.py); `to_json` keeps them
-as they are (JSON escapes them).
+as they are (JSON escapes them). Given the miss attribution's marks (wire/miss_watch.py), nodes
+say where prompts branch (`⑂ prompts branch at token 497`, and on the branch: `⑂ diverged at 497
+from alice`) and which chains were evicted and then recomputed (`↻ recomputed 4 blk, evicted 12s
+ago by carol`).
 
 Pure: no Textual, no SQLite, no network.
 """
@@ -44,7 +47,7 @@ EXTRA_DEPTH = 4         # ... and levels of nesting
 
 class Node:
     __slots__ = ("id", "keys", "tokens", "creator", "creators", "holders", "hits", "first_ts", "last_ts",
-                 "children", "parent", "blocks_below", "sequences", "orphan")
+                 "children", "parent", "blocks_below", "sequences", "orphan", "marks", "branch_at")
 
     def __init__(self, nid: int, parent: "Node | None", orphan: bool):
         self.id = nid
@@ -60,6 +63,8 @@ class Node:
         self.blocks_below = 0   # blocks in this node and every node under it
         self.sequences = 0      # cached sequences (leaves) through this node
         self.orphan = orphan
+        self.marks: list = []   # the attribution's marks of its blocks (wire/miss_watch.py), in order
+        self.branch_at = None   # a child diverged here: the first token where (the smallest)
 
     @property
     def reusers(self) -> tuple:
@@ -95,18 +100,37 @@ def _parent_key(key, parent):
 class PrefixTree:
     """The radix tree of the cached blocks `blocks` (a Mirror's `blocks`: key -> block with
     `.parent .tokens .size .creator .holders .ts`). `hits` maps a key to its hits when the source
-    counts them; else a block's hits are its holders beyond the creator."""
+    counts them; else a block's hits are its holders beyond the creator. `marks` maps a key to
+    what the miss attribution says of the chain it starts (wire/miss_watch.py `PodMisses.marks`:
+    a branch, the same tokens under other keys, recomputed after an eviction): each node lists
+    its blocks' (`marks`), and a node a child diverged from says at which token (`branch_at`)."""
 
-    def __init__(self, blocks: dict, hits: dict | None = None, version: int = 0):
+    def __init__(self, blocks: dict, hits: dict | None = None, version: int = 0, marks: dict | None = None):
         t0 = time.perf_counter()
         was = gc.isenabled()
         gc.disable()  # builds a million small objects: the collector would walk the heap many times
         try:
             self._build(blocks, hits, version)
+            if marks:
+                self._mark(marks)
         finally:
             if was:
                 gc.enable()
         self.build_s = time.perf_counter() - t0
+
+    def _mark(self, marks: dict) -> None:
+        """Each mark on the node that holds its block; a diverged chain that starts a branch marks
+        its parent node with where the prompts differ."""
+        for key, mark in marks.items():
+            node = self.node_of(key)
+            if node is None:
+                continue
+            node.marks.append(mark)
+            if mark.get("kind") == "diverged" and node.keys[0] == key and node.parent is not None:
+                at = mark.get("at")
+                p = node.parent
+                if at is not None and (p.branch_at is None or at < p.branch_at):
+                    p.branch_at = at
 
     def _build(self, blocks: dict, hits: dict | None, version: int) -> None:
         """The hot loop of a million-block tree reads the blocks' columns (`_columns`): no
@@ -299,9 +323,10 @@ class PrefixMatcher:
     def __len__(self) -> int:
         return len(self._entry)
 
-    def _walk(self, token_ids, salts=None) -> tuple[int, int, bool]:
+    def _walk(self, token_ids, salts=None, keys: list | None = None) -> tuple[int, int, bool]:
         """(tokens matched, size of the last matched block, whether the match stopped where only
-        the salt decides: blocks with these tokens under other extra keys, salt unknown)."""
+        the salt decides: blocks with these tokens under other extra keys, salt unknown); the
+        matched blocks' keys are appended to `keys` when given."""
         toks = list(token_ids)
         pos, parent, last = 0, None, 0
         index, salted = self.index, self.salted
@@ -323,12 +348,20 @@ class PrefixMatcher:
                     if key is None:
                         continue
                     pos, parent, last = pos + size, key, size
+                    if keys is not None:
+                        keys.append(key)
                     break
             else:
                 return pos, last, unsure
 
     def match(self, token_ids, salts=None) -> int:
         return self._walk(token_ids, salts)[0]
+
+    def chain(self, token_ids, salts=None) -> list:
+        """The keys of the cached blocks a prompt's prefix matches, in order."""
+        keys: list = []
+        self._walk(token_ids, salts, keys)
+        return keys
 
     def predicted_hit(self, token_ids, salts=None) -> int | None:
         """The cached tokens a server should report for this prompt: the matched blocks, less the
@@ -438,7 +471,29 @@ def node_dict(tree: PrefixTree, node: Node, label: str, now: float) -> dict:
             "creators": dict(node.creators) if len(node.creators) > 1 else None,
             "reused_by": list(node.reusers), "hits": node.hits,
             "age_s": round(max(0.0, now - node.last_ts), 3) if node.last_ts else None,
-            "sequences": node.sequences, "blocks_below": node.blocks_below, "orphan": node.orphan}
+            "sequences": node.sequences, "blocks_below": node.blocks_below, "orphan": node.orphan,
+            "branch_at": node.branch_at, "marks": list(node.marks)}
+
+
+def mark_text(mark: dict, now: float) -> str:
+    """One attribution mark as words: `diverged at 497 from alice`, `isolated from bob (4 blk)`,
+    `recomputed 4 blk, evicted 12s ago by carol`; names inert."""
+    kind = mark.get("kind")
+    who = inert(str(mark.get("from") or "?"), limit=64)
+    if kind == "diverged":
+        at = mark.get("at")
+        return f"diverged{'' if at is None else f' at {at}'} from {who}"
+    if kind in ("isolated", "config"):
+        return f"{kind} from {who} ({mark.get('blocks')} blk)"
+    if kind == "recomputed":
+        when = mark.get("removed_at")
+        text = f"recomputed {mark.get('blocks')} blk, {mark.get('reason')}"
+        if isinstance(when, (int, float)):
+            text += f" {age_text(now - when)} ago"
+        if mark.get("evicted_by"):
+            text += f" by {inert(str(mark['evicted_by']), limit=64)}"
+        return text
+    return inert(str(kind), limit=32)
 
 
 def to_json(tree: PrefixTree, labels: Labels, limit: int = SHOWN_CHILDREN, now: float | None = None,
@@ -506,6 +561,12 @@ def node_line(tree: PrefixTree, node: Node, labels: Labels, now: float, width: i
         facts += f" · {age_text(now - node.last_ts)}"
     if node.orphan:
         facts += " · parent not cached"
+    if node.branch_at is not None:
+        facts += f" · ⑂ prompts branch at token {node.branch_at}"
+    for mark in node.marks[:4]:
+        facts += " · " + ("↻ " if mark.get("kind") == "recomputed" else "⑂ ") + mark_text(mark, now)
+    if len(node.marks) > 4:
+        facts += f" · + {len(node.marks) - 4} more marks"
     room = max(8, width - len(facts) - 2)
     text = inert(labels(tree, node), limit=room)
     if len(text) > room:

@@ -10,7 +10,11 @@ session's model's tokenizer when it is on this machine (else token ids; `--ids` 
 server's mirror is its KV events, listened to for `--duration` seconds (with `--replay`, the
 server re-sends what it kept, so the tree covers what was cached before); its text comes from
 the server's `/detokenize`. Each node: its text, blocks and tokens, who made it → who reused it,
-hits, age; `--children K` lists K children per node, then "+ N more branches".
+hits, age; where prompts branch from it (`⑂ prompts branch at token 497`, and on the branch
+`⑂ diverged at 497 from alice`) and which of its chains were evicted and then recomputed
+(`↻ recomputed 4 blk, evicted 12s ago by carol`): the miss attribution of the events
+(wire/miss_watch.py); `--json` gives each node `branch_at` and `marks`. `--children K` lists K
+children per node, then "+ N more branches".
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
+from kvplay.wire.miss_watch import recorded_marks
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
@@ -62,7 +67,8 @@ def session_trees(args) -> tuple[dict, dict, object]:
         raise KvplayError(f"--at {args.at}: session {s['id']} has events 0 to {len(events)}")
     m = pool_state(batches, n, recorded_pool_size(s, batches) or 1).mirror
     hits = m.block_hits()
-    trees = {pod: PrefixTree(blocks, hits, m.version) for pod, blocks in m.pods_blocks().items()}
+    marks = recorded_marks(batches, n)
+    trees = {pod: PrefixTree(blocks, hits, m.version, marks) for pod, blocks in m.pods_blocks().items()}
     head = {"session": s["id"], "model": s.get("model"), "at": n, "events": len(events),
             "at_ts": (events[n - 1].ts or None) if n else None}  # ages count to event N
     if bad:
@@ -89,7 +95,8 @@ def server_trees(args) -> tuple[dict, dict, object]:
     try:
         time.sleep(args.duration)
         with backend.fleet.lock:
-            trees = {name: PrefixTree(m.copy().blocks, None, m.version) for name, m in backend.fleet.pods.items()}
+            trees = {name: PrefixTree(m.copy().blocks, None, m.version, backend.misses.pod(name).marks())
+                     for name, m in backend.fleet.pods.items()}
             states = {name: m.pod_state for name, m in backend.fleet.pods.items()}
         detok = None
         if not args.ids:

@@ -12,12 +12,19 @@ Given a server's URL (and no `--events`), the endpoints come from the server its
 `--events-bind EP` binds for publishers that connect (vLLM with any other endpoint). One per pod;
 `--replay` and `--pod` pair with them in the order given. With `--json` each applied batch is a
 line `{"pod", "seq", "stored", "removed", "cleared"}` (plus `"replayed": true` for batches a
-replay brought) and the last line is the summary
+replay brought, and `"miss"` when it stored blocks that were recomputed, branched or loaded from
+another tier: `{"blocks": {reason: n}, "tokens": {reason: n}, "recomputed": [{"session", "reason",
+"blocks", "tokens", "removed_at", "evicted_by"}], "branches": [{"session", "reason", "at",
+"within_block", "blocks", "tokens", "from", "text"}], "tiers": {TIER: {"stored", "removed",
+"hits"}}}`, wire/miss_watch.py) and the last line is the summary
 `{"summary": true, "pods": {POD: {"state", "blocks", "by_session", "stored_by_session", "stored",
 "removed", "gaps", "replayed", "restarts", "lost", "bad_payloads", "bad_events", "unknown_events",
-"other_medium"}}}` (`lost`: batches known missed; `bad_*`: frames, payloads or events rejected at
-decode; `unknown_events`: event types we do not know; `other_medium`: blocks of another tier,
-not mirrored). Without it, one line per second per pod.
+"other_medium", "misses"}}}` (`lost`: batches known missed; `bad_*`: frames, payloads or events
+rejected at decode; `unknown_events`: event types we do not know; `other_medium`: blocks of
+another tier, not mirrored; `misses`: the new blocks by reason — tier, evicted, cleared, config,
+isolated, diverged, cold — in blocks and tokens, per session, whose blocks were evicted, the
+other tiers, and the attribution's memory). Without it, one line per second per pod.
+`--no-misses` skips the attribution (it costs CPU on a very busy server: see docs/miss.md).
 The watched events are recorded as a session (source "watch") unless `--no-record`.
 Stops after `--duration` seconds (under any load), on Ctrl-C or on SIGTERM (the summary is still
 printed).
@@ -25,13 +32,12 @@ printed).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from kvplay.inert import inert
+from kvplay.inert import inert, json_dumps
 from kvplay.options import KvplayError, add_db_arg
-from kvplay.sessions.watch import by_session_text, watch
+from kvplay.sessions.watch import by_session_text, misses_text, watch
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import discover
@@ -80,6 +86,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="give up a replay that is silent for S seconds (the pod shows stale)")
     add_db_arg(p)
     p.add_argument("--no-record", action="store_true", help="do not record the watched events as a session")
+    p.add_argument("--no-misses", action="store_true",
+                   help="do not attribute the new blocks (recomputed, branched, other tiers): saves CPU")
     p.add_argument("--drop", action="append", default=[], metavar="POD:SEQ", help=argparse.SUPPRESS)
 
 
@@ -157,10 +165,21 @@ def main(args) -> int:
     if not args.replay_timeout > 0:
         raise KvplayError(f"--replay-timeout {args.replay_timeout:g}: give a number of seconds above 0")
     drops = _drops(args, {s.name for s in sources})
-    summary = watch(sources, duration=args.duration, replay_timeout=args.replay_timeout, db=args.db,
-                    record=not args.no_record, as_json=args.json, drops=drops)
+    detok = None
+    if args.url and not args.no_misses:
+        # start-up time: imported when this first runs
+        from kvplay.wire.remote import ServerDetokenizer
+
+        detok = ServerDetokenizer(args.url, args.api_key)
+    try:
+        summary = watch(sources, duration=args.duration, replay_timeout=args.replay_timeout, db=args.db,
+                        record=not args.no_record, as_json=args.json, drops=drops, misses=not args.no_misses,
+                        detokenize=detok)
+    finally:
+        if detok is not None:
+            detok.close()
     if args.json:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        sys.stdout.write(json_dumps(summary) + "\n")
         sys.stdout.flush()
     else:
         for name, s in summary["pods"].items():
@@ -169,4 +188,8 @@ def main(args) -> int:
                   f"{by_session_text(s['by_session']) or '-'}; stored {s['stored']} (by "
                   f"{by_session_text(s['stored_by_session']) or '-'}), removed {s['removed']}, "
                   f"gaps {s['gaps']}, replayed {s['replayed']}, restarts {s['restarts']}{trouble}")
+            why = s.get("misses")
+            if why:
+                text = misses_text(why["blocks"], why["tiers"])
+                print(f"  new blocks: {why['blocks']['cold']:,} cold" + (f" · {text}" if text else ""))
     return 0

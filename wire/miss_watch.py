@@ -1,0 +1,778 @@
+"""Why a watched server computed what it computed, from its KV events alone: `kvplay watch
+--json`'s per-batch `miss`, the summary's `misses`, attach's per-turn miss line (`explain_prompt`)
+and the prefix tree's marks. A consumer of each pod's translated engine batches (wire/translate.py)
+after its Mirror applied them (the same batches a recording holds, so a recorded session replays
+through it too).
+
+**Per chain.** Every chain of new blocks a ``BlockStored`` announces gets the reasons
+engine/miss.py gives an uncached prompt block, as far as events tell them:
+
+- a **tier** hit: its first blocks are held by another cache tier (``TierBlocks``: vLLM's CPU
+  offload, FS/OBJ/"STORAGE" tiers, a "REMOTE" locality): loaded from there, not computed;
+- **evicted** / **cleared** / **config** (recomputed): its first block's hash was stored and
+  removed before (the pod's `RemovedLog`, engine/miss.py), and so on, block by block, while that
+  holds (the check is closed under prefixes: a block's hash chains on its parent's). With when
+  it was removed and `evicted_by`: the BlockRemoved's own `by_user` (kvplay's engine names it),
+  else the session that stored the most new blocks in the batch of the removal — vLLM's
+  BlockRemoved names no request, and its evictions come in the step that needed the room;
+- **isolated** / **diverged**: the chain branches from a cached block that has another cached
+  child (at the root: a cached first block that starts with the same token). The same tokens
+  as that sibling under another hash means other keys went into the hash: `isolated` when
+  either side lists extra keys (a salt), `config` when neither does (a hash seed, a model);
+  else `diverged`: `at` is the branch's position (its block index x block size) plus the tokens
+  its first block shares with the closest sibling; `from` is the sibling's creator. Every
+  block of the chain counts, as the engine counts every block after a divergence point;
+- **cold**: the rest: new content — the blocks a request's decode filled are cold too (events do
+  not say which tokens were prompt).
+
+Counts are blocks and tokens (blocks x block size), per pod, per session (the events'
+`user`, the server's session_id) and per batch. What events alone cannot tell: the tail (a
+request's partial last block is never stored), hits (vLLM re-announces them only for requests
+with kv_cache_report_mode "full": the Mirror counts those), and isolation deeper than a chain's
+branch point; attach, which knows each turn's prompt, explains it whole (`explain_prompt`:
+engine/miss.py's attribution over the Mirror through `MirrorPool`).
+
+**Bounded.** Per pod: the `RemovedLog` (at most 16,896 recent removals with details, then
+Bloom filters: 0.6 MiB a reason, a false positive rate of at most 4.0e-4 over all three); the
+chains of cached blocks (a map of the cached keys to their chain, swept when the chains hold
+more than twice the cached blocks: bounded by the pool); the newest chain per parent;
+`TIER_KEYS` hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted
+by name (the rest as "others").
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from itertools import islice, repeat
+from typing import Callable
+
+from kvplay.engine import events as ev_
+from kvplay.engine.miss import (EXCERPT_CHARS, EXCERPT_TOKENS, REMOVAL_REASONS, MissTracker,
+                                Removal, RemovedLog, miss_object)
+
+from .mirror import Mirror
+from .tree import frozen_extra
+
+COUNTED = ("tier", "evicted", "cleared", "config", "isolated", "diverged", "cold")
+TIER_KEYS = 1 << 18     # hashes remembered as held by another tier, per pod (the newest)
+MAX_TIERS = 16          # tiers counted by name
+MAX_SESSIONS = 4096     # sessions counted by name
+OTHERS = "others"
+MAX_DETAILS = 64        # recomputed / branch entries listed per batch
+SWEEP_SLACK = 1 << 16   # chain entries beyond twice the cached blocks before a sweep
+DETOKENIZE_PER_S = 16   # /detokenize calls a pod's branch texts may make per second
+COMPARED = 4            # sibling blocks compared token by token at a branch (the likeliest first)
+BY_AT = 16896           # batches whose evicting session is remembered (as many as the RemovedLog's details)
+
+# A chain of blocks stored in one event is one tuple (immutable, so the garbage collector soon
+# stops tracking it): the depth of its first block in blocks (None: unknown, its parent's chain
+# was not seen), its parent's key, its creator, whether its first block lists extra keys (a
+# salt), its mark for the prefix tree (None, or a tuple: see `PodMisses.marks`), then its keys
+# (the mirror's, in order) from index HDR on.
+DEPTH, PARENT, USER, SALTED, MARK, HDR = range(6)
+_NONE = repeat(None)  # map(d.pop, keys, _NONE): pop each key, no error when absent
+
+
+def _ikey(key) -> int:
+    """A mirror key as the RemovedLog's int: a server's int hash as it is; a hex digest, a
+    (group or pod, hash) key by Python's hash (in memory only, like the log)."""
+    return key if key.__class__ is int else hash(key)
+
+
+def _ikeys(keys) -> list:
+    return keys if keys and keys[0].__class__ is int else list(map(hash, keys))
+
+
+def common_prefix(a, b) -> int:
+    """How many leading tokens two blocks share."""
+    if a == b:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _new_counts() -> dict:
+    return {"blocks": dict.fromkeys(COUNTED, 0), "tokens": dict.fromkeys(COUNTED, 0)}
+
+
+class PodMisses:
+    """One pod's attribution (see the module docstring): `apply(batch)` after its Mirror applied
+    the batch. `explain`: also keep engine/miss.py's MissTracker (attach's per-turn line);
+    `detokenize(ids) -> str`: text for branch points (rate-limited)."""
+
+    def __init__(self, mirror, explain: bool = False, detokenize: Callable | None = None):
+        self.mirror = mirror
+        self.removed = RemovedLog()
+        self.tracker = MissTracker(1, removed=self.removed) if explain else None
+        self.detokenize = detokenize
+        self.run_of: dict = {}   # cached key -> its chain
+        self.heads: dict = {}    # parent key -> the newest chain stored under it
+        self.roots: dict = {}    # first token -> the newest chain with no parent that starts with it
+        self.marked: list = []   # chains with a mark (cleaned in sweeps)
+        self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
+        self.tiers: dict = {}    # tier -> {"stored", "removed", "hits"} blocks
+        self.sessions: dict = {}  # session -> {"blocks": {reason: n}, "tokens": {reason: n}}
+        self.evicted_from: Counter = Counter()  # creator -> its blocks evicted
+        self.counts = _new_counts()
+        self.last_top: str | None = None  # who stored the most in the last batch that stored
+        self.by_at: dict = {}  # a batch's time -> who stored the most in it (evicted its removals)
+        self._unnamed: list = []  # the tracker's evictions of this batch that named no evicting session
+        self._held = 0  # keys the chains hold (swept when it outgrows the cached blocks)
+        self._detok_budget = (0.0, 0)
+
+    # --- the batch -------------------------------------------------------------------------
+    def apply(self, batch: ev_.EngineBatch, detail: bool = False) -> dict | None:
+        """Attribute `batch`'s new chains; with `detail`, what this batch added (None when
+        nothing), for `kvplay watch --json`.
+
+        One loop with what it touches in locals, the usual chain (cold: no removed hash, no
+        cached sibling) handled inline: it runs once per batch a mirror applies."""
+        rep = None
+        if detail:
+            rep = _new_counts()
+            rep["recomputed"], rep["branches"], rep["tiers"] = [], [], {}
+        pod = batch.pod
+        run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
+        cached = self.mirror.key_slot
+        removed = self.removed
+        recent, blooms = removed.recent, removed.blooms
+        Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
+        fill: dict = {}    # session -> new blocks it stored in this batch
+        ftok: dict = {}    # ... and their tokens
+        other = None       # [(session, reason, blocks, tokens)]: what is not cold
+        evicted = False
+        gone: list = []    # the batch's usual evictions (keys), and whose blocks they were
+        whose: list = []
+        bts = batch.ts
+        held_keys = 0      # keys the batch's new chains hold
+        tracking = self.tracker is not None
+        for ev in batch.events:
+            cls = ev.__class__
+            if cls is Stored:
+                hs = ev.block_hashes
+                n = len(hs)
+                if not n:
+                    continue
+                if pod is not None or ev.group_idx:
+                    hs, pk = self._keys(ev, pod)
+                else:
+                    pk = ev.parent_block_hash
+                user, size = ev.user, ev.block_size
+                fill[user] = fill.get(user, 0) + n
+                ftok[user] = ftok.get(user, 0) + n * size
+                toks = ev.token_ids
+                pr, at = None, -1  # the parent's chain, and the parent's index in it
+                if pk is None:
+                    depth = 0
+                    sibs = roots.get(toks[0]) if toks else None
+                else:
+                    depth = None
+                    pr = run_of.get(pk)
+                    if pr is not None:
+                        at = pr.index(pk, HDR)
+                        if pr[DEPTH] is not None:
+                            depth = pr[DEPTH] + at - HDR + 1
+                        nxt = at + 1
+                        if nxt < len(pr) and pr[nxt] in cached and run_of.get(pr[nxt]) is pr:
+                            sibs = True  # the parent's own chain goes on
+                        else:
+                            sibs = heads.get(pk)
+                    else:
+                        sibs = heads.get(pk)
+                k0 = hs[0]
+                ik = k0 if k0.__class__ is int else hash(k0)
+                r = recent.get(ik)
+                if r is None:
+                    if blooms:
+                        r = removed.get(ik)
+                    if r is None and gone and k0 in gone:  # evicted earlier in this batch
+                        r = Removal("evicted", bts)
+                extras = ev.extra_keys
+                run = (depth, pk, user, bool(extras) and extras[0] is not None, None, *hs)
+                if r is not None or sibs or (held and k0 in held):
+                    run = self._special(ev, run, r, pr, at, sibs, rep)
+                    mark = run[MARK]
+                    if mark is not None:
+                        if other is None:
+                            other = []
+                        other.append((user, mark[1] if mark[0] != "tier" else "tier", mark[-1], size))
+                run_of.update(zip(hs, repeat(run)))
+                held_keys += n
+                if pk is not None:
+                    heads[pk] = run
+                elif toks:
+                    roots[toks[0]] = run
+                if tracking:
+                    self._track(ev, hs, pk, toks, size)
+            elif cls is Removed:
+                hs = ev.block_hashes
+                if not hs:
+                    continue
+                if (pod is None and not ev.group_idx and ev.reason == "evicted" and not ev.by_user
+                        and ev.ts == bts and len(ev.creators) == len(hs) and not tracking):
+                    gone += hs  # the usual eviction: entered with the batch's others at its end
+                    whose += ev.creators
+                else:
+                    evicted |= self._removed(ev, pod)
+            elif cls is ev_.TierBlocks:
+                self._tier(ev, pod, rep)
+            elif cls is ev_.AllBlocksCleared:
+                heads.clear()
+                roots.clear()
+                self.marked.clear()
+        self._held += held_keys
+        if fill:
+            self.last_top = max(fill, key=fill.get)
+            self._count(fill, ftok, other, rep)
+        if gone:
+            self._log(gone, whose, bts)
+        if evicted or gone:
+            self._evicted_by(bts)
+        if self._held > 2 * len(cached) + SWEEP_SLACK:
+            self._sweep()
+        if rep is None or (not any(rep["blocks"].values()) and not rep["tiers"]):
+            return None
+        rep["blocks"] = {k: v for k, v in rep["blocks"].items() if v}
+        rep["tokens"] = {k: v for k, v in rep["tokens"].items() if v}
+        return rep
+
+    @staticmethod
+    def _keys(ev, pod) -> tuple[list, object]:
+        """(the mirror keys of an event's blocks, its parent's key), as wire/mirror.py keys them:
+        (pod, hash) in a recording of watched pods, (group, hash) for a group other than 0."""
+        hashes, parent = ev.block_hashes, getattr(ev, "parent_block_hash", None)
+        tag = pod if pod is not None else ev.group_idx
+        if tag:
+            return [(tag, h) for h in hashes], (None if parent is None else (tag, parent))
+        return hashes, parent
+
+    def _removed(self, ev, pod) -> bool:
+        """Enter a BlockRemoved's blocks into the RemovedLog (when, whose, and who evicted them:
+        its `by_user` when it names one; else `evicted_by` finds out at the batch's end); True
+        when it evicted."""
+        keys = self._keys(ev, pod)[0] if pod is not None or ev.group_idx else ev.block_hashes
+        reason = REMOVAL_REASONS.get(ev.reason, "cleared")
+        evicted = reason == "evicted"
+        by = (ev.by_user or None) if evicted else None
+        policy = ev.policy if evicted else ""
+        creators = ev.creators
+        ikeys = _ikeys(keys)
+        if len(creators) == len(keys):
+            if len(set(creators)) == 1:
+                removals = repeat(Removal(reason, ev.ts, policy, by, creators[0] or None))
+            else:
+                made = {c: Removal(reason, ev.ts, policy, by, c or None) for c in set(creators)}
+                removals = map(made.__getitem__, creators)
+            if evicted:
+                self._whose(creators)
+        else:  # (a damaged recording: no creators)
+            removals = repeat(Removal(reason, ev.ts, policy, by, None))
+        tr = self.tracker
+        if tr is not None and len(ev.block_ids) == len(keys):  # it forgets them, and logs them
+            tr.removed_blocks([(k, b, c) for k, b, c in zip(ikeys, ev.block_ids, creators or repeat(None))],
+                              ev.reason, ev.ts, by, policy)
+            if evicted and by is None:  # who evicted them is known at the batch's end (`_evicted_by`)
+                self._unnamed.append((ikeys, creators if len(creators) == len(keys) else None, ev.ts, policy))
+        else:
+            self.removed.add_many(ikeys, removals)
+        return evicted and by is None
+
+    def _log(self, keys: list, creators: list, ts: float) -> None:
+        """Enter a batch's usual evictions (no `by_user`, its time) into the RemovedLog: one
+        Removal for all (whose blocks they were is counted in `evicted_from`, not kept per block)."""
+        self.removed.add_many(_ikeys(keys), repeat(Removal("evicted", ts)))
+        self._whose(creators)
+
+    def _whose(self, creators: list) -> None:
+        ev_from = self.evicted_from
+        if len(ev_from) < MAX_SESSIONS:
+            ev_from.update(creators)
+        else:
+            for c in creators:
+                ev_from[c if c in ev_from else OTHERS] += 1
+
+    def _evicted_by(self, ts: float) -> None:
+        """Who evicted what the batch at `ts` removed without saying: who stored the most in it
+        (vLLM evicts in the step that needs the room)."""
+        by_at = self.by_at
+        top = by_at[ts] = self.last_top
+        if len(by_at) > BY_AT:
+            for k in list(islice(by_at, len(by_at) - BY_AT)):
+                del by_at[k]
+        for ikeys, creators, when, policy in self._unnamed:  # the tracker's log entries, named
+            self.removed.add_many(ikeys, (Removal("evicted", when, policy, top, c or None)
+                                          for c in (creators or repeat(None, len(ikeys)))))
+        self._unnamed.clear()
+
+    def by_of(self, r: Removal) -> str | None:
+        """Who evicted a remembered removal (None: not known)."""
+        return r.by or self.by_at.get(r.ts)
+
+    def _count(self, fill: dict, ftok: dict, other: list | None, rep) -> None:
+        """Count a batch's new blocks: `other` what is not cold, the rest of each session's cold."""
+        blocks, tokens = self.counts["blocks"], self.counts["tokens"]
+        sessions = self.sessions
+        cold_b, cold_t = dict(fill), dict(ftok)
+        for user, reason, n, size in other or ():
+            t = n * size
+            cold_b[user] -= n
+            cold_t[user] -= t
+            self._add(sessions, user, reason, n, t, blocks, tokens, rep)
+        for user, n in cold_b.items():
+            if n:
+                self._add(sessions, user, "cold", n, cold_t[user], blocks, tokens, rep)
+
+    @staticmethod
+    def _add(sessions: dict, user: str, reason: str, n: int, t: int, blocks: dict, tokens: dict, rep) -> None:
+        sess = sessions.get(user)
+        if sess is None:
+            if len(sessions) >= MAX_SESSIONS:
+                user = OTHERS
+            sess = sessions.setdefault(user, _new_counts())
+        blocks[reason] += n
+        tokens[reason] += t
+        sess["blocks"][reason] += n
+        sess["tokens"][reason] += t
+        if rep is not None:
+            rep["blocks"][reason] += n
+            rep["tokens"][reason] += t
+
+    def _tier(self, ev, pod, rep) -> None:
+        tier = ev.tier
+        counts = self.tiers.get(tier)
+        if counts is None:
+            if len(self.tiers) >= MAX_TIERS:
+                tier = OTHERS
+            counts = self.tiers.setdefault(tier, {"stored": 0, "removed": 0, "hits": 0})
+        keys = self._keys(ev, pod)[0]
+        held = self.tier_of
+        n = len(keys)
+        if ev.removed:
+            counts["removed"] += n
+            for k in keys:
+                if held.get(k) == tier:
+                    del held[k]
+        else:
+            counts["stored"] += n
+            held.update(zip(keys, repeat(tier)))
+            if len(held) > TIER_KEYS:
+                for k in list(islice(held, len(held) - TIER_KEYS)):
+                    del held[k]
+        if rep is not None:
+            t = rep["tiers"].setdefault(tier, {"stored": 0, "removed": 0, "hits": 0})
+            t["removed" if ev.removed else "stored"] += n
+
+    # --- a new chain -----------------------------------------------------------------------
+    def _special(self, ev, run: tuple, r: Removal | None, pr: tuple | None, at: int, sibs, rep) -> tuple:
+        """A new chain that is not plainly cold: held by another tier, recomputed after a removal
+        (`r`), or under a parent with other cached children (`sibs`). Returns the chain with its
+        mark, whose last item is how many of its blocks have the mark's reason (the rest is cold)."""
+        keys = run[HDR:]
+        size = ev.block_size
+        toks = ev.token_ids
+        if not size or len(toks) != len(keys) * size:
+            toks, size = (), 0
+        held = self.tier_of
+        if held and keys[0] in held:
+            mark = self._tier_hit(keys, held, rep)
+        elif r is not None:
+            mark = self._recomputed(run, r, rep, size)
+        else:
+            mark = self._branch(run, pr, at, toks, size, rep)
+        if mark is None:
+            return run
+        run = (*run[:MARK], mark, *run[HDR:])
+        if mark[0] != "tier":
+            self.marked.append(run)
+        return run
+
+    def _tier_hit(self, keys: tuple, held: dict, rep) -> tuple:
+        """The first blocks of a new chain that another tier holds: loaded from it."""
+        n = len(keys)
+        k = 1
+        while k < n and keys[k] in held:
+            k += 1
+        tier = held[keys[0]]
+        t = self.tiers.get(tier)
+        if t is not None:
+            t["hits"] += k
+        if rep is not None:
+            rep["tiers"].setdefault(tier, {"stored": 0, "removed": 0, "hits": 0})["hits"] += k
+        return ("tier", tier, k)
+
+    def _recomputed(self, run: tuple, r: Removal, rep, size: int) -> tuple:
+        """The blocks of a new chain that were stored and removed before, from its first on."""
+        keys = run[HDR:]
+        n = len(keys)
+        reason, when, by = r.reason, r.ts, self.by_of(r)
+        get = self.removed.get
+        k = 1
+        while k < n:
+            rk = get(_ikey(keys[k]))
+            if rk is None or rk.reason != reason:
+                break
+            if rk.ts is not None and (when is None or rk.ts > when):
+                when, by = rk.ts, self.by_of(rk)
+            k += 1
+        if reason != "evicted":
+            by = None
+        if rep is not None and len(rep["recomputed"]) < MAX_DETAILS:
+            d = {"session": run[USER], "reason": reason, "blocks": k, "tokens": k * size, "removed_at": when}
+            if reason == "evicted":
+                d["evicted_by"] = by
+            rep["recomputed"].append(d)
+        return ("recomputed", reason, when, by, k)
+
+    def _tokens(self, key) -> tuple:
+        """A cached block's tokens, from the mirror (() when it is not there)."""
+        m = self.mirror
+        s = m.key_slot.get(key)
+        return () if s is None else m.tokens.get(s, ())
+
+    def _live(self, r: tuple, i: int) -> bool:
+        """The block at index i of chain `r` is cached (and was last stored in that chain)."""
+        k = r[i]
+        return k in self.mirror.key_slot and self.run_of.get(k) is r
+
+    def _siblings(self, pr: tuple | None, at: int, pk, first_token) -> list:
+        """The cached chains whose first block sits where a new chain under `pk` starts, as
+        (chain, index of that block), the likeliest first: the rest of the parent's own chain
+        (`pr`, the parent at index `at`), then the newest chain stored under the parent (at the
+        root: the newest that starts with `first_token`)."""
+        live = self._live
+        out = []
+        if pr is not None and at + 1 < len(pr) and live(pr, at + 1):
+            out.append((pr, at + 1))
+        r = self.roots.get(first_token) if pk is None else self.heads.get(pk)
+        if r is not None and r is not pr and live(r, HDR):
+            out.append((r, HDR))
+        return out
+
+    def _branch(self, run: tuple, pr: tuple | None, at: int, tokens, size: int, rep) -> tuple | None:
+        """The mark of a new chain that branches from a cached block with another cached child
+        (the likeliest two compared): ("branch", isolated | config | diverged, at, within its first
+        block, from whom, blocks); None when it has none."""
+        pk = run[PARENT]
+        n = len(run) - HDR
+        mine = tuple(tokens[:size])
+        best, sib = -1, None
+        for r, i in self._siblings(pr, at, pk, tokens[0] if tokens else None):
+            theirs = self._tokens(r[i])
+            c = common_prefix(mine, theirs)
+            if c > best:
+                best, sib = c, (r, i)
+        if sib is None:
+            return None
+        r, i = sib
+        who = r[USER]
+        if size and best == size:  # the same tokens under another hash: other keys
+            reason = "isolated" if run[SALTED] or (i == HDR and r[SALTED]) else "config"
+            k = 1
+            while k < n and i + k < len(r) and self._live(r, i + k) and \
+                    self._tokens(r[i + k]) == tuple(tokens[k * size:(k + 1) * size]):
+                k += 1
+            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+                rep["branches"].append({"session": run[USER], "reason": reason, "blocks": k,
+                                        "tokens": k * size, "from": who})
+            return ("branch", reason, None, None, who, k)
+        best = max(0, best)
+        depth = run[DEPTH]
+        pos = None if depth is None else depth * size + best
+        if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+            d = {"session": run[USER], "reason": "diverged", "at": pos, "within_block": best, "blocks": n,
+                 "tokens": n * size, "from": who}
+            text = self._excerpt(pr, at, tokens, size, self._tokens(r[i]), best)
+            if text is not None:
+                d["text"] = {"prompt": text[0], "cached": text[1]}
+            rep["branches"].append(d)
+        return ("branch", "diverged", pos, best, who, n)
+
+    def _excerpt(self, pr, at: int, tokens, size: int, theirs: tuple, best: int):
+        """(prompt, cached): about `EXCERPT_CHARS` characters of text on each side of a branch
+        point (the server's /detokenize, at most `DETOKENIZE_PER_S` calls a second), or None."""
+        decode = self.detokenize
+        if decode is None or not size:
+            return None
+        now = time.monotonic()
+        second, used = self._detok_budget
+        if now - second >= 1.0:
+            second, used = now, 0
+        if used + 3 > DETOKENIZE_PER_S:
+            return None
+        self._detok_budget = (second, used + 3)
+        before = list(tokens[:best])
+        if pr is not None and len(before) < EXCERPT_TOKENS:
+            before = list(self._tokens(pr[at])) + before
+        try:
+            left = decode(before[-EXCERPT_TOKENS:])[-EXCERPT_CHARS:] if before else ""
+            mine = decode(list(tokens[best:min(size, best + EXCERPT_TOKENS)]))[:EXCERPT_CHARS]
+            other = decode(list(theirs[best:best + EXCERPT_TOKENS]))[:EXCERPT_CHARS]
+        except Exception:  # a server that cannot decode: no text
+            return None
+        if not (left or mine or other):
+            return None
+        return left + mine, left + other
+
+    # --- memory -----------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Forget the blocks that are no longer cached, cut the chains down to their cached blocks
+        (each run of consecutive cached blocks a chain of its own), and drop the remembered
+        chains that hold none: memory follows the pool."""
+        run_of, cached = self.run_of, self.mirror.key_slot
+        for k in [k for k in run_of if k not in cached]:
+            del run_of[k]
+        live: dict = {}
+        for r in run_of.values():
+            live[id(r)] = r
+        held = 0
+        for r in live.values():
+            seg = None
+            for i in range(HDR, len(r)):
+                if run_of.get(r[i]) is r:
+                    if seg is None:
+                        seg = i
+                elif seg is not None:
+                    held += self._split(r, seg, i)
+                    seg = None
+            if seg == HDR:
+                held += len(r) - HDR  # whole: kept as it is
+            elif seg is not None:
+                held += self._split(r, seg, len(r))
+        self._held = held
+        for index in (self.heads, self.roots):
+            for key in [k for k, r in index.items() if not self._live(r, HDR)]:
+                del index[key]
+        self.marked = [r for r in self.marked if self._live(r, HDR)]
+
+    def _split(self, r: tuple, lo: int, hi: int) -> int:
+        """Blocks [lo, hi) (tuple indexes) of chain `r`, all cached, as a chain of their own."""
+        first = lo == HDR
+        part = (None if r[DEPTH] is None else r[DEPTH] + lo - HDR, r[PARENT] if first else r[lo - 1], r[USER],
+                r[SALTED] and first, r[MARK] if first else None, *r[lo:hi])
+        self.run_of.update(zip(r[lo:hi], repeat(part)))
+        if not first:
+            self.heads[part[PARENT]] = part
+        if part[MARK] is not None:
+            self.marked.append(part)
+        return hi - lo
+
+    # --- what views read ----------------------------------------------------------------------
+    def marks(self) -> dict:
+        """{key: mark} of the cached chains' first blocks that have one, for the prefix tree:
+        `{"kind": "diverged", "at", "within_block", "from", "blocks"}` (a branch: `at` the first
+        differing token, None when the chain's depth is not known), `{"kind": "isolated" |
+        "config", "from", "blocks"}` (the same tokens as a sibling, under other keys), or
+        `{"kind": "recomputed", "reason": "evicted" | "cleared" | "config", "removed_at",
+        "evicted_by", "blocks"}` (stored, removed, and stored again)."""
+        out = {}
+        live = self._live
+        for r in self.marked:
+            if not live(r, HDR):
+                continue
+            m = r[MARK]
+            if m[0] == "recomputed":
+                d = {"kind": "recomputed", "reason": m[1], "removed_at": m[2], "evicted_by": m[3], "blocks": m[4]}
+            elif m[1] == "diverged":
+                d = {"kind": "diverged", "at": m[2], "within_block": m[3], "from": m[4], "blocks": m[5]}
+            else:
+                d = {"kind": m[1], "from": m[4], "blocks": m[5]}
+            out[r[HDR]] = d
+        return out
+
+    def summary(self) -> dict:
+        c = self.counts
+        return {"blocks": dict(c["blocks"]), "tokens": dict(c["tokens"]),
+                "by_session": {s: {"blocks": {k: v for k, v in d["blocks"].items() if v},
+                                   "tokens": {k: v for k, v in d["tokens"].items() if v}}
+                               for s, d in sorted(self.sessions.items()) if any(d["blocks"].values())},
+                "evicted_from": dict(self.evicted_from.most_common(64)),
+                "tiers": {t: dict(v) for t, v in sorted(self.tiers.items())},
+                "memory": {"removed_recent": len(self.removed.recent), "removed_filter_bytes": self.removed.nbytes,
+                           "false_positive_bound": self.removed.false_positive_bound,
+                           "chains": self._held, "tier_keys": len(self.tier_of)}}
+
+    # --- attach: a whole prompt --------------------------------------------------------------
+    def _track(self, ev, keys: list, pk, tokens: list, size: int) -> None:
+        """Feed the MissTracker (engine/miss.py) the new blocks: by slot id, their parent's, their
+        tokens, and their keys: (0, the chain's extra keys) (a salt sits on a chain's first block)."""
+        tr = self.tracker
+        m = self.mirror
+        ids = ev.block_ids
+        if len(ids) != len(keys) or not size:
+            return
+        slot = None if pk is None else m.key_slot.get(pk)
+        parent = None if slot is None else slot + m.offset
+        if pk is not None and parent is None:
+            return  # its parent is not cached: the tracker indexes no orphan
+        info = None if parent is None else tr.live.get(parent)
+        sig = (0, info[1][1] if info is not None else None)
+        extras = ev.extra_keys
+        for i, b in enumerate(ids):
+            x = extras[i] if extras and i < len(extras) else None
+            if x is not None:
+                sig = (0, frozen_extra(x))
+            tr.stored(b, parent, tuple(tokens[i * size:(i + 1) * size]), sig)
+            parent = b
+
+    def explain_prompt(self, token_ids: list, keys: list, cached_tokens: int, block_size: int,
+                       salt=None) -> dict | None:
+        """The miss object (engine/miss.py) of a prompt the server served with `cached_tokens`
+        from its cache, after the fact: `keys` are the mirror keys of its full blocks as the
+        mirror holds them now (the prompt's own stored blocks among them; fewer when they are
+        not all there). Its uncached blocks are explained against what was cached and removed
+        before: its own blocks do not count as cached. None when the mirror cannot tell (no
+        tracker, a cached prefix the mirror does not hold, or no block size)."""
+        tr = self.tracker
+        bs = block_size
+        n = len(token_ids)
+        if tr is None or bs <= 0 or cached_tokens > n:
+            return None
+        j = cached_tokens // bs
+        limit = max(0, (n - 1) // bs)
+        m = self.mirror
+        slots = [m.key_slot.get(k) for k in keys]
+        if j > len(keys) or any(s is None for s in slots[:j]):
+            return None
+        off = m.offset
+        ids = [s + off for s in slots if s is not None]
+        own = set(ids[j:])
+        matched = ids[:j]
+        hashes = _ikeys(list(keys[:limit])) + [-1 - k for k in range(len(keys), limit)]
+        live = tr.live
+
+        def sig_for(k: int):
+            if k < len(ids) and ids[k] in live:
+                return live[ids[k]][1]
+            return (0, salt)
+
+        tr.bs = bs
+        pool = MirrorPool(m, self, own)
+        miss = tr.explain(pool, list(token_ids), hashes, limit, matched, sig_for, n)
+        if cached_tokens % bs and miss["spans"]:  # (a server that hits part of a block)
+            spans = miss["spans"]
+            cut = cached_tokens - j * bs
+            spans[0][0] += cut
+            spans[0][1] -= cut
+            miss = miss_object([s for s in spans if s[1] > 0], miss["diverged_at"],
+                               (miss["excerpt"]["prompt"], miss["excerpt"]["cached"]) if miss["excerpt"] else None,
+                               miss["evicted_at"], miss["eviction_policy"], miss["cleared_at"])
+        return miss
+
+
+class _BlockInfo:
+    __slots__ = ("creator", "created_seq")
+
+    def __init__(self, creator, created_seq):
+        self.creator, self.created_seq = creator, created_seq
+
+
+class _Index:
+    """`pool.index` of a MirrorPool: hash (as the RemovedLog's int) -> block id of the blocks
+    cached before the prompt came (its own blocks excluded)."""
+
+    def __init__(self, pool: "MirrorPool"):
+        self._pool = pool
+
+    def get(self, ikey, default=None):
+        return self._pool.id_of.get(ikey, default)
+
+
+class MirrorPool:
+    """What engine/miss.py's `MissTracker.explain` reads from a pool (`index`, `blocks[b].creator`
+    and `.created_seq`, `token_ids(b)`, `children`), over a Mirror and its PodMisses, for a
+    prompt whose own new blocks (`own`, block ids) are in the mirror already: they do not count."""
+
+    def __init__(self, mirror, misses: PodMisses, own: set):
+        self.m, self.misses, self.own = mirror, misses, own
+        off = mirror.offset
+        self.id_of = {}
+        for key, s in mirror.key_slot.items():
+            b = s + off
+            if b not in own:
+                self.id_of[key if key.__class__ is int else hash(key)] = b
+        self.index = _Index(self)
+        self.blocks = _Blocks(self)
+        self.children = _Children(self)
+
+    def token_ids(self, b: int) -> tuple:
+        if b in self.own:
+            return ()
+        return self.m.tokens.get(b - self.m.offset, ())
+
+
+class _Blocks:
+    def __init__(self, pool: MirrorPool):
+        self._pool = pool
+
+    def __getitem__(self, b: int) -> _BlockInfo:
+        m = self._pool.m
+        s = b - m.offset
+        c = int(m.creator[s]) if 0 <= s < len(m.creator) else -1
+        return _BlockInfo(m.users[c] if c >= 0 else None, float(m.created_at[s]) if 0 <= s < len(m.created_at) else 0.0)
+
+
+class _Children:
+    """`pool.children.get(parent id)`: the cached children of a block (a set of ids), from the
+    PodMisses' chains."""
+
+    def __init__(self, pool: MirrorPool):
+        self._pool = pool
+
+    def get(self, b: int, default=None):
+        p = self._pool
+        m = p.m
+        key = m.key.get(b - m.offset)
+        if key is None:
+            return default
+        pm = p.misses
+        out = set()
+        pr = pm.run_of.get(key)
+        for r, i in pm._siblings(pr, -1 if pr is None else pr.index(key, HDR), key, None):
+            s = m.key_slot.get(r[i])
+            if s is not None and s + m.offset not in p.own:
+                out.add(s + m.offset)
+        return out or default
+
+
+def recorded_marks(batches: list, n: int) -> dict:
+    """The prefix tree's marks (`PodMisses.marks`) of a recorded session after its first `n`
+    events: its batches applied to a Mirror of their own and attributed, as they came."""
+    m = Mirror()
+    pm = PodMisses(m)
+    done = 0
+    for b in batches:
+        if done >= n:
+            break
+        k = min(len(b.events), n - done)
+        part = b if k == len(b.events) else ev_.EngineBatch(b.step, b.ts, b.events[:k], b.forwards, b.pod, b.wire_seq)
+        m.apply(part)
+        pm.apply(part)
+        done += k
+    return pm.marks()
+
+
+class MissWatch:
+    """The PodMisses of a fleet's pods (made on a pod's first batch): what `kvplay watch`,
+    attach and the prefix tree read."""
+
+    def __init__(self, fleet, explain: bool = False, detokenize: Callable | None = None):
+        self.fleet = fleet
+        self.explain = explain
+        self.detokenize = detokenize
+        self.pods: dict[str, PodMisses] = {}
+
+    def pod(self, name: str) -> PodMisses:
+        pm = self.pods.get(name)
+        if pm is None:
+            pm = self.pods[name] = PodMisses(self.fleet.pod(name), self.explain, self.detokenize)
+        return pm
+
+    def on_batch(self, pod: str, batch: ev_.EngineBatch, detail: bool = False) -> dict | None:
+        return self.pod(pod).apply(batch, detail)
+
+    def summary(self) -> dict:
+        return {name: pm.summary() for name, pm in self.pods.items()}
