@@ -61,7 +61,7 @@ def test_the_kernel_is_sdpa_over_each_rows_keys(dim, heads, kv_heads):
     qkv = torch.randn((n_tok, heads + kv_heads, dim), generator=g)
     query = qkv[:, :heads].transpose(0, 1).unsqueeze(0)  # strided, as llama_step hands it over
     out = torch.full((1, n_tok, heads, dim), float("nan"))
-    rows = native.DecodeRows.of(list(range(len(lens))), row_slots, toks)
+    rows = native.KernelRows.of(list(range(len(lens))), row_slots, toks, [n - 1 for n in lens])
     assert native.decode_attention(fn, query, pool[0], pool[1], rows, 0.3, out, 2)
     for r, t in enumerate(toks):
         k = pool[0].index_select(1, row_slots[r]).unsqueeze(0)
@@ -74,7 +74,7 @@ def test_the_kernel_is_sdpa_over_each_rows_keys(dim, heads, kv_heads):
 def test_a_layout_it_does_not_take_is_refused_not_misread():
     fn = native.kernel()
     pool = torch.randn((2, 2, 64, 16))
-    rows = native.DecodeRows.of([0], [torch.arange(5)], [0])
+    rows = native.KernelRows.of([0], [torch.arange(5)], [0], [4])
     query = torch.randn((1, 4, 1, 16))
     out = torch.empty((1, 1, 4, 16))
     assert not native.decode_attention(fn, query, pool[0].transpose(1, 2), pool[1], rows, None, out, 1)
@@ -92,7 +92,7 @@ def test_decode_rows_get_the_per_row_logits(kv_heads, block_size):
         rows = random_step(rng, block_size)
         plan = runner._plan(rows, False)[2]
         assert plan.decode is not None and plan.cascade is None
-        assert sorted(plan.decode.rows + plan.rest) == list(range(len(rows)))
+        assert sorted(plan.decode.rows + (plan.prefill.rows if plan.prefill else []) + plan.rest) == list(range(len(rows)))
         alone, native_ = _both(runner, rows)
         torch.testing.assert_close(native_, alone, rtol=1e-5, atol=1e-5)
     assert runner.native_rows > before
@@ -107,7 +107,7 @@ def test_both_forward_paths(written_out):
         prefix = [3, 9, 4, 50, 51, 52]
         rows = [Row(prefix, 23, [7]), Row(prefix + [60], 25, [8]), Row([80, 81], 5, [10]),
                 Row(prefix + [90, 91], 24, [11, 12, 13])]  # a prompt chunk: SDPA in the same step
-        assert runner._plan(rows, False)[2].rest == [3]
+        assert runner._plan(rows, False)[2].prefill.rows == [3]
         alone, native_ = _both(runner, rows)
         torch.testing.assert_close(native_, alone, rtol=1e-5, atol=1e-5)
     finally:
@@ -141,7 +141,7 @@ def test_the_path_is_named_where_users_read_it(tiny_llama):
     """The start-up line and bench's peer label say which path decode rows take."""
     with Engine(EngineConfig(model="tiny:llama", num_blocks=32), tiny_llama) as eng:
         assert eng.runner.decode_attention(False) == "compiled kernel"
-        assert eng.runner.decode_attention(True) == "exact per query (deterministic)"
+        assert eng.runner.decode_attention(True) == "exact per query, compiled kernel (deterministic)"
     cfg = EngineConfig(model="tiny:llama", num_blocks=32, native_attention=False)
     with Engine(cfg, tiny_llama) as eng:
         assert eng.runner.decode_attention(False) == "torch, shared prefixes once (cascade)"
