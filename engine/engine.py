@@ -98,7 +98,8 @@ class Engine:
         self.hasher = BlockHasher(cfg.hash, cfg.block_size, cfg.hash_seed)
         self.pool = BlockPool(n, cfg.block_size, cfg.eviction, emit=self._emit, hex_fn=self.hasher.fn.hex)
         self.runner = ModelRunner(self.loaded, n, cfg.block_size, packed=cfg.packed_weights,
-                                  cascade=cfg.cascade_attention, native=cfg.native_attention)
+                                  cascade=cfg.cascade_attention, native=cfg.native_attention,
+                                  fused=cfg.fused_ops)
         eos = self.loaded.model.generation_config.eos_token_id if self.loaded.model.generation_config else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
