@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "fused.c"]
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -39,8 +39,14 @@
 /* query tokens per task for a group of G query heads per KV head */
 static inline int64_t q_block(int group) { return group <= 4 ? 16 : (LANES * MAX_V) / group; }
 
+/* The lane vector (16 floats), the lane positions and a lane mask, per instruction set: AVX-512
+ * (one register), AVX2 + FMA (two), or plain C. ACC: lane vectors of accumulators a register
+ * file holds (the blocking below). */
 #if defined(__AVX512F__)
+#define ACC 24
 typedef __m512 vf;
+typedef __m512i vpos;
+typedef __mmask16 vm;
 static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
 static inline vf vbcast(float x) { return _mm512_set1_ps(x); }
@@ -67,18 +73,65 @@ static inline vf vexp(vf x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
-
+static inline vpos vload_pos(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* lanes whose position is >= key position j */
-static inline __mmask16 visible(__m512i pos, int64_t j) {
+static inline vm vvisible(vpos pos, int64_t j) {
     return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32((int32_t)j), _MM_CMPINT_NLT);
 }
-static inline vf vmask_neg_inf(__mmask16 keep, vf x) {
-    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x);
+static inline vm vnone(void) { return 0; }
+static inline vf vmask_neg_inf(vm keep, vf x) { return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x); }
+static inline vf vmaskz(vm keep, vf x) { return _mm512_maskz_mov_ps(keep, x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ACC 6
+typedef struct { __m256 a, b; } vf;
+typedef struct { __m256i a, b; } vpos;
+typedef struct { __m256 a, b; } vm;
+static inline vf vload(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline vf vbcast(float x) { __m256 v = _mm256_set1_ps(x); return (vf){v, v}; }
+static inline vf vfma(vf a, vf b, vf c) { return (vf){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+static inline vf vmax(vf a, vf b) { return (vf){_mm256_max_ps(a.a, b.a), _mm256_max_ps(a.b, b.b)}; }
+static inline vf vadd(vf a, vf b) { return (vf){_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
+static inline vf vsub(vf a, vf b) { return (vf){_mm256_sub_ps(a.a, b.a), _mm256_sub_ps(a.b, b.b)}; }
+static inline vf vmul(vf a, vf b) { return (vf){_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+static inline vf vzero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n >= -126 here: 2^n is a normal number, its exponent field n + 127 */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-static inline vf vmaskz(__mmask16 keep, vf x) { return _mm512_maskz_mov_ps(keep, x); }
+static inline vf vexp(vf x) { return (vf){exp8(x.a), exp8(x.b)}; }
+static inline vpos vload_pos(const int32_t *p) {
+    return (vpos){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))};
+}
+static inline vm vvisible(vpos pos, int64_t j) {
+    __m256i jm1 = _mm256_set1_epi32((int32_t)j - 1);  /* pos >= j  <=>  pos > j - 1 */
+    return (vm){_mm256_castsi256_ps(_mm256_cmpgt_epi32(pos.a, jm1)), _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos.b, jm1))};
+}
+static inline vm vnone(void) { return (vm){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf vmask_neg_inf(vm keep, vf x) {
+    __m256 ninf = _mm256_set1_ps(-INFINITY);
+    return (vf){_mm256_blendv_ps(ninf, x.a, keep.a), _mm256_blendv_ps(ninf, x.b, keep.b)};
+}
+static inline vf vmaskz(vm keep, vf x) { return (vf){_mm256_and_ps(keep.a, x.a), _mm256_and_ps(keep.b, x.b)}; }
 #else
-/* Portable lanes: the same operations, one lane at a time (the compiler vectorises them). */
+/* Plain C lanes: the same operations, one lane at a time. */
+#define ACC 4
 typedef struct { float f[LANES]; } vf;
+typedef struct { int32_t i[LANES]; } vpos;
+typedef uint32_t vm;
 static inline vf vload(const float *p) { vf r; memcpy(r.f, p, sizeof r.f); return r; }
 static inline void vstore(float *p, vf x) { memcpy(p, x.f, sizeof x.f); }
 static inline vf vbcast(float x) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = x; return r; }
@@ -103,27 +156,39 @@ static inline float exp_one(float x) {
     return ldexpf(p, (int)n);
 }
 static inline vf vexp(vf x) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = exp_one(x.f[i]); return r; }
-typedef uint32_t mask16;
-static inline mask16 visible_p(const int32_t *pos, int64_t j) {
-    mask16 m = 0;
-    for (int i = 0; i < LANES; i++) m |= (uint32_t)(pos[i] >= j) << i;
+static inline vpos vload_pos(const int32_t *p) { vpos r; memcpy(r.i, p, sizeof r.i); return r; }
+static inline vm vvisible(vpos pos, int64_t j) {
+    vm m = 0;
+    for (int i = 0; i < LANES; i++) m |= (uint32_t)(pos.i[i] >= j) << i;
     return m;
 }
-static inline vf vmask_neg_inf(mask16 keep, vf x) {
+static inline vm vnone(void) { return 0; }
+static inline vf vmask_neg_inf(vm keep, vf x) {
     for (int i = 0; i < LANES; i++) if (!((keep >> i) & 1)) x.f[i] = -INFINITY;
     return x;
 }
-static inline vf vmaskz(mask16 keep, vf x) {
+static inline vf vmaskz(vm keep, vf x) {
     for (int i = 0; i < LANES; i++) if (!((keep >> i) & 1)) x.f[i] = 0.0f;
     return x;
 }
 #endif
 
+/* keys a score block takes (KB) and dims a value block takes (DC) for V lane vectors: KB x V
+ * accumulators and DC x V plus V in registers */
+static inline int kb_for(int V) {
+    int kb = ACC / V;
+    return kb >= 16 ? 16 : kb >= 8 ? 8 : kb >= 4 ? 4 : kb >= 2 ? 2 : 1;
+}
+static inline int dc_for(int V) {
+    int dc = ACC / V;
+    return dc >= 8 ? 8 : dc >= 4 ? 4 : dc >= 2 ? 2 : 1;
+}
+
 /* scores s[j][v] = sum_d k_j[d] q[d][v] for KB keys from key pointers kp, V vectors of lanes;
  * one FMA chain per (key, lane) over d in order */
 static inline __attribute__((always_inline)) void scores_kb(
         const float *const *kp, const float *qt, int dim, float *s, const int V, const int KB) {
-    vf acc[8][MAX_V];
+    vf acc[16][MAX_V];
     for (int j = 0; j < KB; j++)
         for (int v = 0; v < V; v++) acc[j][v] = vzero();
     for (int d = 0; d < dim; d++) {
@@ -142,7 +207,7 @@ static inline __attribute__((always_inline)) void scores_kb(
 static inline __attribute__((always_inline)) void values_dc(
         const float *const *vp, int kn, const float *p, const vf *alpha, float *o, int d0,
         const int V, const int DC) {
-    vf acc[8][MAX_V];
+    vf acc[16][MAX_V];
     for (int c = 0; c < DC; c++)
         for (int v = 0; v < V; v++)
             acc[c][v] = vmul(vload(o + ((int64_t)(d0 + c) * V + v) * LANES), alpha[v]);
@@ -164,21 +229,13 @@ static inline __attribute__((always_inline)) void tile_scores(
      * are computed against its first key (finite) and masked out by the caller */
     const float *k16[TILE];
     for (int j = 0; j < TILE; j++) k16[j] = kp[j < kn ? j : 0];
-    if (V == 1) {
-        scores_kb(k16, qt, dim, s, 1, 8);
-        scores_kb(k16 + 8, qt, dim, s + 8 * LANES, 1, 8);
-    } else if (V == 2) {
-        for (int j = 0; j < TILE; j += 8) scores_kb(k16 + j, qt, dim, s + (int64_t)j * 2 * LANES, 2, 8);
-    } else if (V == 3) {
-        for (int j = 0; j < TILE; j += 8) scores_kb(k16 + j, qt, dim, s + (int64_t)j * 3 * LANES, 3, 8);
-    } else {
-        for (int j = 0; j < TILE; j += 4) scores_kb(k16 + j, qt, dim, s + (int64_t)j * 4 * LANES, 4, 4);
-    }
+    const int KB = kb_for(V);
+    for (int j = 0; j < TILE; j += KB) scores_kb(k16 + j, qt, dim, s + (int64_t)j * V * LANES, V, KB);
 }
 
 static inline __attribute__((always_inline)) void tile_values(
         const float *const *vp, int kn, const float *p, const vf *alpha, float *o, int dim, const int V) {
-    const int DC = V <= 2 ? 8 : (V == 3 ? 6 : 4);
+    const int DC = dc_for(V);
     int d = 0;
     for (; d + DC <= dim; d += DC) values_dc(vp, kn, p, alpha, o, d, V, DC);
     for (; d < dim; d++) values_dc(vp, kn, p, alpha, o, d, V, 1);
@@ -190,10 +247,8 @@ static inline __attribute__((always_inline)) void run_task(
     vf m[MAX_V], l[MAX_V];
     for (int v = 0; v < V; v++) { m[v] = vbcast(-INFINITY); l[v] = vzero(); }
     memset(o, 0, sizeof(float) * (size_t)dim * V * LANES);
-#if defined(__AVX512F__)
-    __m512i posv[MAX_V];
-    for (int v = 0; v < V; v++) posv[v] = _mm512_loadu_si512((const void *)(pos + v * LANES));
-#endif
+    vpos posv[MAX_V];
+    for (int v = 0; v < V; v++) posv[v] = vload_pos(pos + v * LANES);
     for (int64_t j0 = 0; j0 < n_keys; j0 += TILE) {
         int kn = n_keys - j0 < TILE ? (int)(n_keys - j0) : TILE;
         const float *kp[TILE], *vp[TILE];
@@ -204,13 +259,8 @@ static inline __attribute__((always_inline)) void run_task(
         tile_scores(kp, kn, qt, dim, s, V);
         vf alpha[MAX_V];
         for (int v = 0; v < V; v++) {
-#if defined(__AVX512F__)
-            __mmask16 keep[TILE];
-            for (int j = 0; j < TILE; j++) keep[j] = j < kn ? visible(posv[v], j0 + j) : 0;
-#else
-            mask16 keep[TILE];
-            for (int j = 0; j < TILE; j++) keep[j] = j < kn ? visible_p(pos + v * LANES, j0 + j) : 0;
-#endif
+            vm keep[TILE];
+            for (int j = 0; j < TILE; j++) keep[j] = j < kn ? vvisible(posv[v], j0 + j) : vnone();
             vf mt = vbcast(-INFINITY);
             for (int j = 0; j < kn; j++)
                 mt = vmax(mt, vmask_neg_inf(keep[j], vload(s + ((int64_t)j * V + v) * LANES)));
@@ -273,7 +323,9 @@ int kvplay_prefill_attention(const float *q, int64_t q_tok, int64_t q_head, cons
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         size_t vec = (size_t)MAX_V * LANES;
-        float *buf = aligned_alloc(64, sizeof(float) * (vec * (2 * (size_t)dim + TILE) + LANES * MAX_V) + 64);
+        /* queries [dim][V][16], outputs [dim][V][16], scores [TILE][V][16]; a multiple of 64 bytes */
+        size_t bytes = sizeof(float) * vec * (2 * (size_t)dim + TILE);
+        float *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
         int32_t pos[MAX_V * LANES];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
