@@ -11,6 +11,11 @@ runs on the same memory, and nothing is held twice.
 The arithmetic is transformers' (the same RMSNorm, rotary and activation ops, attention by
 `paged.paged_attention`); only the GEMMs are grouped differently, so logits agree with the
 module path to float32 rounding, as they do between any two batch shapes in the default mode.
+Where the compiled kernels are built (native.py, float32 CPU, a SiLU model) the element-wise
+work runs in three compiled passes a layer instead of some twenty torch ops: rotary with the
+K/V write into the pool, the residual add with the next RMSNorm (twice), SiLU x up — the same
+formulas, one pass over the rows each (a cold 540-token prompt at one thread: 1297 -> 1251 ms of
+thread CPU; an 8-row decode step 52.9 -> 49.0 ms).
 In deterministic mode every GEMM (the fused ones included) runs in its calibrated tiles
 (`invariance.tiled_linear`) and attention takes its exact per-query path, as on the module path,
 but without a TorchFunctionMode's Python call on every op.
