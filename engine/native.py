@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "fused.c"]
+HEADERS = [CSRC / "vexp.h"]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 BUILD_TIMEOUT_S = 120
 
@@ -67,7 +68,7 @@ def _compiler() -> str | None:
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                          + _cpu_id().encode())
     return cache_root() / "native" / f"kvplay_kernels-{key.hexdigest()[:16]}.so"
 

@@ -11,9 +11,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vexp.h"
 
 #define PAR_ROWS 16  /* fewer rows run on the calling thread alone */
 
@@ -63,26 +61,7 @@ void kvplay_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t n, 
         rms_row(x + i * x_stride, delta ? delta + i * hidden : 0, hidden, w, eps, out + i * hidden);
 }
 
-#if defined(__AVX512F__)
-static inline __m512 exp16(__m512 x) {
-    /* e^x for x in [-87, 88] (clamped): Cephes' expf polynomial, 2^n by scalef */
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
-static inline float silu_one(float g) { return g / (1.0f + expf(-g)); }
+static inline float silu_one(float g) { return g / (1.0f + kv_exp1(-g)); }
 
 /* gu row i at gu + i * 2 * inter: gate = its first half, up = its second; out row i at i * inter */
 void kvplay_silu_mul(const float *gu, int64_t n, int64_t inter, float *out, int threads) {
@@ -95,7 +74,7 @@ void kvplay_silu_mul(const float *gu, int64_t n, int64_t inter, float *out, int 
         __m512 one = _mm512_set1_ps(1.0f);
         for (; j + 16 <= inter; j += 16) {
             __m512 gv = _mm512_loadu_ps(g + j);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 e = kv_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
             _mm512_storeu_ps(o + j, _mm512_mul_ps(s, _mm512_loadu_ps(u + j)));
         }

@@ -27,9 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vexp.h"
 
 #define LANES 16
 #define MAX_V 4          /* vectors of query lanes per task: at most 64 (token, head) pairs */
@@ -57,22 +55,7 @@ static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 
-/* e^x, x <= 0 (Cephes' expf polynomial; 2^n by scalef); e^0 is exactly 1 */
-static inline vf vexp(vf x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+static inline vf vexp(vf x) { return kv_exp16(x); }
 static inline vpos vload_pos(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* lanes whose position is >= key position j */
 static inline vm vvisible(vpos pos, int64_t j) {
@@ -95,24 +78,7 @@ static inline vf vadd(vf a, vf b) { return (vf){_mm256_add_ps(a.a, b.a), _mm256_
 static inline vf vsub(vf a, vf b) { return (vf){_mm256_sub_ps(a.a, b.a), _mm256_sub_ps(a.b, b.b)}; }
 static inline vf vmul(vf a, vf b) { return (vf){_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
 static inline vf vzero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* n >= -126 here: 2^n is a normal number, its exponent field n + 127 */
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-static inline vf vexp(vf x) { return (vf){exp8(x.a), exp8(x.b)}; }
+static inline vf vexp(vf x) { return (vf){kv_exp8(x.a), kv_exp8(x.b)}; }
 static inline vpos vload_pos(const int32_t *p) {
     return (vpos){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))};
 }
@@ -141,21 +107,7 @@ static inline vf vadd(vf a, vf b) { vf r; for (int i = 0; i < LANES; i++) r.f[i]
 static inline vf vsub(vf a, vf b) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = a.f[i] - b.f[i]; return r; }
 static inline vf vmul(vf a, vf b) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = a.f[i] * b.f[i]; return r; }
 static inline vf vzero(void) { return vbcast(0.0f); }
-static inline float exp_one(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(-n, 0.693359375f, x);
-    r = fmaf(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r + 1.0f);
-    return ldexpf(p, (int)n);
-}
-static inline vf vexp(vf x) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = exp_one(x.f[i]); return r; }
+static inline vf vexp(vf x) { vf r; for (int i = 0; i < LANES; i++) r.f[i] = kv_exp1(x.f[i]); return r; }
 static inline vpos vload_pos(const int32_t *p) { vpos r; memcpy(r.i, p, sizeof r.i); return r; }
 static inline vm vvisible(vpos pos, int64_t j) {
     vm m = 0;
