@@ -19,16 +19,21 @@ S blocks are one of P prefixes' (as the prefix cache hands them out), then 3 blo
 `--prefill N`: a cold prompt of N tokens (nothing cached), computed in chunks of each `--budget`
 as the scheduler would (one forward a chunk), on the packed paths; `--deterministic` runs the
 deterministic mode's forward (its torch path: exact per-query SDPA and torch's element-wise ops,
-against the compiled one).
+against the compiled one). `--profile` adds where that prompt's time goes on the torch path and
+on the default (compiled) one, by torch.profiler: GEMMs, attention, the element-wise ops (norms,
+rotary and the K/V write, SiLU x up, residual adds), the rest (embedding, rotary tables, lm_head
+rows, Python).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvplay.engine import native
 from kvplay.engine.model import ensure_converted, load_model
@@ -113,6 +118,8 @@ def prefill(run: dict[str, ModelRunner], args, clock) -> None:
                 runner.forward([Row(blocks, p, ids[p:p + k])], args.deterministic)
                 p += k
         return go
+    if args.profile:
+        where_time_goes(run, lambda runner: cold(runner, args.budget[0]), clock)
     names = {"packed": "packed, torch attention", "kernel": "packed + kernels", "fused": "packed + kernels + fused"}
     mode = "deterministic" if args.deterministic else "default"
     print(f"cold prompt of {n} tokens, {mode} mode")
@@ -125,6 +132,57 @@ def prefill(run: dict[str, ModelRunner], args, clock) -> None:
               + f" | {v[0] / v[1]:.2f}x | {v[0] / v[2]:.2f}x |", flush=True)
 
 
+# torch.profiler event names -> the part of a forward they are (the compiled calls are named by
+# `_named`, since the profiler does not see into ctypes calls)
+PARTS = [("GEMM", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")),
+         ("attention", ("flash_attention", "kvplay::attention", "scaled_dot_product")),
+         ("norms", ("rms_norm", "kvplay::rms_norm", "aten::pow", "aten::mean", "aten::rsqrt")),
+         ("rotary + K/V write", ("kvplay::rope_write", "aten::roll", "aten::index_copy_", "aten::cos", "aten::sin")),
+         ("SiLU x up", ("aten::silu", "kvplay::silu_mul")),
+         ("adds, muls, copies", ("aten::add", "aten::mul", "aten::cat", "aten::copy_", "aten::contiguous"))]
+
+
+def _named(name: str, fn):
+    def call(*args, **kw):
+        with record_function(name):
+            return fn(*args, **kw)
+    return call
+
+
+def where_time_goes(run: dict[str, ModelRunner], prompt, clock) -> None:
+    """One cold prompt on the torch path and on the default one, by part (ms of CPU time a part's
+    own ops took; `the rest`: the forward's time not in them)."""
+    saved = {k: getattr(native, k) for k in ("rms_norm", "silu_mul", "rope_write", "decode_attention",
+                                             "prefill_attention")}
+    for k, fn in saved.items():
+        setattr(native, k, _named(f"kvplay::{'attention' if k.endswith('attention') else k}", fn))
+    try:
+        print("| part | torch ops (--no-native-attention --no-fused-ops) | compiled (the default) |")
+        print("|---|---|---|")
+        got = {}
+        for key in ("packed", "fused"):
+            prompt(run[key])()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = clock()
+                prompt(run[key])()
+                total = (clock() - t0) * 1000
+            parts = collections.Counter()
+            for ev in prof.key_averages():
+                for part, names in PARTS:
+                    if any(n in ev.key for n in names):
+                        parts[part] += ev.self_cpu_time_total / 1000
+                        break
+            parts["the rest"] = total - sum(parts.values())
+            got[key] = (parts, total)
+        for part in [p for p, _ in PARTS] + ["the rest"]:
+            cells = [f"{got[k][0][part]:.0f} ms ({100 * got[k][0][part] / got[k][1]:.0f} %)" for k in ("packed", "fused")]
+            print(f"| {part} | " + " | ".join(cells) + " |")
+        print(f"| total | {got['packed'][1]:.0f} ms | {got['fused'][1]:.0f} ms |", flush=True)
+    finally:
+        for k, fn in saved.items():
+            setattr(native, k, fn)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -133,6 +191,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="time a cold prompt of this many tokens instead")
     ap.add_argument("--budget", default="256", help="--prefill: chunk sizes, comma-separated")
     ap.add_argument("--deterministic", action="store_true", help="--prefill: deterministic mode's forward")
+    ap.add_argument("--profile", action="store_true", help="--prefill: where the time goes (first budget)")
     args = ap.parse_args()
     try:
         args.budget = [int(b) for b in args.budget.split(",")]
