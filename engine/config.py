@@ -30,7 +30,7 @@ class EngineConfig:
     isolation: str = "shared"
     eviction: str = "lru"
     deterministic: bool = False
-    prefill_budget: int = 256  # max prompt tokens computed per scheduler step (chunked prefill)
+    prefill_budget: int = 1024  # max prompt tokens computed per scheduler step (chunked prefill; docs/bench.md)
     max_running: int = 16  # max requests decoding at once
     hash_seed: str = "kvplay"  # root of every hash chain (like vLLM's PYTHONHASHSEED NONE_HASH)
     threads: int | None = None  # torch CPU threads; None = one less than the cores (min 1)

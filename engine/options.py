@@ -28,7 +28,7 @@ ENGINE_FLAGS = [
     ("--hash", "hash", str, "block hash: sha256 (default), sha256_cbor (vLLM's), blake2b64, builtin, trunc:N"),
     ("--isolation", "isolation", str, "who shares blocks: " + ", ".join(ISOLATION_MODES)),
     ("--eviction", "eviction", str, "eviction policy: " + ", ".join(EVICTION_POLICIES)),
-    ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 256)"),
+    ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 1024)"),
     ("--max-running", "max_running", int, "requests decoding at once (default 16)"),
     ("--hash-seed", "hash_seed", str, "root of every hash chain (default 'kvplay')"),
     ("--threads", "threads", int, "torch CPU threads (default: cores - 1)"),

@@ -96,7 +96,8 @@ def _proof(loaded, vocab: int, seed: int, n_prompts: int, lengths, max_tokens: i
         head = shared[:rng.choice([0, 16, 48, n // 2])] if rng.random() < 0.6 else []
         prompts[i] = head + [rng.randrange(10, vocab) for _ in range(max(1, n - len(head)))]
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    cfg = dict(num_blocks=512, deterministic=True, model=loaded.name, **engine)
+    # a small budget: long prompts come in several chunks, cold and cached ones in different ones
+    cfg = dict(num_blocks=512, deterministic=True, model=loaded.name, prefill_budget=128, **engine)
     with Engine(EngineConfig(**cfg), loaded) as eng:  # each request alone, cold
         alone = {}
         for k, ids in prompts.items():

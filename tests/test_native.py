@@ -296,7 +296,7 @@ def test_requests_decode_through_it_in_the_engine(tiny_llama):
     assert on >= 3 * 5 and off == 0
     on, off = shared_prompt_traces(tiny_llama, "prefill_rows", {},
                                    {"native_attention": False, "fused_ops": False})
-    assert on >= 2 and off == 0  # the warm-up prompt, two chunks
+    assert on >= 1 and off == 0  # the warm-up prompt
 
 
 def test_without_a_compiler_the_engine_runs_on_torch_ops(tiny_llama, tmp_path, monkeypatch, caplog):
