@@ -14,7 +14,7 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo")
 HASH_NAMES = ("sha256", "blake2b64", "builtin", "trunc:N")
 # fields a running engine cannot change (Engine.reconfigure refuses them: they need a new engine)
 RESTART_FIELDS = ("block_size", "model", "num_blocks", "cache_mb", "device", "dtype", "threads", "packed_weights",
-                  "cascade_attention", "native_attention")
+                  "cascade_attention", "native_attention", "fused_ops")
 
 
 @dataclass
@@ -30,13 +30,14 @@ class EngineConfig:
     isolation: str = "shared"
     eviction: str = "lru"
     deterministic: bool = False
-    prefill_budget: int = 256  # max prompt tokens computed per scheduler step (chunked prefill)
+    prefill_budget: int = 1024  # max prompt tokens computed per scheduler step (chunked prefill; docs/bench.md)
     max_running: int = 16  # max requests decoding at once
     hash_seed: str = "kvplay"  # root of every hash chain (like vLLM's PYTHONHASHSEED NONE_HASH)
     threads: int | None = None  # torch CPU threads; None = one less than the cores (min 1)
     packed_weights: bool = True  # CPU GEMMs on weights prepacked for oneDNN (packed.py)
     cascade_attention: bool = True  # decode rows sharing prefix blocks attend over them once (cascade.py)
-    native_attention: bool = True  # CPU float32: decode rows by the compiled kernel (native.py)
+    native_attention: bool = True  # CPU float32: every row's attention by the compiled kernels (native.py)
+    fused_ops: bool = True  # CPU float32: norms, rotary + K/V write, SiLU in compiled passes (native.py)
 
     def _check_types(self) -> None:
         """Scripts and DB rows reach here too: `deterministic = "false"` must not mean True."""

@@ -97,7 +97,8 @@ class Engine:
         emit = self.events.put
         self.pool = BlockPool(n, cfg.block_size, cfg.eviction, events=self.events, hex_fn=self.hasher.fn.hex)
         self.runner = ModelRunner(self.loaded, n, cfg.block_size, packed=cfg.packed_weights,
-                                  cascade=cfg.cascade_attention, native=cfg.native_attention)
+                                  cascade=cfg.cascade_attention, native=cfg.native_attention,
+                                  fused=cfg.fused_ops)
         eos = self.loaded.model.generation_config.eos_token_id if self.loaded.model.generation_config else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

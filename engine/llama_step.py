@@ -11,6 +11,11 @@ runs on the same memory, and nothing is held twice.
 The arithmetic is transformers' (the same RMSNorm, rotary and activation ops, attention by
 `paged.paged_attention`); only the GEMMs are grouped differently, so logits agree with the
 module path to float32 rounding, as they do between any two batch shapes in the default mode.
+Where the compiled kernels are built (native.py, float32 CPU, a SiLU model) the element-wise
+work runs in three compiled passes a layer instead of some twenty torch ops: rotary with the
+K/V write into the pool, the residual add with the next RMSNorm (twice), SiLU x up — the same
+formulas, one pass over the rows each (a cold 540-token prompt at one thread: 1297 -> 1251 ms of
+thread CPU; an 8-row decode step 52.9 -> 49.0 ms).
 In deterministic mode every GEMM (the fused ones included) runs in its calibrated tiles
 (`invariance.tiled_linear`) and attention takes its exact per-query path, as on the module path,
 but without a TorchFunctionMode's Python call on every op.
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .invariance import LinearPlan, tiled_linear
 from .packed import can_pack, pack, packed_linear
 from .paged import StepPlan, paged_attention
@@ -86,6 +92,9 @@ class LlamaStep:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.layers = []
+        # the compiled passes (native.py) compute SiLU and a full-width rotary
+        self.fusable = (getattr(cfg, "hidden_act", None) == "silu" and self.head_dim % 2 == 0
+                        and self.embed.weight.dtype is torch.float32)
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
@@ -172,12 +181,17 @@ class LlamaStep:
         return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
-                store, threads: int, det: LinearPlan | None = None) -> torch.Tensor:
+                store, threads: int, det: LinearPlan | None = None,
+                lib: "native.Kernels | None" = None) -> torch.Tensor:
         """input_ids, positions: [1, N]; returns the final hidden states [N, hidden]. `det`:
-        deterministic mode's calibrated GEMM shapes (every GEMM in its tiles, invariance.py)."""
+        deterministic mode's calibrated GEMM shapes (every GEMM in its tiles, invariance.py).
+        `lib`: the compiled kernels, to run the work between the GEMMs in them (`fusable` models,
+        a float32 pool)."""
         n = input_ids.shape[1]
         x = self.embed(input_ids[0])  # [N, hidden]
         linear = self._linear_for(det, n, x.dtype, threads)
+        if lib is not None and store.data.dtype is torch.float32:
+            return self._fused_forward(lib, x, positions, plan, store, threads, linear)
         cos, sin = self.rotary(x, positions)  # [1, N, D]
         cos, sin = cos[0].unsqueeze(1), self._signed_sin(sin[0].unsqueeze(1))  # [N, 1, D]
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -204,3 +218,40 @@ class LlamaStep:
             inter = gu.shape[1] // 2
             x = x + linear(L.act(gu[:, :inter]) * gu[:, inter:], L.down, None, down_p)
         return self._rms(x, self.norm, self.eps)
+
+    def _fused_forward(self, lib: "native.Kernels", x: torch.Tensor, positions: torch.Tensor,
+                       plan: StepPlan, store, threads: int, linear) -> torch.Tensor:
+        """`forward` with the element-wise work in compiled passes, one call each (native.py):
+        RMSNorm with the residual add before it, rotary with the K/V write into the pool (q into
+        a packed buffer), SiLU x up. Per layer: 4 GEMMs, attention and 3 such calls. Each token's
+        row is computed alone in a fixed order (deterministic mode runs it too)."""
+        n = x.shape[0]
+        cos, sin = self.rotary(x, positions)  # [1, N, D]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        h = native.rms_norm(lib, x, self.layers[0].norm1, self.layers[0].eps1, threads)
+        for i, L in enumerate(self.layers):
+            qkv_p, o_p, gate_up_p, down_p = L.packed
+            qkv = _rows(linear(h, L.qkv, L.qkv_bias, qkv_p))  # [N, (hq + 2 hk) d]
+            kpool, vpool = store.data[i][0], store.data[i][1]  # [hk, slots, d]
+            q = native.rope_write(lib, qkv, hq, hk, d, cos, sin, plan.write_slots, kpool, vpool, threads)
+            q = q.transpose(0, 1).unsqueeze(0)  # [1, hq, N, d], a view: the kernels read it strided
+            if n > 1 and (plan.prefill is None or L.window is not None):
+                q = q.contiguous()  # SDPA takes its math path for strided multi-token queries
+            o, _ = paged_attention(L.attn, q, kpool, vpool, None,
+                                   scaling=L.attn.scaling, sliding_window=L.window, kvplay_plan=plan)
+            attn = _rows(linear(o.view(n, hq * d), L.o, None, o_p))
+            h = native.rms_norm(lib, x, L.norm2, L.eps2, threads, delta=attn)  # x += attn
+            gu = _rows(linear(h, L.gate_up, None, gate_up_p))
+            act = native.silu_mul(lib, gu, threads)
+            down = _rows(linear(act, L.down, None, down_p))
+            last = i + 1 == len(self.layers)
+            norm, eps = (self.norm, self.eps) if last else (self.layers[i + 1].norm1, self.layers[i + 1].eps1)
+            h = native.rms_norm(lib, x, norm, eps, threads, delta=down)  # x += down
+        return h
+
+
+def _rows(y: torch.Tensor) -> torch.Tensor:
+    """y [N, M] with contiguous rows, as the compiled passes read it (skinny_mm hands back a
+    transposed view)."""
+    return y if y.is_contiguous() else y.contiguous()

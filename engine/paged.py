@@ -8,16 +8,18 @@ row it gathers exactly that row's keys from the pool and calls torch SDPA with g
 (``enable_gqa``, no copy per query head) and a causal (and, for sliding-window layers, windowed)
 mask only where one is needed (decode rows need none).
 
-On CPU in float32, every decode row of a step is attended in one call per layer by the compiled
-kernel (``native.py``: each row's keys read in place from the pool through its slots). Where that
-kernel is not built, decode rows that share a prefix of the same physical blocks (the prefix
-cache makes this common) attend over the shared blocks once for all of them (``cascade.py``).
-Neither runs in deterministic mode or in sliding-window layers, where every row keeps its own
-call.
+On CPU in float32, the compiled kernels (``native.py``) attend every row of a step in place,
+each row's keys read from the pool through its slots: one call a layer for the decode rows, one
+for the prompt chunks (causal within the chunk, over the cached blocks before it). Where they are
+not built, decode rows that share a prefix of the same physical blocks (the prefix cache makes
+this common) attend over the shared blocks once for all of them (``cascade.py``) and prompt
+chunks take SDPA row by row. Sliding-window layers always take SDPA row by row.
 
-In deterministic mode every query is computed against exactly its own keys, and every linear
-layer runs only calibrated row counts (see ``invariance.py``), so a token's logits do not depend
-on whether its prefix came from the cache, on chunking, or on which other requests share the step.
+In deterministic mode every query is computed against exactly its own keys — by the prefill
+kernel for every row, decode rows included (a query's bits there depend only on its own vector
+and keys), or, without the kernels, by one SDPA call per query — and every linear layer runs only
+calibrated row counts (see ``invariance.py``), so a token's logits do not depend on whether its
+prefix came from the cache, on chunking, or on which other requests share the step.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ class StepPlan:
     deterministic: bool
     cascade: Cascade | None = None  # decode rows sharing prefix blocks, grouped (cascade.py)
     solo: list = field(default_factory=list)  # the rows in no group (when there are groups)
-    decode: native.DecodeRows | None = None  # decode rows for the compiled kernel (native.py)
-    rest: list = field(default_factory=list)  # the other rows (when `decode` is set)
+    decode: native.KernelRows | None = None  # decode rows for the compiled kernel (native.py)
+    prefill: native.KernelRows | None = None  # rows for the compiled prefill kernel
+    rest: list = field(default_factory=list)  # the rows in neither (when either is set)
     _masks: dict = field(default_factory=dict)
 
     def key_range(self, row: int, window: int | None) -> int:
@@ -148,9 +151,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     h, d = query.shape[1], query.shape[3]
     out = query.new_empty((1, query.shape[2], h, d))
     rows = range(len(plan.q_starts))
-    if (plan.decode is not None and window is None  # every decode row in one call, keys in place
-            and native.decode_attention(native.kernel(), query, key, value, plan.decode, scaling, out,
-                                        torch.get_num_threads())):
+    if (plan.decode is not None or plan.prefill is not None) and window is None and _native(
+            plan, query, key, value, scaling, out):  # every row in one call per kind, keys in place
         rows = plan.rest
     elif plan.cascade is not None and window is None:  # shared prefixes attended once per group
         attend_cascade(query, key, value, plan.cascade, scaling, out)
@@ -169,6 +171,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            enable_gqa=gqa)
         out[0, s:s + n] = o[0].transpose(0, 1)
     return out, None
+
+
+def _native(plan: StepPlan, query, key, value, scaling, out) -> bool:
+    """The plan's decode rows and prompt rows by the compiled kernels; False (the caller then
+    attends every row itself) when a kernel does not take this layout."""
+    lib, threads = native.kernel(), torch.get_num_threads()
+    if plan.decode is not None and not native.decode_attention(lib, query, key, value, plan.decode,
+                                                               scaling, out, threads):
+        return False
+    return plan.prefill is None or native.prefill_attention(lib, query, key, value, plan.prefill, scaling,
+                                                            out, threads)
 
 
 def _exact_queries(q, k, v, past, start, window, scaling, gqa):

@@ -48,7 +48,7 @@ def kv_geometry(model) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, loaded, num_blocks: int, block_size: int, packed: bool = True,
-                 cascade: bool = True, native: bool = True):
+                 cascade: bool = True, native: bool = True, fused: bool = True):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -66,11 +66,12 @@ class ModelRunner:
         # decode rows sharing prefix blocks attend over them once per group (cascade.py): CPU only
         self.cascade = cascade and self.device.type == "cpu" and cascade_mod.AVAILABLE
         self.grouped_rows = 0  # decode rows that took the cascade, all steps together
-        # every decode row in one compiled call a layer (native.py): CPU, float32; it supersedes
-        # the cascade, which stays for where the kernel is not built
-        self.native = (native and self.device.type == "cpu" and self.dtype is torch.float32
-                       and native_mod.kernel() is not None)
+        # every decode row, and every prompt chunk, in one compiled call a layer each (native.py):
+        # CPU, float32; it supersedes the cascade, which stays for where the kernels are not built
+        compiled = self.device.type == "cpu" and self.dtype is torch.float32 and native_mod.kernel() is not None
+        self.native = native and compiled
         self.native_rows = 0  # decode rows planned for the compiled kernel, all steps together
+        self.prefill_rows = 0  # rows planned for the compiled prefill kernel, all steps together
         self.linear_plan = None  # deterministic mode's calibrated GEMM row counts (invariance.py)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         params = inspect.signature(self.model.model.forward).parameters
@@ -78,6 +79,8 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # Steps on CPU run the decoder written out (llama_step.py) when the model fits it.
         self.llama_step = LlamaStep.for_model(self.model, packed) if self.device.type == "cpu" else None
+        # norms, rotary + the K/V write, SiLU x up in compiled passes (native.py, llama_step.py)
+        self.fused = fused and compiled and self.llama_step is not None and self.llama_step.fusable
         head = self.model.lm_head
         self.head_packed = (pack(head.weight) if self.llama_step is not None and self.llama_step.packed
                             and type(head) is torch.nn.Linear else None)
@@ -87,7 +90,7 @@ class ModelRunner:
     def decode_attention(self, deterministic: bool) -> str:
         """How this runner attends decode rows, in words (start-up lines and bench labels)."""
         if deterministic:
-            return "exact per query (deterministic)"
+            return "exact per query, compiled kernel (deterministic)" if self.native else "exact per query (deterministic)"
         if self.native:
             return "compiled kernel"
         if self.cascade:
@@ -120,10 +123,14 @@ class ModelRunner:
             past_lens=[r.past_len for r in rows], q_lens=[len(r.new_tokens) for r in rows],
             deterministic=deterministic)
         decode = [r for r, n in enumerate(plan.q_lens) if n == 1]
-        if self.native and not deterministic and decode:
-            plan.decode = native_mod.DecodeRows.of(decode, row_slots, starts)
-            plan.rest = [r for r, n in enumerate(plan.q_lens) if n != 1]
-            self.native_rows += len(decode)
+        if self.native:  # every row by a compiled kernel (paged.py); deterministic: all by the exact one
+            chunks = list(range(len(rows))) if deterministic else [r for r, n in enumerate(plan.q_lens) if n != 1]
+            if decode and not deterministic:
+                plan.decode = native_mod.KernelRows.of(decode, row_slots, starts, plan.past_lens)
+                self.native_rows += len(decode)
+            if chunks:
+                plan.prefill = native_mod.KernelRows.of(chunks, row_slots, starts, plan.past_lens)
+                self.prefill_rows += len(chunks)
         elif self.cascade and not deterministic and len(rows) > 1:  # once per step, never per layer
             plan.cascade, plan.solo = cascade_mod.plan_groups(
                 tables, [past + n for past, n in zip(plan.past_lens, plan.q_lens)], plan.q_lens, starts,
@@ -144,7 +151,8 @@ class ModelRunner:
         det = self.linear_plan if deterministic else None
         try:
             if self.llama_step is not None:  # the decoder written out (llama_step.py)
-                hidden = self.llama_step.forward(input_ids, positions, plan, self.store, threads, det)
+                hidden = self.llama_step.forward(input_ids, positions, plan, self.store, threads, det,
+                                                 native_mod.kernel() if self.fused else None)
             else:
                 if deterministic:
                     mode = BatchInvariantLinear(self.linear_plan)

@@ -29,7 +29,7 @@ ENGINE_FLAGS = [
     ("--hash", "hash", str, "block hash: sha256 (default), sha256_cbor (vLLM's), blake2b64, builtin, trunc:N"),
     ("--isolation", "isolation", str, "who shares blocks: " + ", ".join(ISOLATION_MODES)),
     ("--eviction", "eviction", str, "eviction policy: " + ", ".join(EVICTION_POLICIES)),
-    ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 256)"),
+    ("--prefill-budget", "prefill_budget", int, "prompt tokens computed per scheduler step (default 1024)"),
     ("--max-running", "max_running", int, "requests decoding at once (default 16)"),
     ("--hash-seed", "hash_seed", str, "root of every hash chain (default 'kvplay')"),
     ("--threads", "threads", int, "torch CPU threads (default: cores - 1)"),
@@ -59,14 +59,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=None, help="CPU: every decode row attends over all its keys itself, not "
                    "over a shared prefix once for all the rows holding its blocks")
     g.add_argument("--no-native-attention", dest="native_attention", action="store_const", const=False,
-                   default=None, help="CPU: decode rows attend through torch's ops, not the compiled "
-                   "paged-attention kernel (built with the host's C compiler on first use)")
+                   default=None, help="CPU: decode rows and prompt chunks attend through torch's ops, not "
+                   "the compiled paged-attention kernels (built with the host's C compiler on first use)")
+    g.add_argument("--no-fused-ops", dest="fused_ops", action="store_const", const=False, default=None,
+                   help="CPU: the norms, rotary and SiLU between the GEMMs as torch's ops, not "
+                   "the compiled passes (built with the attention kernels)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     """Only the engine flags the user actually gave."""
     names = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["deterministic", "verify_on_hit", "packed_weights",
-                                                       "cascade_attention", "native_attention"]
+                                                       "cascade_attention", "native_attention", "fused_ops"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

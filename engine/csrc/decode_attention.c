@@ -12,36 +12,14 @@
  *   row r: its query token row_tok[r], its keys slots[row_off[r] .. row_off[r] + row_len[r])
  *
  * Two passes per (row, KV head): scores for every key, then softmax and the weighted sum of
- * values. exp is a vectorisable polynomial (Cephes' expf, ~1 ulp), not libm's scalar expf.
+ * values. exp is a vectorisable polynomial (vexp.h: Cephes' expf, ~1 ulp), not libm's scalar expf.
  * Built by engine/native.py with the host's compiler; engine/paged.py falls back to torch's SDPA
  * where it is not built.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-static inline float exp_poly(float x) {
-    /* x <= 0 here (scores minus their max); below -87 the result is 0 to float precision */
-    if (x < -87.0f) x = -87.0f;
-    float fx = x * 1.44269504088896341f + 0.5f;
-    int n = (int)fx;
-    n -= (fx < (float)n);               /* floor */
-    float r = x - (float)n * 0.693359375f + (float)n * 2.12194440e-4f;
-    float r2 = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = (n + 127) << 23;
-    return p * scale.f;
-}
+#include "vexp.h"
 
 #define MAX_GROUP 16
 
@@ -78,23 +56,6 @@ static inline void axpy(float *restrict o, float p, const float *restrict v, int
 
 #if defined(__AVX512F__)
 /* The AVX-512 path, for head dims that are a multiple of 16 (up to 256). */
-
-/* e^x for 16 lanes (x <= 0): Cephes' expf polynomial, 2^n applied by scalef */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Sixteen 16-lane partial sums -> one vector of their sums. v[s] lands in lane
  * 4 * (s % 4) + s / 4, so callers feed key 4 * (s % 4) + s / 4 into slot s (and get key L in
@@ -155,13 +116,13 @@ static inline float softmax16(float *restrict s, int64_t len) {
     for (; j < len; j++) mx = s[j] > mx ? s[j] : mx;
     __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
     for (j = 0; j + 16 <= len; j += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        __m512 e = kv_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
         _mm512_storeu_ps(s + j, e);
         sum = _mm512_add_ps(sum, e);
     }
     if (j < len) {
         __mmask16 k = (__mmask16)((1u << (len - j)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
+        __m512 e = kv_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
         _mm512_mask_storeu_ps(s + j, k, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
     }
@@ -244,7 +205,7 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, const float 
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < len; j++) {
-            float e = exp_poly(s[j] - m);
+            float e = kv_exp1(s[j] - m);
             s[j] = e;
             sum += e;
         }
