@@ -8,7 +8,7 @@ AttributeError, so a view that reached into the engine would fail this test. The
 stats panel, the badges and the hit marks must still come out right."""
 from __future__ import annotations
 
-from test_tui_app import badges, make_app, say, wait_until
+from support.tui import badges, make_app, say, wait_until
 
 from kvplay.engine.engine import Engine
 from kvplay.tui.backend import LocalEngineBackend

@@ -6,38 +6,15 @@ import contextlib
 import sqlite3
 
 from recorded_util import recorded
-from serve_util import serve  # noqa: F401 (fixture)
-from test_tui_app import badges, wait_until
-from test_watch_subscriber import free_port
+from support.attach import SYSTEM, attach_args, make_app, say, status
+from support.tui import badges, wait_until
 
-from kvplay.cli import build_parser, main as cli_main
+from kvplay.cli import main as cli_main
 from kvplay.sessions.script import UserSpec
-from kvplay.tui.attach import AttachApp
 from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
 from kvplay.tui.widgets import KvFooter
 from kvplay.wire.publisher import KVEventsConfig
-
-SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly and kindly. " * 3
-
-
-def attach_args(*argv):
-    return build_parser("attach").parse_args(["attach", *argv])
-
-
-def make_app(backend, tmp_path, record=True):
-    return AttachApp(backend, [UserSpec("alice", max_tokens=4), UserSpec("bob", max_tokens=4)], SYSTEM,
-                     db=str(tmp_path / "s.db"), record=record, timings=False)
-
-
-async def say(app, pilot, user, text):
-    n = len(app.cache.requests)
-    pane = app.pane(user)
-    pane.input.focus()
-    pane.input.value = text
-    await pilot.press("enter")
-    await wait_until(pilot, lambda: len(app.cache.requests) > n and not app.busy)
-    return app.cache.requests[-1]
 
 
 @contextlib.asynccontextmanager
@@ -50,11 +27,7 @@ async def attached_without_events(serve, tmp_path):
         yield srv, app, pilot
 
 
-def status(app) -> str:
-    return str(app.query_one("#status").render())
-
-
-async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
+async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path, free_port):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
     srv, state = serve(kv_events=cfg, num_blocks=64)
@@ -80,14 +53,14 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path):
         assert {arr.users[c] for c in arr.creator[cached]} == {"alice", "bob"}
         await wait_until(pilot, lambda: "pod kv live" in status(app))
         app.add_user(UserSpec("carol", max_tokens=4))  # a pane added later talks to the server too
-        await pilot.pause(0.1)
+        await wait_until(pilot, lambda: app.pane("carol").is_mounted and app.pane("carol").input.is_mounted)
         c = await say(app, pilot, "carol", "Do you sell scones?")
         assert c.cached_from.get("alice", 0) >= 16 and "alice" in badges(app, "carol")[-1]
         assert "alice" in bm.looks and "+" in "".join(bm.render_line(y).text for y in range(bm.size.height))
         # controls the server owns say so; F4 resets the server's prefix cache
         await pilot.press("f2")
-        await pilot.pause(0.1)
-        assert any("Isolation is the server's setting" in str(n.message) for n in app._notifications)
+        await wait_until(pilot, lambda: any("Isolation is the server's setting" in str(n.message)
+                                            for n in app._notifications))
         # the palette lists the controls the server's backend supports (Controls), no others
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert "cache: clear" in titles and "mode: toggle deterministic" not in titles
@@ -113,7 +86,7 @@ async def test_attach_without_events_shows_usage(serve, tmp_path):
         await wait_until(pilot, lambda: "no KV events" in status(app))
 
 
-def test_attach_cli_bad_server_is_one_line(capsys):
+def test_attach_cli_bad_server_is_one_line(capsys, free_port):
     assert cli_main(["attach", f"http://127.0.0.1:{free_port()}"]) == 2
     assert capsys.readouterr().err.startswith("kvplay: error: cannot reach")
     assert cli_main(["attach", "localhost:8000"]) == 2
@@ -126,7 +99,7 @@ def map_text(bm) -> str:
     return "".join(bm.render_line(y).text for y in range(bm.size.height))
 
 
-async def test_attach_two_pods_one_map_each(serve, tmp_path):
+async def test_attach_two_pods_one_map_each(serve, tmp_path, free_port):
     import httpx
 
     from serve_util import chat
@@ -162,7 +135,6 @@ async def test_attach_two_pods_one_map_each(serve, tmp_path):
         assert titles[0].startswith("pod a") and titles[1].startswith("pod b") and "32 blocks" in titles[1]
         # a click in pod b's map names pod b's block (zed's), not pod a's block with that number
         maps[1].focus()
-        await pilot.pause(0.1)
         await wait_until(pilot, lambda: "zed" in str(app.query_one("#detail").render()))
 
 

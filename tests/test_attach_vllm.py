@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from test_attach import attach_args, make_app, say, status
-from test_tui_app import badges, wait_until
-from test_watch_vllm import VllmServer, hits_total
+from support.attach import attach_args, make_app, say, status
+from support.tui import badges, wait_until
+from vllm_util import VllmServer, chat, hits_total
 
 from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
 
 
 @pytest.mark.vllm
-async def test_attach_real_vllm_two_panes(tmp_path):
-    vllm = VllmServer(tmp_path)
+async def test_attach_real_vllm_two_panes(tmp_path, free_port):
+    vllm = VllmServer(tmp_path, free_port)
     ev, rep_ep, base = vllm.events, vllm.replay, vllm.base
     vllm.start()
     try:
@@ -61,15 +61,13 @@ async def test_attach_real_vllm_two_panes(tmp_path):
 
 
 @pytest.mark.vllm
-def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys):
+def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys, free_port):
     """`kvplay attach http://HOST:PORT` with no --events on vLLM 0.32: its GET /kv_event_sources
     (a map from DP rank to the KV-events config) gives the endpoint (concrete: vLLM connects, so
     attach binds) and the replay endpoint; the map then mirrors what vLLM stores."""
     import time
 
-    from test_watch_vllm import chat
-
-    vllm = VllmServer(tmp_path)
+    vllm = VllmServer(tmp_path, free_port)
     vllm.start()
     backend = None
     try:

@@ -18,7 +18,6 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 from gateway_util import GatewayThread, gateway_app
 import serve_util
-from serve_util import serve  # noqa: F401 - the fixture
 
 from kvplay import cli
 from kvplay.labs import audit

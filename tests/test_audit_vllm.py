@@ -22,8 +22,8 @@ N = 20
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_audit_detects_a_pooling_gateway_and_not_a_salting_one(tmp_path):
-    with vllm_cpu(tmp_path) as url:
+def test_audit_detects_a_pooling_gateway_and_not_a_salting_one(tmp_path, free_port):
+    with vllm_cpu(tmp_path, free_port) as url:
         db = str(tmp_path / "a.db")
         results = {}
         for salt in (None, "per-key"):

@@ -12,7 +12,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from test_watch_subscriber import free_port
 
 from kvplay.wire.codec import BlockStored, EventBatch, WireError
 from kvplay.wire.discovery import MAX_RESPONSE_BYTES, Unreachable, discover
@@ -134,12 +133,12 @@ def test_nothing_or_nonsense_is_one_line(canned, routes, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
-def test_an_unreachable_server_is_unreachable():
+def test_an_unreachable_server_is_unreachable(free_port):
     with pytest.raises(Unreachable):
         discover(f"http://127.0.0.1:{free_port()}", timeout=2)
 
 
-def test_watch_url_finds_the_publisher_itself(canned, tmp_path):
+def test_watch_url_finds_the_publisher_itself(canned, tmp_path, free_port):
     """`kvplay watch URL` with no --events: the server's /kv_event_sources says where (a
     wildcard bound on loopback), watch connects there and mirrors what it publishes."""
     port = free_port()

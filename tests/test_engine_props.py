@@ -169,9 +169,8 @@ def test_checkout_folders_cannot_be_imported_as_top_level_packages():
     """From a checkout, `import engine` must not load a second copy of kvplay.engine."""
     import subprocess
     import sys
-    from pathlib import Path
+    from support import ROOT as root
 
-    root = Path(__file__).resolve().parent.parent
     for folder in ("engine", "sessions", "tui", "labs", "bench", "wire", "serve"):
         r = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=root, capture_output=True, text=True)
         assert r.returncode != 0

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from support import EXAMPLES
+
 from kvplay.cli import main as cli
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "cache-breaker.toml"
+EXAMPLE = EXAMPLES / "cache-breaker.toml"
 HEADER = re.compile(r"\[request [0-9a-f]{4} at [0-9TZ:-]+\]")
-
-
-@pytest.fixture(autouse=True)
-def _db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
 
 
 def lines(out: str) -> list[dict]:

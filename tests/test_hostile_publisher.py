@@ -295,11 +295,9 @@ while time.monotonic() < end:
 """
 
 
-def test_watch_duration_is_honoured_under_a_flood(tmp_path):
+def test_watch_duration_is_honoured_under_a_flood(tmp_path, free_port):
     """A publisher floods (50 events a batch, as fast as it can) for far longer than --duration:
     watch ends on its own, before the flood does, with its summary (and a bounded queue)."""
-    from test_watch_subscriber import free_port
-
     ep = f"tcp://127.0.0.1:{free_port()}"
     flood = subprocess.Popen([sys.executable, "-c", FLOOD, ep, "120"])
     try:

@@ -11,8 +11,8 @@ import pytest
 
 from hostile_util import CORPUS, LONG, MARKUP, HostilePub, HostileServer, assert_inert
 from recorded_util import scrubber
-from test_attach import attach_args
-from test_tui_app import wait_until
+from support.attach import attach_args
+from support.tui import layout, steady, wait_until
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import TurnSpec, UserSpec
@@ -20,6 +20,7 @@ from kvplay.tui.app import KvplayApp
 from kvplay.tui.attach import AttachApp
 from kvplay.commands.attach import open_backend
 from kvplay.tui.screens import ConfirmScreen, ErrorScreen, LabScreen
+from kvplay.tui.scrub import ScrubScreen
 from kvplay.tui.tree_view import TreeScreen
 
 SYSTEM = "You are terse. " + CORPUS[3]
@@ -43,7 +44,7 @@ def screen_text(app) -> str:
 
 
 async def shows_inert(app, pilot) -> str:
-    await pilot.pause(0.2)
+    await steady(pilot, lambda: layout(app))  # laid out after the last step (a hostile feed keeps the map changing)
     text = screen_text(app)
     assert_inert(text, None)
     return text
@@ -107,7 +108,7 @@ async def test_app_panes_tree_detail_and_events_are_inert(tiny_llama, tmp_path):
     # the scrubber of that recording: the users' panes, the event line, the tree
     scrub = scrubber(str(tmp_path / "s.db"), sid)
     async with scrub.run_test(size=(200, 60)) as pilot:
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(scrub.screen, ScrubScreen) and scrub.screen.is_mounted)
         await shows_inert(scrub, pilot)
         await pilot.press("end")
         text = await shows_inert(scrub, pilot)

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from hostile_util import CORPUS, LIVE, MARKUP, MODEL_ID, HostilePub, HostileServer, assert_inert, run_tty
-from serve_util import chat, serve, wait_until  # noqa: F401 (fixture)
+from serve_util import chat
+from support.wait import wait_for
 
 from kvplay.cli import main as cli_main
 
@@ -77,7 +78,7 @@ def test_a_body_users_markup_is_shown_inert_in_the_servers_recording(serve, tmp_
     def turns():
         with sqlite3.connect(db) as con:
             return con.execute("select session_id from turns").fetchall()
-    assert wait_until(turns)
+    wait_for(turns)
     sid = turns()[0][0]
     rc, out = run_tty(["show", sid, "--db", db])
     assert rc == 0, out

@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from interop_util import Tool, venv_python
-from serve_util import chat, serve  # noqa: F401 (fixture)
-from test_watch_subscriber import free_port
+from serve_util import chat
 
 from kvplay.wire.publisher import KVEventsConfig
 
@@ -21,7 +20,7 @@ SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly
 
 
 @pytest.mark.radixview
-def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path):
+def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path, free_port):
     py = venv_python("KVPLAY_RADIXVIEW_VENV", "/work/radixview-venv", ".kvplay-radixview-setup")
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}")
     srv, state = serve(kv_events=cfg, num_blocks=128)

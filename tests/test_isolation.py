@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import pytest
 
 from recorded_util import recorded
+
+from support import EXAMPLES
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
@@ -19,7 +20,6 @@ from kvplay.engine.prefix import block_extras, salt_for
 from kvplay.engine.sampling import SamplingParams
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 4}
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def chat(text):

@@ -10,7 +10,7 @@ import json
 from contextlib import redirect_stdout
 
 import pytest
-from serve_util import ALICE, BOB, keys, serve  # noqa: F401 - the fixture
+from serve_util import ALICE, BOB, keys
 from vllm_util import vllm_cpu
 
 from kvplay.engine.errors import EngineError
@@ -106,8 +106,8 @@ def test_cli_leak_target_json_and_bad_input(serve):  # noqa: F811
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_labs_against_a_real_vllm(tmp_path):
-    with vllm_cpu(tmp_path) as url:
+def test_labs_against_a_real_vllm(tmp_path, free_port):
+    with vllm_cpu(tmp_path, free_port) as url:
         t, r = _leak(url, salts=["none", "per-user"])
         assert r.config["block_size"] == 32 and r.config["vocab_ids"][1] == 32000
         by = {x["salt"]: x for x in r.data["results"] if x["blocks"] == 2}

@@ -5,7 +5,9 @@ server's own reuse counts."""
 from __future__ import annotations
 
 import pytest
-from serve_util import serve  # noqa: F401 - the fixture
+
+from support.ports import PortReservations
+from vllm_util import vllm_cpu
 
 from kvplay.bench import http_peer
 from kvplay.bench.workloads import build_workload
@@ -114,31 +116,15 @@ def test_a_server_error_makes_the_peer_unavailable_not_the_bench(serve, tiny_lla
 
 # --- the real vLLM (scripts/vllm-cpu.sh) ----------------------------------------------------------
 
-VLLM_VENV = __import__("os").environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
-
-
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    """A vLLM CPU server started by scripts/vllm-cpu.sh on a free loopback port (1 thread)."""
-    import os
-    import socket
-    import subprocess
-
-    if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-        pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
-    env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path_factory.mktemp("vllm")), KVPLAY_VLLM_THREADS="1",
-               KVPLAY_VLLM_PORT=str(port))
-    out = subprocess.run([script, "start", "--port", str(port)], env=env, capture_output=True, text=True,
-                         timeout=400)
+    """A vLLM CPU server (scripts/vllm-cpu.sh) on a reserved loopback port, one thread."""
+    ports = PortReservations()
     try:
-        assert out.returncode == 0, out.stderr[-2000:]
-        yield f"http://127.0.0.1:{port}"
+        with vllm_cpu(tmp_path_factory.mktemp("vllm"), ports, threads=1) as url:
+            yield url
     finally:
-        subprocess.run([script, "stop", "--port", str(port)], env=env, capture_output=True, timeout=60)
+        ports.close()
 
 
 @pytest.mark.vllm

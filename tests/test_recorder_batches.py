@@ -31,11 +31,6 @@ SYSTEM = "You are a terse assistant."
 TURNS = [("alice", "Tell me about caches."), ("bob", "Tell me about caches."), ("alice", "And about pools?")]
 
 
-@pytest.fixture(autouse=True)
-def _db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
-
-
 def _record(tiny_llama, db: str, num_blocks: int = 24) -> dict:
     from kvplay.engine.engine import Engine
 

@@ -19,11 +19,6 @@ SYSTEM = "You are a helpful assistant for a bakery. Answer briefly and never inv
 QUESTION = "How do I keep a sourdough starter alive over a long holiday away from home?"
 
 
-@pytest.fixture(autouse=True)
-def _db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
-
-
 def json_lines(out):
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
@@ -159,7 +154,7 @@ def test_bad_turn_settings_are_one_line(tmp_path, capsys, line, message):
 async def test_the_apps_f2_f4_f5_are_recorded_where_they_happened(tiny_llama, tmp_path):
     """The app's keys, not only the engine methods: F2 (isolation), F5 (deterministic, after its
     question) and F4 (clear) each leave their event in the recording, between the turns."""
-    from test_tui_app import SYSTEM as APP_SYSTEM, say, wait_until
+    from support.tui import SYSTEM as APP_SYSTEM, say, wait_until
 
     from kvplay.engine.config import EngineConfig
     from kvplay.sessions.script import UserSpec
@@ -180,7 +175,7 @@ async def test_the_apps_f2_f4_f5_are_recorded_where_they_happened(tiny_llama, tm
         await pilot.press("y")
         await wait_until(pilot, lambda: app.engine.config.deterministic)
         await pilot.press("f4")
-        await pilot.pause(0.5)
+        await wait_until(pilot, lambda: any("Cache cleared" in str(n.message) for n in app._notifications))
         await say(app, pilot, "alice", "Hello again")
     got = []
     for d in recorded(db, kinds=("RequestQueued", "SettingsChanged", "AllBlocksCleared")):

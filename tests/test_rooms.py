@@ -3,7 +3,7 @@ app, bound to a backend, and talk to each other only through what they were give
 from __future__ import annotations
 
 from textual.app import App
-from test_tui_app import wait_until
+from support.tui import wait_until
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import UserSpec

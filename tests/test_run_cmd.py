@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from support import EXAMPLES
+
 from kvplay.cli import main as cli
 
 SYSTEM = ("You are a helpful assistant for a bakery. You know the opening hours, the daily bread list, "
@@ -27,11 +29,6 @@ def run_json(capsys, argv):
     objs = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert objs and objs[-1]["summary"] is True
     return rc, objs[:-1], objs[-1]
-
-
-@pytest.fixture(autouse=True)
-def _db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
 
 
 TWO = [{"user": "alice", "text": "When are you open?"}, {"user": "bob", "text": "Do you sell rye?"}]
@@ -146,9 +143,8 @@ def test_bad_input_exit_2(tmp_path, capsys, argv_extra, body, fragment):
 @pytest.mark.slow
 def test_shared_system_example_on_embedded_model(capsys):
     """The issue's bar: bob reuses >= 480 of alice's tokens; --isolation user reuses none."""
-    from pathlib import Path
 
-    ex = str(Path(__file__).parent.parent / "examples" / "shared-system.toml")
+    ex = str(EXAMPLES / "shared-system.toml")
     rc, (a, b), _ = run_json(capsys, ["run", ex, "--json", "--no-record", "--model", "default"])
     assert rc == 0 and b["cached_from"].get("alice", 0) >= 480 and a["cached_tokens"] == 0
     rc, (a, b), _ = run_json(capsys, ["run", ex, "--json", "--no-record", "--model", "default", "--isolation", "user"])

@@ -1,6 +1,8 @@
 """The TOML script format: parsing, clear errors, dump round trip."""
 import pytest
 
+from support import EXAMPLES
+
 from kvplay.sessions.script import ScriptError, dump_script, load_script, parse_script
 
 GOOD = """
@@ -81,9 +83,8 @@ def test_load_missing(tmp_path):
 
 
 def test_examples_parse():
-    from pathlib import Path
 
-    files = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+    files = sorted(EXAMPLES.glob("*.toml"))
     assert len(files) >= 5
     for f in files:
         assert load_script(f).turns

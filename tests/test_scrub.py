@@ -8,6 +8,7 @@ import pytest
 
 from pool_view import block_view
 from recorded_util import as_batches
+from support.tui import wait_until
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.sampling import SamplingParams
@@ -119,7 +120,7 @@ async def test_keys_step_turns_play_and_seek(recorded):
     events = flat_events(recorded["batches"])
     app = _app(recorded, cursor=0)
     async with app.run_test(size=(160, 48)) as pilot:
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, ScrubScreen) and app.screen.is_mounted)
         scr = app.screen
         assert isinstance(scr, ScrubScreen) and scr.cursor == 0
         assert _map(scr).source is scr.state.mirror
@@ -156,7 +157,7 @@ async def test_keys_step_turns_play_and_seek(recorded):
         tl = scr.query_one(Timeline)
         x = 9 + tl.span_w // 2
         await pilot.click(Timeline, offset=(x, 1))
-        await pilot.pause(0.1)
+        await wait_until(pilot, lambda: 0 < scr.cursor < len(events))
         ts = tl.ts_at(x)
         assert 0 < scr.cursor < len(events)
         assert (events[scr.cursor - 1].ts or 0) <= ts
@@ -199,7 +200,7 @@ async def test_palette_opens_the_scrubber_on_the_recorded_session(tiny_llama, tm
             await pilot.pause(0.05)
         live = _live(app.engine)
         app.action_scrub()
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, ScrubScreen) and app.screen.is_mounted)
         scr = app.screen
         assert isinstance(scr, ScrubScreen) and scr.cursor == len(scr.rec.events) > 0
         assert _rebuilt(scr.state) == live

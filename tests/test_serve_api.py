@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve, wait_until  # noqa: F401 (fixture)
+from serve_util import ALICE, BOB, SYSTEM, chat, keys
+from support.wait import wait_for
 
 
 def sse_events(resp):
@@ -202,12 +203,12 @@ def test_disconnect_cancels_and_frees_blocks_at_once(serve):
             assert eng.stats()["running"] >= 1
         # the response is closed: the request is cancelled and its blocks go back now,
         # long before 3000 tokens could have been generated
-        assert wait_until(lambda: "leaver" in finished)
+        wait_for(lambda: "leaver" in finished)
     assert finished["leaver"].finish_reason == "cancelled"
     assert finished["leaver"].stats["output_tokens"] < 3000
     t.join(60)
     assert other["r"].status_code == 200 and other["r"].json()["usage"]["completion_tokens"] == 40
-    assert wait_until(lambda: eng.stats()["blocks_in_use"] == 0)
+    wait_for(lambda: eng.stats()["blocks_in_use"] == 0)
     eng.call(eng.pool.check)
 
 
@@ -284,7 +285,7 @@ def test_serve_records_turns(serve, tmp_path):
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, ALICE, "one")
         chat(c, srv.url, BOB, "two")
-    assert wait_until(lambda: sqlite3.connect(tmp_path / "sessions.db").execute(
+    wait_for(lambda: sqlite3.connect(tmp_path / "sessions.db").execute(
         "select count(*) from turns").fetchone()[0] == 2)
     db = sqlite3.connect(tmp_path / "sessions.db")
     users = dict(db.execute("select name, \"group\" from users").fetchall())
@@ -309,7 +310,7 @@ def test_a_served_session_replays_its_completion_turns_too(serve, tmp_path, caps
                    json={"prompt": "abc abc abc def", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200
     db = tmp_path / "sessions.db"
-    assert wait_until(lambda: sqlite3.connect(db).execute("select count(*) from turns").fetchone()[0] == 2)
+    wait_for(lambda: sqlite3.connect(db).execute("select count(*) from turns").fetchone()[0] == 2)
     con = sqlite3.connect(db)
     sid = con.execute("select id from sessions").fetchone()[0]
     messages, ids = con.execute("select messages, prompt_ids from turns where user = 'bob'").fetchone()
@@ -357,7 +358,7 @@ def test_n_choices_share_the_prompt_and_stream_with_their_index(serve, tmp_path)
     assert events[-1] == "[DONE]"
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 10 and events[-2]["choices"] == []
-    assert wait_until(lambda: sqlite3.connect(tmp_path / "sessions.db").execute(
+    wait_for(lambda: sqlite3.connect(tmp_path / "sessions.db").execute(
         "select count(*) from turns").fetchone()[0] == 8)  # every choice is a recorded turn
 
 
@@ -437,9 +438,9 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_too(serve):
             c.post(srv.url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000, "ignore_eos": True,
                 "user": "impatient"})
-    assert wait_until(lambda: "impatient" in finished)
+    wait_for(lambda: "impatient" in finished)
     assert finished["impatient"].finish_reason == "cancelled"
-    assert wait_until(lambda: eng.stats()["blocks_in_use"] == 0)
+    wait_for(lambda: eng.stats()["blocks_in_use"] == 0)
 
 
 def test_kvplay_serve_command_end_to_end(tmp_path):

@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve, wait_until  # noqa: F401 (fixture)
+from serve_util import ALICE, BOB, SYSTEM, chat, keys
+from support.wait import wait_for
 
 
 @pytest.fixture
@@ -163,7 +164,7 @@ def test_a_client_that_leaves_frees_its_blocks_in_the_core(core_serve):
             for line in r.iter_lines():
                 if '"text"' in line:
                     break
-        assert wait_until(lambda: side.stats()["running"] == 0 and side.stats()["blocks_in_use"] == 0)
+        wait_for(lambda: side.stats()["running"] == 0 and side.stats()["blocks_in_use"] == 0)
 
 
 def test_when_the_core_dies_health_and_requests_say_503(core_serve):

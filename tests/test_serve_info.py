@@ -8,9 +8,8 @@ import time
 import httpx
 import pytest
 
-from serve_util import ALICE, chat, keys, serve  # noqa: F401 (fixture)
-from test_attach import attach_args
-from test_watch_subscriber import free_port
+from serve_util import ALICE, chat, keys
+from support.attach import attach_args
 
 from kvplay.commands.attach import open_backend
 from kvplay.wire.discovery import discover
@@ -18,8 +17,9 @@ from kvplay.wire.publisher import KVEventsConfig
 
 
 def events_cfg(endpoint=None, replay=True, topic="kv-events"):
-    return KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint or f"tcp://*:{free_port()}",
-                          replay_endpoint=f"tcp://*:{free_port()}" if replay else None, topic=topic)
+    """Bound on ports the publisher picks (`*`): what it advertises is the port it got."""
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint or "tcp://*:*",
+                          replay_endpoint="tcp://*:*" if replay else None, topic=topic)
 
 
 def test_kv_event_sources_is_vllms_shape(serve):
@@ -37,7 +37,7 @@ def test_kv_event_sources_is_vllms_shape(serve):
     assert info["page_size"] == 16 and info["dp_size"] == 1
 
 
-def test_without_events_or_with_a_connecting_publisher(serve):
+def test_without_events_or_with_a_connecting_publisher(serve, free_port):
     srv, _ = serve(num_blocks=32)
     assert httpx.get(srv.url + "/kv_event_sources").json() == {}
     assert httpx.get(srv.url + "/server_info").json()["kv_events"] is None

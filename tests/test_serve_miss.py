@@ -9,7 +9,7 @@ import httpx
 
 from kvplay.serve.keys import load_keys
 
-from serve_util import chat, serve  # noqa: F401 (fixture)
+from serve_util import chat
 
 KEYS = """
 [[keys]]

@@ -16,7 +16,8 @@ import msgpack
 import pytest
 import zmq
 
-from serve_util import ALICE, BOB, SYSTEM, chat, keys, serve, wait_until  # noqa: F401 (fixture)
+from serve_util import ALICE, BOB, chat, keys
+from support.wait import wait_for
 
 
 def sse_events(resp):
@@ -178,7 +179,7 @@ def test_watch_subscribes_with_curve_keys(tmp_path):
             sub.poll(50)
             return sub.fleet.pods[next(iter(sub.fleet.pods))].last_seq >= 0
 
-        assert wait_until(got)
+        wait_for(got)
     finally:
         sub.close()
         pub.shutdown()
@@ -204,7 +205,7 @@ def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
         time.sleep(0.5)  # both subscribed (or refused by the server)
         with httpx.Client(timeout=60) as c:
             assert chat(c, srv.url, content="a secret", user="alice").status_code == 200
-        assert wait_until(lambda: any(p.blocks for p in backends[1].fleet.pods.values()), 15)
+        wait_for(lambda: any(p.blocks for p in backends[1].fleet.pods.values()), 15)
         assert not any(p.blocks for p in backends[0].fleet.pods.values())
     finally:
         for be in backends:
@@ -457,7 +458,7 @@ def test_replay_hammer_is_cut_and_live_batches_keep_flowing():
                 good.recv_multipart()
                 live += 1
         assert live == 50  # every live batch arrived, in the middle of the hammer
-        assert wait_until(lambda: pub.peers_cut >= 4, 10)  # 10k requests is over any peer's budget
+        wait_for(lambda: pub.peers_cut >= 4, 10)  # 10k requests is over any peer's budget
         assert pub.replay_refused > 0
 
 
@@ -472,7 +473,7 @@ def test_replay_waits_for_a_slow_reader_instead_of_dropping_frames():
     try:
         for _ in range(3000):
             pub.publish(stored_batch(2000))  # ~6 kB a batch: 18 MB, more than the pipes hold
-        assert wait_until(lambda: pub.next_seq == 3000, 30)
+        wait_for(lambda: pub.next_seq == 3000, 30)
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVHWM, 100)

@@ -31,11 +31,6 @@ def json_lines(out):
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-@pytest.fixture(autouse=True)
-def _db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
-
-
 def recorded(tmp_path, capsys, **kw):
     db = str(tmp_path / "s.db")
     assert cli(["run", write_script(tmp_path, **kw), "--json", "--db", db]) == 0

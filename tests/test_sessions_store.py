@@ -27,8 +27,7 @@ EXPECTED = {
 
 
 @pytest.fixture(autouse=True)
-def _no_default_db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
+def _short_db_timeout(monkeypatch):  # the default DB is the test's own (tests/conftest.py)
     monkeypatch.setenv("KVPLAY_DB_TIMEOUT", "0.2")
 
 

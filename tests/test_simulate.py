@@ -1,9 +1,10 @@
 """`kvplay simulate`: a recorded run replays through the real scheduler and pool with no model,
 reproduces its live hits under its own settings, and Belady's optimum bounds every policy."""
 import json
-from pathlib import Path
 
 import pytest
+
+from support import EXAMPLES
 
 from kvplay.cli import main as cli
 from kvplay.sessions.simulate import (SIM_POLICIES, Trace, TraceRequest, simulate,
@@ -11,13 +12,7 @@ from kvplay.sessions.simulate import (SIM_POLICIES, Trace, TraceRequest, simulat
 from kvplay.sessions.store import open_db
 from kvplay.sessions.traces import session_trace
 
-ROOT = Path(__file__).resolve().parent.parent
-PRESSURE = str(ROOT / "examples" / "eviction-pressure.toml")
-
-
-@pytest.fixture(autouse=True)
-def _no_default_db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
+PRESSURE = str(EXAMPLES / "eviction-pressure.toml")
 
 
 @pytest.fixture(scope="module")

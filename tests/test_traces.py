@@ -2,10 +2,11 @@
 trace; each imports as a session that the scrubber and the simulator open; bad files get one
 line naming the record and field (exit 2) and keep what came before."""
 import json
-from pathlib import Path
 
 import msgpack
 import pytest
+
+from support import EXAMPLES, FIXTURES
 
 from kvplay.cli import main as cli
 from kvplay.sessions.history import load_recording, pool_state
@@ -14,14 +15,6 @@ from kvplay.sessions.store import open_db
 from kvplay.sessions.traces import read_trace_file, session_trace
 from kvplay.wire.codec import BlockStored, decode_batch
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures"
-
-
-@pytest.fixture(autouse=True)
-def _no_default_db(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVPLAY_DB", str(tmp_path / "default.db"))
-
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -29,7 +22,7 @@ def exported(tmp_path_factory):
     in the three trace formats."""
     d = tmp_path_factory.mktemp("traces")
     db = str(d / "s.db")
-    script = ROOT / "examples" / "eviction-pressure.toml"
+    script = EXAMPLES / "eviction-pressure.toml"
     assert cli(["run", str(script), "--model", "tiny:llama", "--num-blocks", "80", "--isolation", "shared",
                 "--db", db, "--json"]) == 0
     sid = next(open_db(db).query("select id from sessions"))["id"]
@@ -135,7 +128,7 @@ def test_truncated_file_imports_up_to_its_last_good_record(exported, tmp_path, c
 
 def test_other_formats_and_broken_chains(exported, tmp_path, capsys):
     db = str(tmp_path / "imp.db")
-    toml = ROOT / "examples" / "eviction-pressure.toml"
+    toml = EXAMPLES / "eviction-pressure.toml"
     _one_line_exit_2(capsys, ["import", str(toml), "--db", db], "record 1")
     other = tmp_path / "other.jsonl"
     other.write_text('{"prompt": "hello", "model": "x"}\n')

@@ -4,11 +4,10 @@ predicted vs delivered cached tokens per attached turn."""
 from __future__ import annotations
 
 import httpx
-from serve_util import chat, serve  # noqa: F401 (fixture)
-from test_attach import attach_args
-from test_tui_app import badges, wait_until
+from serve_util import chat
+from support.attach import attach_args
+from support.tui import badges, wait_until
 from recorded_util import as_batch
-from test_watch_subscriber import free_port
 from rich.color import Color
 from rich.style import Style
 from textual.widgets import Static, Tree
@@ -56,8 +55,7 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
     app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), list(USERS), SYSTEM, turns=list(TURNS),
                     db=str(tmp_path / "s.db"), loaded=tiny_llama, timings=False)
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set(), timeout=120)
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: app.chat.autoplay_done.is_set() and app.settled, timeout=120)
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: isinstance(app.screen, TreeScreen) and app.screen.ready)
         screen = app.screen
@@ -85,14 +83,14 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
     # the same tree from the session's recording, in the scrubber at its end
     from kvplay.sessions.history import load_recording
     from kvplay.sessions.store import open_db
-    from kvplay.tui.scrub import ScrubApp
+    from kvplay.tui.scrub import ScrubApp, ScrubScreen
 
     db = open_db(str(tmp_path / "s.db"), create=False)
     rec = load_recording(db, sid)
     db.close()
     scrub = ScrubApp(rec)
     async with scrub.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(scrub.screen, ScrubScreen) and scrub.screen.is_mounted)
         await pilot.press("t")
         await wait_until(pilot, lambda: isinstance(scrub.screen, TreeScreen) and scrub.screen.ready)
         assert by_tokens(scrub.screen.trees[None]) == live_shape
@@ -103,15 +101,15 @@ async def test_tree_in_the_app_and_in_the_scrubber_of_its_recording(tiny_llama, 
         assert len(scrub.screen.trees[None].roots) == 1 and len(scrub.screen.trees[None].roots[0].children) == 0
 
 
-def kv_server(serve):
+def kv_server(serve, free_port):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
     srv, state = serve(kv_events=cfg, num_blocks=64)
     return srv, state, ev, rep
 
 
-async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
-    srv, state, ev, rep = kv_server(serve)
+async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path, free_port):
+    srv, state, ev, rep = kv_server(serve, free_port)
     local = []
     state.side.engine.subscribe_batches(lambda b: local.extend(b.events))  # the server engine's own events: the reference tree
     backend = open_backend(attach_args(srv.url, "--events-bind", ev, "--replay", rep, "--pod", "kv"))
@@ -141,8 +139,8 @@ async def test_attach_tree_and_predicted_equals_delivered(serve, tmp_path):
         assert screen_lines(app.screen)[0].startswith("A ")
 
 
-async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path):
-    srv, state, ev, _rep = kv_server(serve)
+async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path, free_port):
+    srv, state, ev, _rep = kv_server(serve, free_port)
     # a turn the mirror never hears of: sent before attaching, and no --replay to bring it back
     with httpx.Client() as c:
         assert chat(c, srv.url, system=SYSTEM, content="Do you sell rye bread?",
@@ -159,7 +157,7 @@ async def test_attach_flags_a_prediction_the_server_contradicts(serve, tmp_path)
         assert backend.stats()["mispredicted_turns"] == 1
 
 
-async def test_attach_predicts_with_the_servers_salt_under_user_isolation(serve, tmp_path):
+async def test_attach_predicts_with_the_servers_salt_under_user_isolation(serve, tmp_path, free_port):
     """kvplay serve --isolation user salts each key's blocks: another key's cached chain of the same
     prompt is no hit for ours. The first turn cannot know our salt (said, not a mismatch); then
     it is learned from our session's events (the server names the user it bound to our key) and
@@ -263,12 +261,12 @@ async def test_many_branches_are_listed_eight_at_a_time_and_a_block_finds_its_no
         assert not screen.find_block(30)  # a block holding no cached prefix: a notice
 
 
-async def test_kvplay_tree_of_a_server(serve, capsys):
+async def test_kvplay_tree_of_a_server(serve, capsys, free_port):
     import json
 
     from kvplay.cli import main as cli
 
-    srv, state, ev, rep = kv_server(serve)
+    srv, state, ev, rep = kv_server(serve, free_port)
     with httpx.Client() as c:
         for q in ("Do you sell rye bread?", "Are croissants baked daily?"):
             assert chat(c, srv.url, system=SYSTEM, content=q, model=state.model_name, user="alice").status_code == 200

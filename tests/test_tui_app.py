@@ -1,47 +1,14 @@
 """Pilot tests of the playground against the real engine on the tiny random model."""
 from __future__ import annotations
 
-import asyncio
-
-
 from recorded_util import recorded
+from support.tui import SYSTEM, badges, make_app, say, wait_until
 
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import UserSpec
 from kvplay.tui.app import KvplayApp
 from kvplay.tui.blockmap import BlockMap
 from kvplay.tui.screens import ErrorScreen
-
-SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
-
-
-def make_app(loaded, users=("alice", "bob", "carol"), **cfg):
-    cfg.setdefault("model", "tiny:llama")
-    cfg.setdefault("num_blocks", 64)
-    return KvplayApp(EngineConfig(**cfg), [UserSpec(u, max_tokens=8) for u in users], SYSTEM,
-                     loaded=loaded, record=False, timings=False)
-
-
-async def wait_until(pilot, cond, timeout=60.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await pilot.pause(0.05)
-
-
-async def say(app, pilot, user, text):
-    pane = app.pane(user)
-    pane.input.focus()
-    pane.input.value = text
-    await pilot.press("enter")
-    await wait_until(pilot, lambda: not app.busy)
-    await wait_until(pilot, lambda: app.settled)
-    await pilot.pause(0.1)
-
-
-def badges(app, user):
-    return app.pane(user).chat.texts("badge")
 
 
 async def test_second_user_reuses_first_users_blocks(tiny_llama):
@@ -101,8 +68,7 @@ async def test_isolation_switch_stops_cross_user_reuse(tiny_llama):
         cached, _, why = badges(app, "bob")[-1].partition(" · missed ")
         assert "alice" not in cached and "isolated from alice" in why  # whose blocks would have hit
         assert not app.query_one(BlockMap).hit
-        await pilot.pause(0.2)
-        assert "isolation user" in str(app.query_one("#status").render())
+        await wait_until(pilot, lambda: "isolation user" in str(app.query_one("#status").render()))
 
 
 async def test_map_has_one_cell_per_pool_block(tiny_llama):
@@ -118,8 +84,7 @@ async def test_map_has_one_cell_per_pool_block(tiny_llama):
 async def test_map_refreshes_only_changed_rows(tiny_llama):
     app = make_app(tiny_llama, num_blocks=200)
     async with app.run_test(size=(160, 48)) as pilot:
-        await wait_until(pilot, lambda: app.query_one(BlockMap).cell_count == 200)
-        await pilot.pause(0.1)
+        await wait_until(pilot, lambda: app.query_one(BlockMap).cell_count == 200 and app.settled)
         bm = app.query_one(BlockMap)
         views = [app.backend.block(i) for i in range(200)]
         bm.update_blocks(views, app.looks)
@@ -136,7 +101,7 @@ async def test_block_details_decode_tokens(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "Hello there")
         app.cache.select_block(0)
-        await pilot.pause(0.1)
+        await wait_until(pilot, lambda: "block #0" in str(app.query_one("#detail").render()))
         detail = str(app.query_one("#detail").render())
         assert "block #0" in detail and "creator alice" in detail and "<|im_start|>system" in detail
         await pilot.press("right")
@@ -172,8 +137,7 @@ async def test_engine_failure_shows_error_screen_with_fix(tiny_llama):
 async def test_too_small_terminal_shows_notice(tiny_llama):
     app = make_app(tiny_llama)
     async with app.run_test(size=(60, 20)) as pilot:
-        await pilot.pause(0.1)
-        assert app.screen.has_class("too-small")
+        await wait_until(pilot, lambda: app.screen.has_class("too-small"))
         assert "needs at least 80×24" in str(app.query_one("#too-small").render())
 
 
@@ -182,7 +146,7 @@ async def test_add_and_remove_user(tiny_llama):
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         app.add_user(UserSpec("dave", max_tokens=4))
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: app.pane("dave").is_mounted and app.pane("dave").input.is_mounted)
         assert [p.user for p in app.panes] == ["alice", "bob", "dave"]
         await say(app, pilot, "dave", "Hi")
         assert "prompt" in badges(app, "dave")[-1]
@@ -237,8 +201,7 @@ async def test_hovering_a_cell_shows_its_details(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "Hello there")
         await pilot.hover("#map", offset=(2, 0))  # second cell of the first row
-        await pilot.pause(0.1)
-        assert "block #1 " in str(app.query_one("#detail").render())
+        await wait_until(pilot, lambda: "block #1 " in str(app.query_one("#detail").render()))
 
 
 async def test_replay_pause_and_step(tiny_llama):
@@ -250,11 +213,12 @@ async def test_replay_pause_and_step(tiny_llama):
     app.chat.paused = True
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
-        await pilot.pause(0.3)
+        # the script has started (its placeholders: set just before it waits at the pause)
+        await wait_until(pilot, lambda: app.pane("alice").input.placeholder.startswith("replaying"))
         assert not app.cache.requests and not app.busy  # paused: nothing was sent
         await pilot.press("f12")  # step: exactly one turn
         await wait_until(pilot, lambda: len(app.cache.requests) == 1 and not app.busy)
-        await pilot.pause(0.3)
+        await pilot.pause(0.3)  # the subject: paused again after one step, no second turn goes in this time
         assert len(app.cache.requests) == 1 and app.cache.requests[0].user == "alice"
         await pilot.press("f11")  # resume
         await wait_until(pilot, app.chat.autoplay_done.is_set)
@@ -309,13 +273,13 @@ async def test_user_settings_form_changes_seed_temperature_group(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         app.pane("bob").input.focus()
         await pilot.press("f7")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: app.screen.query("#field-seed"))
         screen = app.screen
         for name, value in (("seed", "7"), ("temperature", "0.5"), ("group", "team-b")):
             screen.query_one(f"#field-{name}").value = value
         screen.query_one("#field-group").focus()
         await pilot.press("enter")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: "group team-b" in str(app.pane("bob").border_subtitle))
         spec = app.pane("bob").spec
         assert (spec.seed, spec.temperature, spec.group) == (7, 0.5, "team-b")
         assert "group team-b" in str(app.pane("bob").border_subtitle)
@@ -326,11 +290,10 @@ async def test_system_prompt_edit_changes_the_next_prompt(tiny_llama):
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await pilot.press("f6")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: app.screen.query("TextArea"))
         app.screen.query_one("TextArea").text = "Be terse."
         await pilot.press("ctrl+s")
-        await pilot.pause(0.1)
-        assert app.chat.system_prompt == "Be terse."
+        await wait_until(pilot, lambda: app.chat.system_prompt == "Be terse.")
 
 
 async def test_a_broken_database_does_not_break_the_playground(tiny_llama, tmp_path):
@@ -346,13 +309,13 @@ async def test_a_broken_database_does_not_break_the_playground(tiny_llama, tmp_p
 
 
 async def test_lab_runs_from_the_app_and_shows_its_verdict(tiny_llama):
-    from kvplay.tui.screens import LabScreen
+    from kvplay.tui.screens import ConfirmScreen, LabScreen
 
     app = make_app(tiny_llama, num_blocks=128)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         app.action_run_lab("response-cache")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")  # the confirmation
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
         from rich.panel import Panel
@@ -373,8 +336,7 @@ async def test_a_lab_leaves_no_blocks_and_none_of_its_requests_in_the_apps_numbe
         app.controls.start_lab("response-cache")
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)
         app.cache.mark_dirty()
-        await wait_until(pilot, lambda: app.settled)
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: app.settled and "hit rate 0%" in str(app.query_one("#stats").render()))
         st = app.cache.stats
         assert app.engine.stats()["query_tokens"] > own.prompt_tokens  # the lab did run requests
         assert (st["query_tokens"], st["hit_tokens"]) == (own.prompt_tokens, own.cached_tokens)
@@ -390,7 +352,7 @@ async def test_an_app_session_without_turns_is_not_recorded(tiny_llama, tmp_path
                     loaded=tiny_llama, record=True, db=str(db), timings=False)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
-        await pilot.pause(0.3)
+        await pilot.pause(0.3)  # the subject: the app runs a while with no turn, and records nothing
     assert not db.exists() or sqlite3.connect(db).execute("select count(*) from sessions").fetchone()[0] == 0
 
 
@@ -443,17 +405,15 @@ async def test_small_terminal_shows_one_pane_and_panels_follow_resizes(tiny_llam
         bars = app.query_one(RequestBars)
         wide = max(len(line) for line in bars.render().plain.splitlines())
         await pilot.resize_terminal(80, 24)
-        await pilot.pause(0.3)
-        assert app.screen.has_class("compact")
+        await wait_until(pilot, lambda: app.screen.has_class("compact") and app.pane("alice").region.width >= 70)
         shown = [p.user for p in app.panes if p.display and p.region.width]
         assert shown == ["alice"] and app.pane("alice").region.width >= 70
         await pilot.press("ctrl+t")  # the cache panel as a tab
-        await pilot.pause(0.2)
-        assert app.query_one("#side").region.width >= 70 and not app.pane("alice").region.width
+        await wait_until(pilot, lambda: app.query_one("#side").region.width >= 70 and not app.pane("alice").region.width)
         await pilot.press("ctrl+t")
         await pilot.resize_terminal(200, 48)
-        await pilot.pause(0.3)
-        assert not app.screen.has_class("compact") and all(p.region.width for p in app.panes)
+        await wait_until(pilot, lambda: not app.screen.has_class("compact") and all(p.region.width for p in app.panes)
+                         and max(len(line) for line in bars.render().plain.splitlines()) == wide)
         assert max(len(line) for line in bars.render().plain.splitlines()) == wide >= 40
 
 
@@ -501,33 +461,29 @@ async def test_live_timeline_shows_each_request_and_each_users_ttft(tiny_llama):
         assert axis.rstrip().endswith("▲ now") and tl.cursor_ts == tl.t1 >= bob["first"]
         wide = len(axis)
         await pilot.resize_terminal(80, 24)
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: app.screen.has_class("compact"))
         await pilot.press("ctrl+t")  # the cache tab
-        await pilot.pause(0.3)
-        assert tl.region.width >= 70
+        await wait_until(pilot, lambda: tl.region.width >= 70)
         narrow = tl.render().plain.splitlines()
         assert all(len(ln) <= tl.size.width for ln in narrow) and narrow[-1].rstrip().endswith("▲ now")
         await pilot.press("ctrl+t")
         await pilot.resize_terminal(200, 48)
-        await pilot.pause(0.3)
-        assert len(tl.render().plain.splitlines()[-1]) == wide
+        await wait_until(pilot, lambda: len(tl.render().plain.splitlines()[-1]) == wide)
 
 
 async def test_too_small_notice_follows_each_resize(tiny_llama):
     """The notice names the size the terminal has now (on_resize read the old one: one behind)."""
     app = make_app(tiny_llama)
     async with app.run_test(size=(160, 48)) as pilot:
-        await pilot.pause(0.1)
+        await pilot.pause()  # mounted, its first size handled
         assert not app.screen.has_class("too-small")
         await pilot.resize_terminal(60, 20)
-        await pilot.pause(0.1)
-        assert app.screen.has_class("too-small") and "is 60×20" in str(app.query_one("#too-small").render())
+        await wait_until(pilot, lambda: app.screen.has_class("too-small")
+                         and "is 60×20" in str(app.query_one("#too-small").render()))
         await pilot.resize_terminal(70, 22)
-        await pilot.pause(0.1)
-        assert "is 70×22" in str(app.query_one("#too-small").render())
+        await wait_until(pilot, lambda: "is 70×22" in str(app.query_one("#too-small").render()))
         await pilot.resize_terminal(80, 24)
-        await pilot.pause(0.1)
-        assert not app.screen.has_class("too-small")
+        await wait_until(pilot, lambda: not app.screen.has_class("too-small"))
 
 
 async def test_cache_tab_then_wide_then_small_again_shows_the_pane_and_ctrl_t_works(tiny_llama):
@@ -537,19 +493,17 @@ async def test_cache_tab_then_wide_then_small_again_shows_the_pane_and_ctrl_t_wo
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await pilot.press("ctrl+t")
-        await pilot.pause(0.2)
-        assert app.screen.has_class("show-cache")
+        await wait_until(pilot, lambda: app.screen.has_class("show-cache"))
         await pilot.resize_terminal(200, 50)
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: not app.screen.has_class("compact"))
         await pilot.resize_terminal(80, 24)
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: app.screen.has_class("compact") and app.pane("alice").region.width)
         switcher = app.query_one(PaneSwitcher)
         shown = [p.user for p in app.panes if p.display and p.region.width]
         assert not app.screen.has_class("show-cache") and shown == ["alice"]
         assert switcher.active == app._tab_id("alice")  # the tab bar names what is shown
         await pilot.press("ctrl+t")  # at once, no alt+→ needed first
-        await pilot.pause(0.2)
-        assert app.screen.has_class("show-cache") and switcher.active == CACHE_TAB
+        await wait_until(pilot, lambda: app.screen.has_class("show-cache") and switcher.active == CACHE_TAB)
 
 
 async def test_event_log_is_on_screen_when_opened_with_four_users(tiny_llama):
@@ -558,8 +512,8 @@ async def test_event_log_is_on_screen_when_opened_with_four_users(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "Hello there")
         await pilot.press("f10")
-        await pilot.pause(0.3)
         log, side = app.query_one("#events"), app.query_one("#side")
+        await wait_until(pilot, lambda: log.region.height >= 3 and side.region.contains_region(log.region))
         assert log.region.height >= 3 and side.region.contains_region(log.region), (log.region, side.region, side.scroll_y, side.max_scroll_y, side.virtual_size, app.size)
 
 
@@ -580,8 +534,7 @@ async def test_loading_note_goes_when_the_queued_message_is_sent(tiny_llama, mon
         pane.input.value = "Hello there"
         pane.input.focus()
         await pilot.press("enter")
-        await pilot.pause(0.1)
-        assert any("still loading" in t for t in pane.chat.texts("note"))
+        await wait_until(pilot, lambda: any("still loading" in t for t in pane.chat.texts("note")))
         go.set()
         await wait_until(pilot, lambda: app.engine is not None and not app.busy and pane.chat.texts("badge"))
         assert not any("still loading" in t for t in pane.chat.texts("note"))
@@ -594,11 +547,11 @@ async def test_added_user_gets_the_focus(tiny_llama):
         await wait_until(pilot, lambda: app.engine is not None)
         app.pane("alice").input.focus()
         await pilot.press("f8")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: app.screen.query("#field-name"))
         app.screen.query_one("#field-name").value = "dave"
         app.screen.query_one("#field-name").focus()
         await pilot.press("enter")
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: app.current_pane().user == "dave" and app.pane("dave").input.has_focus)
         assert app.current_pane().user == "dave" and app.pane("dave").input.has_focus
 
 
@@ -611,7 +564,7 @@ async def test_deterministic_confirmation_says_on_and_the_blocks_it_drops(tiny_l
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         n = app.engine.stats()["blocks_cached"]
         await pilot.press("f5")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         assert isinstance(app.screen, ConfirmScreen) and n > 0
         q = app.screen.question
         assert "deterministic on" in q and f"the {n} cached blocks" in q and "True" not in q
@@ -677,7 +630,7 @@ async def test_a_lab_from_the_palette_records_its_own_session_not_into_the_apps(
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "What is a KV cache in a transformer?")
         app.action_run_lab("response-cache")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         assert isinstance(app.screen, ConfirmScreen) and "session of their own (lab:response-cache)" in app.screen.question
         await pilot.press("y")
         await wait_until(pilot, lambda: isinstance(app.screen, LabScreen), timeout=120)

@@ -3,82 +3,24 @@ binds), a batch lost in transit, a publisher restart; JSON lines, the summary, t
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
 import sqlite3
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from recorded_util import recorded
-from test_watch_subscriber import free_port, restart
+from support.watch import KVPLAY, Watch, restart
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.publisher import ZmqEventPublisher
 
-KVPLAY = [sys.executable, "-m", "kvplay"]
 BS = 4
 
 
 def stored(hashes, parent, session):
     return BlockStored(list(hashes), parent, [h % 100 for h in hashes for _ in range(BS)], BS, None, "GPU", None,
                        session_id=session)
-
-
-class Watch:
-    """`kvplay watch` in a subprocess; its stdout lines arrive in a queue."""
-
-    def __init__(self, *args):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.p = subprocess.Popen(KVPLAY + ["watch", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=env)
-        self.lines: queue.Queue = queue.Queue()
-        self.err: list[str] = []
-        threading.Thread(target=self._read, args=(self.p.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.p.stderr, self.err.append), daemon=True).start()
-
-    @staticmethod
-    def _read(f, put):
-        for line in f:
-            put(line.rstrip("\n"))
-
-    def wait_err(self, text, timeout=60):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if any(text in e for e in self.err):
-                return
-            if self.p.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {text!r} on stderr: {self.err}")
-
-    def until(self, pred, timeout=20, feed=None):
-        """Read JSON lines until pred(line) (calling feed() between reads); returns all read."""
-        got = []
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                d = json.loads(self.lines.get(timeout=0.05))
-            except queue.Empty:
-                if feed is not None:
-                    feed()
-                continue
-            got.append(d)
-            if pred(d):
-                return got
-        raise AssertionError(f"timed out after {got[-5:]}; stderr {self.err}")
-
-    def stop(self):
-        self.p.send_signal(signal.SIGINT)
-        self.p.wait(30)
-        rest = []
-        while not self.lines.empty():
-            rest.append(json.loads(self.lines.get()))
-        return rest
 
 
 @pytest.fixture
@@ -89,7 +31,7 @@ def pubs():
         p.shutdown()
 
 
-def test_watch_json_gap_restart_and_recording(tmp_path, pubs):
+def test_watch_json_gap_restart_and_recording(tmp_path, pubs, free_port):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     db = tmp_path / "s.db"
     # seq 3 is lost in transit (a test hook): watch must replay it, in order
@@ -172,7 +114,7 @@ def test_watch_json_gap_restart_and_recording(tmp_path, pubs):
     assert alive == {7, 8}  # hashes as the server sent them
 
 
-def test_watch_human_output_and_no_record(tmp_path):
+def test_watch_human_output_and_no_record(tmp_path, free_port):
     ev = f"tcp://127.0.0.1:{free_port()}"
     r = subprocess.run(KVPLAY + ["watch", "--events", ev, "--duration", "1.5", "--no-record"],
                        capture_output=True, text=True, timeout=60)
@@ -198,7 +140,7 @@ def test_watch_bad_input_is_one_line_exit_2(argv, msg, capsys, tmp_path):
     assert not (tmp_path / "x.db").exists()  # nothing recorded for a refused watch
 
 
-def test_watch_bad_db_is_one_line_and_left_unchanged(capsys, tmp_path):
+def test_watch_bad_db_is_one_line_and_left_unchanged(capsys, tmp_path, free_port):
     from kvplay.cli import main
 
     bad = tmp_path / "notes.db"

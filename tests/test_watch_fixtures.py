@@ -4,17 +4,16 @@ vLLM's own usage and /metrics, every block hash is vLLM's sha256_cbor of its tok
 replay answer is the same bytes as the live stream, closed by the end marker."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgpack
 import pytest
+
+from support import FIXTURES
 
 from kvplay.engine.cbor_hash import block_hash, none_hash
 from kvplay.wire.codec import AllBlocksCleared, BlockStored, decode_batch, parse_frames
 from kvplay.wire.mirror import Mirror
 from kvplay.wire.translate import FromWire
 
-FIXTURES = Path(__file__).parent / "fixtures"
 CAPTURES = sorted(FIXTURES.glob("vllm_capture*.msgpack"))
 
 

@@ -7,8 +7,6 @@ import time
 import pytest
 
 from recorded_util import recorded
-from serve_util import serve  # noqa: F401 (fixture)
-from test_watch_subscriber import free_port
 
 from kvplay.engine.sampling import SamplingParams
 from kvplay.wire.publisher import KVEventsConfig
@@ -22,7 +20,7 @@ def msgs(text):
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 
 
-def test_remote_backend_over_kvplay_serve(serve, tmp_path):
+def test_remote_backend_over_kvplay_serve(serve, tmp_path, free_port):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
     backend = None
@@ -81,7 +79,7 @@ def test_remote_backend_over_kvplay_serve(serve, tmp_path):
             backend.close()
 
 
-def test_remote_backend_unreachable_is_one_line():
+def test_remote_backend_unreachable_is_one_line(free_port):
     from kvplay.engine.errors import EngineError
 
     with pytest.raises(EngineError, match="cannot reach"):

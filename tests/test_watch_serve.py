@@ -8,8 +8,8 @@ import time
 
 import httpx
 
-from serve_util import ALICE, BOB, chat, keys, serve, wait_until  # noqa: F401 (fixture)
-from test_watch_subscriber import free_port
+from serve_util import ALICE, BOB, chat, keys
+from support.wait import wait_for
 
 from kvplay.wire.codec import hex_to_wire_hash
 from kvplay.wire.mirror import Fleet
@@ -31,7 +31,7 @@ def engine_index(eng) -> dict:
     return out
 
 
-def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
+def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path, free_port):
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     fleet = Fleet()
     # kvplay serve follows vLLM: a non-wildcard endpoint connects, so we bind
@@ -51,10 +51,10 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path):
                 assert r.status_code == 200, r.text
                 cached.setdefault(who, []).append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         pub = state.side.events.publisher
-        assert wait_until(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
+        wait_for(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
                           timeout=20.0)
         time.sleep(0.2)
-        assert wait_until(lambda: m.last_seq == pub.next_seq - 1, timeout=20.0)
+        wait_for(lambda: m.last_seq == pub.next_seq - 1, timeout=20.0)
     finally:
         sub.stop()
         th.join(5)

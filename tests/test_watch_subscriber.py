@@ -3,11 +3,12 @@ loopback: late join, gaps filled by replay in seq order, restarts, bind mode, lo
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
 import pytest
 import zmq
+
+from support.watch import restart
 
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError
 from kvplay.wire.mirror import Fleet
@@ -84,36 +85,6 @@ def test_late_join_replays_from_zero(publisher):
         assert m.replayed >= 5 and m.gaps == 0 and m.stored == n
 
 
-def restart(publisher, ep, rep):
-    """A new publisher on the same endpoints (ZeroMQ frees a closed socket's port asynchronously)."""
-    from kvplay.engine.errors import EngineError
-
-    end = time.monotonic() + 5
-    while True:
-        try:
-            return publisher(ep, rep)
-        except EngineError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.05)
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, never one this process was given before (two calls
-    in a row could otherwise get the same port back: a test's events and replay endpoints
-    then collide)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
-
 def pump_for(sub, seconds):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -153,7 +124,7 @@ def test_gap_replay_never_resurrects_a_removed_block(publisher):
 
 
 @pytest.mark.parametrize("mode", ["bind", "connect"])
-def test_restart_clears_the_pod(publisher, mode, tmp_path):
+def test_restart_clears_the_pod(publisher, mode, tmp_path, free_port):
     restarts = []
     fleet = Fleet()
     rep = f"tcp://127.0.0.1:{free_port()}"
@@ -271,7 +242,7 @@ def test_two_pods_keep_their_own_seq(publisher):
 
 
 @contextlib.contextmanager
-def _publisher_gone(publisher):
+def _publisher_gone(publisher, free_port):
     """A binding subscriber with replay that applied three batches of a publisher which then went
     away (the pod is stale): yields (sub, its mirror, endpoint, replay endpoint, last seq)."""
     rep = f"tcp://127.0.0.1:{free_port()}"
@@ -294,11 +265,11 @@ def _publisher_gone(publisher):
         sub.close()
 
 
-def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
+def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher, free_port):
     """A new publisher whose seq has already passed ours looks like a gap to a seq-only consumer
     (it would keep the dead server's blocks). On reconnect the subscriber asks for its last seq
     and compares the payload: a different batch means a restart."""
-    with _publisher_gone(publisher) as (sub, m, ep, rep, old_last):
+    with _publisher_gone(publisher, free_port) as (sub, m, ep, rep, old_last):
         pub2 = restart(publisher, ep, rep)
         for i in range(old_last + 4):  # the new server is already past our seq when we see it
             publish(pub2, stored([900 + i]))
@@ -309,14 +280,14 @@ def test_restarted_publisher_already_past_our_seq_is_still_a_restart(publisher):
         assert set(m.blocks) == {900 + i for i in range(old_last + 4)}  # nothing of the old server
 
 
-def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(publisher):
+def test_restarted_publishers_batch_before_its_connect_event_is_verified_first(publisher, free_port):
     """The interleaving a busy box can produce: a restarted publisher's live batch (beyond our
     last seq) is read before the monitor's CONNECTED event is handled. Taken as a gap, it used to
     start a replay from last applied + 1 that applied the new server's batches as the old one's
     continuation (and the connect-verify was skipped while that replay ran): old blocks kept, no
     restart seen. It must verify our last batch first. Driven deterministically by holding the
     monitor's events back until the live batch was handled."""
-    with _publisher_gone(publisher) as (sub, m, ep, rep, old_last):
+    with _publisher_gone(publisher, free_port) as (sub, m, ep, rep, old_last):
         pod = sub._pods["p"]
         monitor, pod.monitor = pod.monitor, None  # hold the new peer's CONNECTED back
         sub._poller.unregister(monitor)

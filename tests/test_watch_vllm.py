@@ -4,46 +4,15 @@ and /metrics, and holds no block of the dead server."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from recorded_util import recorded
-from test_watch_cmd import Watch
-from test_watch_subscriber import free_port
+from support.watch import Watch
+from vllm_util import VllmServer, chat, hits_total
 
 from kvplay.engine.cbor_hash import block_hash, none_hash
-
-VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm-cpu.sh")
-SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, cakes, opening "
-          "hours and orders. Keep answers short, friendly and precise. ") * 5
-
-
-def post(url, body=None):
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read() or b"{}")
-
-
-def chat(base, user, text):
-    r = post(base + "/v1/chat/completions", {
-        "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0, "session_id": user, "user": user,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        "vllm_xargs": {"kv_cache_report_mode": "full"}})
-    u = r["usage"]
-    return u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def hits_total(base):
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
 
 
 def quiet(w, seconds=2.0, timeout=60):
@@ -60,34 +29,9 @@ def quiet(w, seconds=2.0, timeout=60):
     return got
 
 
-class VllmServer:
-    """A vLLM CPU server on free loopback ports, driven by scripts/vllm-cpu.sh (skips the test
-    when there is no vLLM venv): `base` for HTTP, `events`/`replay` for its KV events."""
-
-    def __init__(self, tmp_path):
-        if not os.path.exists(os.path.join(VLLM_VENV, "bin", "python")):
-            pytest.skip(f"no vLLM venv at {VLLM_VENV} (run scripts/vllm-cpu.sh setup)")
-        self.port, evp, rep = free_port(), free_port(), free_port()
-        self.events, self.replay = f"tcp://127.0.0.1:{evp}", f"tcp://127.0.0.1:{rep}"
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.env = dict(os.environ, KVPLAY_VLLM_RUN=str(tmp_path / "vllm"), KVPLAY_VLLM_THREADS="1",
-                        KVPLAY_VLLM_PORT=str(self.port))
-
-    def __call__(self, cmd, *args):
-        out = subprocess.run([SCRIPT, cmd, "--port", str(self.port), *args], env=self.env, capture_output=True,
-                             text=True, timeout=400)
-        assert out.returncode == 0, out.stderr[-2000:]
-
-    def start(self):
-        self("start", "--events", self.events, "--replay", self.replay)
-
-    def stop(self):
-        subprocess.run([SCRIPT, "stop", "--port", str(self.port)], env=self.env, capture_output=True, timeout=60)
-
-
 @pytest.mark.vllm
-def test_watch_real_vllm_gap_and_restart(tmp_path):
-    vllm = VllmServer(tmp_path)
+def test_watch_real_vllm_gap_and_restart(tmp_path, free_port):
+    vllm = VllmServer(tmp_path, free_port)
     ev, rep_ep, base = vllm.events, vllm.replay, vllm.base
     db = tmp_path / "s.db"
 

@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from pool_view import block_view
-from serve_util import ALICE, BOB, chat, keys, serve  # noqa: F401 (fixture)
+from support import FIXTURES
+from serve_util import ALICE, BOB, chat, keys
 
 VLLM_PY = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv") + "/bin/python"
 
@@ -309,9 +310,7 @@ def test_same_events_as_a_real_vllm_for_the_same_chats(serve, smollm, monkeypatc
     """Replays the scenario of tests/fixtures/vllm_capture.msgpack (recorded from vLLM 0.32 by
     scripts/capture_vllm_events.py) against kvplay serve on the same model, block size and hash:
     the decoded events (hashes, parents, tokens, session ids, extra keys) and usage are vLLM's."""
-    from pathlib import Path
-
-    cap = msgpack.unpackb((Path(__file__).parent / "fixtures" / "vllm_capture.msgpack").read_bytes(),
+    cap = msgpack.unpackb((FIXTURES / "vllm_capture.msgpack").read_bytes(),
                           strict_map_key=False)
     monkeypatch.setenv("PYTHONHASHSEED", cap["pythonhashseed"])  # vLLM's NONE_HASH seed at capture time
     srv, state = serve(loaded=smollm, model="default", num_blocks=None, cache_mb=64, block_size=cap["block_size"],
