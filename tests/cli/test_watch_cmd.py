@@ -11,6 +11,7 @@ import pytest
 
 from support.recorded import recorded
 from support.watch import KVPLAY, Watch, restart
+from support.wait import wait_for
 
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.publisher import ZmqEventPublisher
@@ -58,9 +59,8 @@ def test_watch_json_gap_restart_and_recording(tmp_path, pubs, free_port):
         # the first batches may be published before the subscription is through: a late-join replay
         # or a gap replay brings them back either way
         got = w.until(lambda d: d.get("seq") == 2, feed=feed)
-        end = time.monotonic() + 20  # joined, no replay in flight: seq 3 is lost live, seq 4 shows a gap
-        while [e for e in w.err if " is " in e][-1:] != ["kvplay: pod vllm-0 is live"] and time.monotonic() < end:
-            time.sleep(0.02)
+        # joined, no replay in flight: seq 3 is lost live, seq 4 shows a gap
+        wait_for(lambda: [e for e in w.err if " is " in e][-1:] == ["kvplay: pod vllm-0 is live"], 20)
         sent = iter(batches[3:])
         got += w.until(lambda d: d.get("seq") == 5, feed=feed)
         seqs = [d["seq"] for d in got]

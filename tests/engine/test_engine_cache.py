@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import pytest
 
+from support.wait import wait_for
+
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.errors import EngineError
@@ -288,7 +290,7 @@ def test_concurrent_reconfigures_do_not_undo_each_other(make_engine):
     t2 = threading.Thread(target=eng.reconfigure, kwargs={"eviction": "lfu"})
     t1.start()
     t2.start()
-    __import__("time").sleep(0.3)  # both reconfigures are queued behind the held engine
+    wait_for(lambda: eng._cmds.qsize() == 2)  # both reconfigures are queued behind the held engine
     gate.set()
     t1.join(10)
     t2.join(10)

@@ -34,7 +34,7 @@ PROBE = textwrap.dedent("""
                 last, since = n, time.monotonic()
             elif time.monotonic() - since >= 0.3:
                 break
-            time.sleep(0.02)
+            time.sleep(0.02)  # the sampling interval of that measurement (a child: no test helpers)
         return last
 
     torch.set_num_threads(2)

@@ -4,9 +4,10 @@ engine thread, and waiting on a result never hangs."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+
+from support.wait import wait_for
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
@@ -16,10 +17,7 @@ from kvplay.engine.sampling import SamplingParams
 
 
 def _wait_dead(eng, limit=30.0):
-    t = time.monotonic()
-    while eng.alive and time.monotonic() - t < limit:
-        time.sleep(0.02)
-    assert not eng.alive
+    wait_for(lambda: not eng.alive, limit, "the engine thread to stop")
 
 
 def test_submits_racing_shutdown_are_served_or_refused(tiny_llama):
@@ -43,7 +41,7 @@ def test_submits_racing_shutdown_are_served_or_refused(tiny_llama):
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    wait_for(lambda: len(handles) >= 50, what="the clients to be submitting")  # then shut down under them
     eng.shutdown()
     stop.set()
     for t in threads:
@@ -113,7 +111,5 @@ def test_player_reports_a_stuck_turn_as_failed_and_cancels_it(make_engine, monke
                      messages=[{"role": "user", "content": "go on for ever"}])
     [done] = player.play(eng, [job], "")
     assert not done.ok and "not finished" in done.error
-    t = time.monotonic()
-    while eng.stats()["running"] and time.monotonic() - t < 10:
-        time.sleep(0.05)
+    wait_for(lambda: eng.stats()["running"] == 0, 10, poll=0.05)
     assert eng.stats()["running"] == 0 and eng.stats()["blocks_in_use"] == 0

@@ -9,6 +9,7 @@ import pytest
 from support.attach import attach_args, make_app, say, status
 from support.tui import badges, wait_until
 from support.vllm import VllmServer, chat, hits_total
+from support.wait import wait_for
 
 from kvplay.commands.attach import open_backend
 from kvplay.tui.blockmap import BlockMap
@@ -65,8 +66,6 @@ def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys, free_p
     """`kvplay attach http://HOST:PORT` with no --events on vLLM 0.32: its GET /kv_event_sources
     (a map from DP rank to the KV-events config) gives the endpoint (concrete: vLLM connects, so
     attach binds) and the replay endpoint; the map then mirrors what vLLM stores."""
-    import time
-
     vllm = VllmServer(tmp_path, free_port)
     vllm.start()
     backend = None
@@ -79,10 +78,7 @@ def test_attach_url_alone_discovers_a_real_vllms_events(tmp_path, capsys, free_p
         alice = chat(vllm.base, "alice", "When do you open on Sundays?")
         bob = chat(vllm.base, "bob", "Do you sell rye bread?")
         assert bob[1] >= 32
-        end = time.monotonic() + 60
-        while not ({"alice", "bob"} <= set(m.by_session) and m.pod_state == "live"):
-            assert time.monotonic() < end, (m.summary(), m.pod_state)
-            time.sleep(0.1)
+        wait_for(lambda: {"alice", "bob"} <= set(m.by_session) and m.pod_state == "live", 60, poll=0.1)
         assert m.by_session["alice"] >= alice[0] // 32 and m.restarts == 0
     finally:
         if backend is not None:

@@ -4,13 +4,12 @@ reads GET /server_info's `kv_events`, subscribes to the events and detokenizes t
 user. Set up with scripts/radixview-setup.sh; its page is bound to 127.0.0.1."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from support.interop import Tool, venv_python
 from support.serve import chat
+from support.wait import wait_for
 
 from kvplay.wire.publisher import KVEventsConfig
 
@@ -22,13 +21,14 @@ SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly
 @pytest.mark.radixview
 def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path, free_port):
     py = venv_python("KVPLAY_RADIXVIEW_VENV", "/work/radixview-venv", ".kvplay-radixview-setup")
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}")
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:*")  # bound where the OS says
     srv, state = serve(kv_events=cfg, num_blocks=128)
     view = free_port()
     rv = Tool([py, "-c", LAUNCH, "--server", srv.url, "--view-port", str(view)], tmp_path / "radixview.log")
     try:
         rv.wait_http(f"http://127.0.0.1:{view}/api/tree")
-        time.sleep(1.0)  # its SUB subscribes after the page is up: let it reach the publisher
+        # its SUB connects after the page is up: the publisher has it before the first turn
+        wait_for(lambda: state.side.events.publisher.subscribers >= 1, 60, "RadixView's SUB to connect")
         eng = state.side.engine
         with httpx.Client(timeout=120) as c:
             for user, q in (("alice", "Do you sell rye bread?"), ("bob", "When do you open on Sundays?")):
@@ -37,15 +37,17 @@ def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path, f
                for u, q in (("alice", "Do you sell rye bread?"), ("bob", "When do you open on Sundays?"))}
         common = next(i for i, (x, y) in enumerate(zip(ids["alice"], ids["bob"])) if x != y)
         shared_blocks = common // eng.config.block_size
-        end = time.monotonic() + 60
-        while True:
-            tree = httpx.get(f"http://127.0.0.1:{view}/api/tree", timeout=5).json()
-            nodes = tree.get("nodes") or []
+
+        def one_root_two_branches():
+            nodes = httpx.get(f"http://127.0.0.1:{view}/api/tree", timeout=5).json().get("nodes") or []
             roots = [n for n in nodes if n["parent"] is None]
-            if roots and len(roots) == 1 and len([n for n in nodes if n["parent"] == roots[0]["id"]]) == 2:
-                break
-            assert time.monotonic() < end, (nodes, rv.text())
-            time.sleep(0.3)
+            if len(roots) == 1 and len([n for n in nodes if n["parent"] == roots[0]["id"]]) == 2:
+                return roots
+
+        try:
+            roots = wait_for(one_root_two_branches, 60, poll=0.3)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{rv.text()}") from None
         root = roots[0]
         assert root["blocks"] == shared_blocks > 1  # the shared system prompt: one node
         # its block text came from kvplay's /detokenize: a search for the prompt's words finds the node

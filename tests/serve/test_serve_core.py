@@ -14,6 +14,7 @@ import pytest
 
 from support.serve import ALICE, BOB, SYSTEM, chat, keys
 from support.wait import wait_for
+from support.subscribe import subscribed
 
 
 @pytest.fixture
@@ -100,8 +101,7 @@ def test_identity_recording_events_and_metrics_live_in_the_core(core_serve, tmp_
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 200)
-    sub.connect(ep)
-    time.sleep(0.3)
+    subscribed(sub, ep)  # through before the first turn
 
     with httpx.Client(timeout=60) as client:
         r = chat(client, srv.url, key=ALICE, content="alice asks", user="mallory")

@@ -3,13 +3,12 @@
 server (tiny model) on 127.0.0.1."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from support.attach import attach_args
 from support.serve import ALICE, chat, keys
+from support.wait import wait_for
 
 from kvplay.commands.attach import open_backend
 from kvplay.wire.discovery import discover
@@ -95,17 +94,14 @@ def test_attach_url_alone_mirrors_kvplay_serve(serve, capsys):
         (name,) = backend.pods
         m = backend.fleet.pod(name)
         with httpx.Client(timeout=120) as c:
-            end = time.monotonic() + 60
-            while m.last_seq < 0:  # the subscription may reach the publisher after a first step
+            def ask():
                 assert chat(c, srv.url, content="Do you sell rye bread?", user="alice").status_code == 200
-                assert time.monotonic() < end
-                time.sleep(0.2)
+
+            # the subscription may reach the publisher after a first step: alice asks until a batch arrives
+            wait_for(lambda: m.last_seq >= 0, 60, before=ask, poll=0.2)
             assert chat(c, srv.url, content="And croissants?", user="bob").status_code == 200
         want = state.side.engine.stats()["blocks_cached"]
-        end = time.monotonic() + 30
-        while len(m.blocks) != want or m.pod_state != "live":
-            assert time.monotonic() < end, (len(m.blocks), want, m.pod_state)
-            time.sleep(0.05)
+        wait_for(lambda: len(m.blocks) == want and m.pod_state == "live", 30, poll=0.05)
         assert set(m.by_session) <= {"alice", "bob"} and m.by_session["alice"] > 0
     finally:
         backend.close()

@@ -18,6 +18,7 @@ import zmq
 
 from support.serve import ALICE, BOB, chat, keys
 from support.wait import wait_for
+from support.subscribe import Handshakes
 
 
 def sse_events(resp):
@@ -82,15 +83,20 @@ def test_curve_publisher_admits_only_allowed_subscribers(tmp_path):
             s.setsockopt(zmq.SUBSCRIBE, b"")
             if keys is not None:
                 keys.apply(s)
+            hs = Handshakes(s)
             s.connect(pub.endpoint)
-            return s
+            return s, hs
 
-        plain, wrong, good = sub(None), sub(stranger), sub(allowed)
+        (plain, plain_hs), (wrong, wrong_hs), (good, good_hs) = sub(None), sub(stranger), sub(allowed)
         frames = publish_until(pub, good)
         assert frames is not None and frames[0] == b"kv"  # the allowed key decodes the stream
-        time.sleep(0.3)
+        for hs in (plain_hs, wrong_hs):  # the server refused both handshakes (no CURVE; a key it does not allow)
+            hs.wait(ok=0, failed=1)
+        assert publish_until(pub, good) is not None  # a batch sent after the refusals
         for s in (plain, wrong):  # a plain SUB and an unknown key get nothing, however long
             assert not s.poll(300)
+        for hs in (plain_hs, wrong_hs, good_hs):
+            hs.close()
 
         def replay(keys):
             dealer = ctx.socket(zmq.DEALER)
@@ -202,7 +208,12 @@ def test_attach_by_url_subscribes_with_curve_keys(make_engine, tmp_path):
                            "--events-curve-key", str(d / "client.key_secret")]):
             args = build_parser("attach").parse_args(["attach", srv.url, *flags])
             backends.append(open_backend(args))
-        time.sleep(0.5)  # both subscribed (or refused by the server)
+        # the keyed subscriber's subscription is through: a probe batch reaches it (the other is refused)
+        from kvplay.wire.codec import AllBlocksCleared, EventBatch
+
+        pub = state.side.events.publisher
+        wait_for(lambda: any(m.last_seq >= 0 for m in backends[1].fleet.pods.values()), 15,
+                 before=lambda: pub.publish(EventBatch(time.time(), [AllBlocksCleared()])), poll=0.05)
         with httpx.Client(timeout=60) as c:
             assert chat(c, srv.url, content="a secret", user="alice").status_code == 200
         wait_for(lambda: any(p.blocks for p in backends[1].fleet.pods.values()), 15)
@@ -399,7 +410,7 @@ s.connect(sys.argv[1])
 for i in range(int(sys.argv[2])):
     s.send(b"\\x01" + b"spam-%08d" % i)
 print("cut" if gone.poll(30_000) else "not cut", flush=True)
-time.sleep(600)  # connected (if it was not cut) until the test kills it
+time.sleep(600)  # the subject: connected (if it was not cut) until the test kills it
 """
 
 
@@ -430,7 +441,7 @@ def test_subscription_flood_peer_is_cut_and_its_memory_returned():
             for _ in range(20):  # the live feed meanwhile and after
                 pub.publish(stored_batch(4))
             assert publish_until(pub, good) is not None
-            time.sleep(1.0)  # the publisher trims the heap after a cut
+            wait_for(lambda: pub.heap_trims >= 1, 10)  # the publisher trims the heap after a cut
             assert rss_mb() - before < 25  # held while the flooder stayed connected: ~60 MB
         finally:
             flood.kill()
@@ -479,7 +490,7 @@ def test_replay_waits_for_a_slow_reader_instead_of_dropping_frames():
         d.setsockopt(zmq.RCVHWM, 100)
         d.connect(pub.replay_endpoint)
         d.send_multipart([b"", (0).to_bytes(8, "big")])
-        time.sleep(1.5)  # not reading: the server's pipe to it fills
+        time.sleep(1.5)  # the subject: a reader that does not read for a while (the server's pipe to it fills)
         seqs = []
         while d.poll(5000):
             frames = d.recv_multipart()

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import msgspec
 import pytest
 
 from support.recorded import recorded
+from support.wait import wait_for
 
 from kvplay.cli import main as cli
 from kvplay.engine.config import EngineConfig
@@ -229,10 +229,8 @@ def test_the_writer_commits_without_a_turn_or_a_flush(tmp_path):
     assert rec.record_batch(EngineBatch(1, 1.0, [RequestQueued(seq=1, request_id="a")]))
     assert rec.record_batch(EngineBatch(events=[RequestQueued(seq=2, request_id="b"), RequestQueued(seq=3, request_id="c")],
                                         pod="p", wire_seq=3))  # one row, with its envelope
-    end = time.monotonic() + 20
     db = open_db(p, create=False)
-    while time.monotonic() < end and len(event_dicts(read_batches(db, rec.session_id)[0])) < 3:
-        time.sleep(0.05)
+    wait_for(lambda: len(event_dicts(read_batches(db, rec.session_id)[0])) >= 3, 20, poll=0.05)
     rows = db.execute("select n, pod, wire_seq from event_batches order by seq").fetchall()
     db.close()
     rec.close()
@@ -254,7 +252,7 @@ for step in range(1, 201):
                                block_ids=[seq % 64], user="u"))
     rec.record_batch(EngineBatch(step, float(step), evs))
 print("queued", flush=True)
-time.sleep(600)  # no flush, no close: only the writer thread writes
+time.sleep(600)  # the subject: alive with no flush and no close (only the writer thread writes) until killed
 """
 
 
@@ -264,13 +262,14 @@ def test_what_the_writer_committed_survives_kill_9(tmp_path):
     try:
         sid = child.stdout.readline().strip()
         assert child.stdout.readline().strip() == "queued"
-        end = time.monotonic() + 30
-        n = 0
-        while time.monotonic() < end and n < 1000:
-            time.sleep(0.1)
+        def committed() -> int:
             db = open_db(p, create=False)
-            n = db.execute("select coalesce(sum(n), 0) from event_batches").fetchone()[0]
-            db.close()
+            try:
+                return db.execute("select coalesce(sum(n), 0) from event_batches").fetchone()[0]
+            finally:
+                db.close()
+
+        wait_for(lambda: committed() >= 1000, 30, poll=0.1)  # then killed
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()

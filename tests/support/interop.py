@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from .wait import wait_for
 
 
 def venv_python(env: str, default: str, stamp: str) -> str:
@@ -35,16 +36,17 @@ class Tool:
         return self.log.read_text()[-4000:]
 
     def wait_http(self, url: str, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.p.poll() is None, f"exited {self.p.returncode}:\n{self.text()}"
+        def answers() -> bool:
+            assert self.p.poll() is None, f"exited {self.p.returncode}"
             try:
-                if httpx.get(url, timeout=2).status_code < 500:
-                    return
+                return httpx.get(url, timeout=2).status_code < 500
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"{url} never answered:\n{self.text()}")
+                return False
+
+        try:
+            wait_for(answers, timeout, f"{url} to answer", poll=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{self.text()}") from None
 
     def stop(self) -> None:
         if self.p.poll() is None:

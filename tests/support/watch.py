@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+from .wait import wait_for
+
 KVPLAY = [sys.executable, "-m", "kvplay"]
 
 
@@ -32,14 +34,16 @@ class Watch:
             put(line.rstrip("\n"))
 
     def wait_err(self, text, timeout=60):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        def said() -> bool:
             if any(text in e for e in self.err):
-                return
-            if self.p.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {text!r} on stderr: {self.err}")
+                return True
+            assert self.p.poll() is None, f"watch exited ({self.p.returncode})"
+            return False
+
+        try:
+            wait_for(said, timeout, f"{text!r} on watch's stderr", poll=0.05)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {self.err}") from None
 
     def until(self, pred, timeout=20, feed=None):
         """Read JSON lines until pred(line) (calling feed() between reads); returns all read."""
@@ -67,14 +71,14 @@ class Watch:
 
 
 def restart(publisher, ep, rep):
-    """A new publisher on the same endpoints (ZeroMQ frees a closed socket's port asynchronously)."""
+    """A new publisher on the same endpoints, once they are free again (ZeroMQ frees a closed
+    socket's port asynchronously; the ports stay reserved for the test meanwhile)."""
     from kvplay.engine.errors import EngineError
 
-    end = time.monotonic() + 5
-    while True:
+    def bound():
         try:
             return publisher(ep, rep)
         except EngineError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.05)
+            return None
+
+    return wait_for(bound, 5, f"{ep} and {rep} to be free to bind again", poll=0.05)

@@ -52,8 +52,8 @@ DRIVER = textwrap.dedent('''
             from kvplay.tui.app import KvplayApp
             app = KvplayApp(EngineConfig(model=model), USERS, SYSTEM, db=db, record=False)
             async with app.run_test(size=(140, 40)) as pilot:
-                await pilot.pause(0.5)
-                await pilot.press("ctrl+q")
+                await until(pilot, lambda: any(w.group == "engine" and w.is_running for w in app.workers))
+                await pilot.press("ctrl+q")  # the load has started: quit while it runs
             assert app.backend is None  # it never loaded
         elif mode == "attach":
             from kvplay.cli import build_parser
@@ -72,21 +72,22 @@ DRIVER = textwrap.dedent('''
             async with app.run_test(size=(140, 40)) as pilot:
                 await chat_then_quit(app, pilot, lambda: app.backend is not None)
         elif mode == "scrub":
-            from kvplay.tui.scrub import ScrubApp
+            from kvplay.tui.scrub import ScrubApp, ScrubScreen
             from kvplay.commands.scrub import load
             import sqlite3
             (sid,), = sqlite3.connect(db).execute("select id from sessions").fetchall()
             app = ScrubApp(load(db, sid), None)
             async with app.run_test(size=(140, 40)) as pilot:
-                await pilot.pause(0.3)
+                await until(pilot, lambda: isinstance(app.screen, ScrubScreen) and app.screen.is_mounted)
                 await pilot.press("right", "right", "ctrl+q")
 
     run_until_done(scenario())
     for close in closers:
         close()
-    end = time.monotonic() + 10
-    while time.monotonic() < end and len(threading.enumerate()) > 1:
-        time.sleep(0.05)
+    end = time.monotonic() + 10  # threads still ending get 10 s in all
+    for t in threading.enumerate():
+        if t is not threading.main_thread():
+            t.join(max(0.0, end - time.monotonic()))
     left = [(t.name, t.daemon) for t in threading.enumerate() if t is not threading.main_thread()]
     print(json.dumps(left), flush=True)
 ''')
@@ -116,8 +117,8 @@ def test_attach_exits_cleanly_with_a_reply_in_flight(tmp_path):
 
 @pytest.mark.slow
 def test_quitting_while_the_model_loads_never_waits_for_the_load(tmp_path):
-    """Quit 0.3 s after start, while the embedded model is still loading (imports and weights
-    take seconds): the process ends; a load still running is on daemon threads only (the app's
+    """Quit as soon as the embedded model has started loading (imports and weights take
+    seconds): the process ends; a load still running is on daemon threads only (the app's
     worker, and the thread that ends with the load, engine/threads.py)."""
     left = drive("loading", str(tmp_path / "s.db"), "default")
     assert all(daemon and name.startswith(("kvplay-worker", "kvplay-load")) for name, daemon in left), left

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Input
 
+from support.tui import steady, wait_until
+
 from kvplay.engine.config import EngineConfig
 from kvplay.sessions.script import parse_script
 from kvplay.tui.app import KvplayApp
 from kvplay.tui.demo import DEMO_TOML
+from kvplay.tui.screens import HelpScreen
 
 SIZE = (160, 48)
 
@@ -30,11 +33,15 @@ def demo_app(loaded, **cfg):
                      loaded=loaded, record=False, timings=False)
 
 
+async def settled_screen(pilot) -> None:
+    """The screen has stopped changing (support/tui.py `steady`: two looks in a row agree)."""
+    await steady(pilot, pilot.app.export_screenshot)
+
+
 async def played(pilot):
     app = pilot.app
     await app.chat.autoplay_done.wait()
     app.set_focus(None)
-    await pilot.pause(0.2)
     bm = app.query_one("#map")
 
     def settled() -> bool:  # the last events, counters, replies and the map's own height have landed
@@ -43,13 +50,11 @@ async def played(pilot):
                 and (not bm.display or not bm.region or bm.size.height == min(18, max(2, bm.virtual_size.height)))
                 and all(len(p.chat.texts("badge")) == len(p.history) // 2 for p in app.panes))
 
-    for _ in range(3):  # settled three times in a row, on a busy machine too
-        for _ in range(200):
-            if settled():
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.1)
-        await pilot.pause()
+    while True:  # settled, and the screen drawn from it no longer changing, on a busy machine too
+        await wait_until(pilot, settled, timeout=30)
+        await settled_screen(pilot)
+        if settled():
+            break
     await pilot.wait_for_scheduled_animations()
 
 
@@ -66,11 +71,12 @@ def test_block_details_and_event_log(snap_compare, tiny_llama):
         await played(pilot)
         pilot.app.action_toggle_events()
         pilot.app.cache.select_block(2)
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: "block #2" in str(pilot.app.query_one("#detail").render()))
+        await settled_screen(pilot)
         # the log is brought into view after a refresh; under a loaded machine the block details
         # could lay out after that scroll (a snapshot one line off): scroll once more, settled
         pilot.app.query_one("#side").scroll_end(animate=False)
-        await pilot.pause(0.2)
+        await settled_screen(pilot)
 
     assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=run_before)
 
@@ -79,7 +85,8 @@ def test_help_screen(snap_compare, tiny_llama):
     async def run_before(pilot):
         await played(pilot)
         await pilot.press("f1")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
+        await settled_screen(pilot)
 
     assert snap_compare(demo_app(tiny_llama), terminal_size=SIZE, run_before=run_before)
 
@@ -93,7 +100,8 @@ def test_small_terminal_cache_tab(snap_compare, tiny_llama):
     async def run_before(pilot):
         await played(pilot)
         await pilot.press("ctrl+t")
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: pilot.app.screen.has_class("show-cache"))
+        await settled_screen(pilot)
 
     assert snap_compare(demo_app(tiny_llama), terminal_size=(80, 24), run_before=run_before)
 
@@ -103,8 +111,7 @@ def test_map_scale_line_at_a_million_blocks(snap_compare, tiny_llama):
     async def run_before(pilot):
         await played(pilot)
         bm = pilot.app.query_one("#map")
-        while not bm._row_keys or bm._summarising:
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await wait_until(pilot, lambda: bm._row_keys and not bm._summarising)
+        await settled_screen(pilot)
 
     assert snap_compare(demo_app(tiny_llama, num_blocks=1_000_000), terminal_size=SIZE, run_before=run_before)

@@ -138,11 +138,11 @@ def test_an_unreachable_server_is_unreachable(free_port):
         discover(f"http://127.0.0.1:{free_port()}", timeout=2)
 
 
-def test_watch_url_finds_the_publisher_itself(canned, tmp_path, free_port):
+def test_watch_url_finds_the_publisher_itself(canned, tmp_path):
     """`kvplay watch URL` with no --events: the server's /kv_event_sources says where (a
     wildcard bound on loopback), watch connects there and mirrors what it publishes."""
-    port = free_port()
-    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:*", topic="kv", bind=True)
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", bind=True)
+    port = pub.endpoint.rpartition(":")[2]
     rport = pub.replay_endpoint.rpartition(":")[2]
     c = canned({"/kv_event_sources": (200, {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                                    "endpoint": f"tcp://*:{port}",

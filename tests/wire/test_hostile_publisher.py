@@ -16,6 +16,8 @@ import msgpack
 import pytest
 import zmq
 
+from support.wait import wait_for
+
 from kvplay.wire.codec import BlockStored, EventBatch, encode_batch, end_marker_frames, pack_seq
 from kvplay.wire.mirror import Fleet
 from kvplay.wire.subscriber import (MAX_BUFFERED, MAX_MESSAGE_BYTES, MAX_REPLAY_RETRIES, RCV_HWM, PodSource,
@@ -284,10 +286,11 @@ import sys, time, zmq
 from kvplay.wire.codec import encode_frames, EventBatch, BlockStored
 pub = zmq.Context.instance().socket(zmq.PUB)
 pub.setsockopt(zmq.SNDHWM, 0)
-pub.bind(sys.argv[1])
+pub.bind("tcp://127.0.0.1:*")  # a port the OS picks, told to the test on stdout
+print(pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
 ev = [BlockStored([i], None, [1, 2], 2, None, "GPU", None) for i in range(50)]
 payload = encode_frames(b"", 0, EventBatch(1.0, ev))[2]
-seq, end = 0, time.monotonic() + float(sys.argv[2])
+seq, end = 0, time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     for _ in range(100):
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
@@ -295,12 +298,13 @@ while time.monotonic() < end:
 """
 
 
-def test_watch_duration_is_honoured_under_a_flood(tmp_path, free_port):
+def test_watch_duration_is_honoured_under_a_flood(tmp_path):
     """A publisher floods (50 events a batch, as fast as it can) for far longer than --duration:
     watch ends on its own, before the flood does, with its summary (and a bounded queue)."""
-    ep = f"tcp://127.0.0.1:{free_port()}"
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD, ep, "120"])
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, "120"], stdout=subprocess.PIPE, text=True)
     try:
+        ep = flood.stdout.readline().strip()
+        assert ep.startswith("tcp://127.0.0.1:"), ep
         r = subprocess.run([sys.executable, "-m", "kvplay", "watch", "--events", ep, "--duration", "3", "--json",
                             "--db", str(tmp_path / "w.db")], capture_output=True, text=True, timeout=110)
         assert flood.poll() is None  # the flood is still going: watch stopped on its clock
@@ -322,19 +326,18 @@ def test_watch_summary_says_state_and_why_and_sigterm_prints_it(hostile, tmp_pat
     lines: list[str] = []
     t = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
     t.start()
+    def seen(seq):
+        assert p.poll() is None, lines
+        return any(f'"seq": {seq}' in line for line in lines)
+
     try:
-        end = time.monotonic() + 60
-        while not any('"seq": 0' in line for line in lines):
-            assert time.monotonic() < end and p.poll() is None, lines
-            h.send(0, good(1000))
-            time.sleep(0.1)
+        # seq 0 again and again until watch shows it: its subscription is through
+        wait_for(lambda: seen(0), 60, before=lambda: h.send(0, good(1000)), poll=0.1)
         h.send(1, raw_batch(ev(block_hashes=[5]), ev(session_id=["x"]), {"type": "SomethingNew"},
                             ev(block_hashes=[6], medium="CPU")))
         h.send(2, b"not msgpack")
         h.send(5, good(7))   # 3 and 4 are lost (no replay endpoint)
-        while not any('"seq": 5' in line for line in lines):
-            assert time.monotonic() < end and p.poll() is None, lines
-            time.sleep(0.05)
+        wait_for(lambda: seen(5), 60, poll=0.05)
         p.send_signal(signal.SIGTERM)
         p.wait(30)
     finally:
@@ -358,17 +361,15 @@ def test_attach_status_shows_why_a_pod_is_stale(hostile):
     h = hostile(replay=False)
     backend = RemoteBackend("http://127.0.0.1:9", None, [PodSource("p", h.endpoint, topic="kv")], model="m",
                             slots=64)  # no HTTP: model and slots given
+    def applied(seq):
+        assert backend._thread.is_alive()
+        return backend.fleet.pod("p").last_seq >= seq
+
     try:
-        end = time.monotonic() + 20
-        while backend.fleet.pod("p").last_seq < 0:
-            assert time.monotonic() < end
-            h.send(0, good(1000))
-            time.sleep(0.05)
+        wait_for(lambda: applied(0), 20, before=lambda: h.send(0, good(1000)), poll=0.05)  # subscribed
         h.send(1, raw_batch(ev(block_size="4")))
         h.send(2, good(2))
-        while backend.fleet.pod("p").last_seq < 2:
-            assert time.monotonic() < end and backend._thread.is_alive()
-            time.sleep(0.05)
+        wait_for(lambda: applied(2), 20, poll=0.05)
         stats = backend.stats()
         assert stats["pods"]["p"] == "stale" and stats["pod_trouble"]["p"] == {"bad_events": 1}
         app = AttachCacheRoom.__new__(AttachCacheRoom)  # status_view reads only the backend

@@ -2,11 +2,10 @@
 HTTP, the block map reads slots filled from the KV events, per turn "cached N tokens, from whom"."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from support.recorded import recorded
+from support.wait import wait_for
 
 from kvplay.engine.sampling import SamplingParams
 from kvplay.wire.publisher import KVEventsConfig
@@ -49,9 +48,7 @@ def test_remote_backend_over_kvplay_serve(serve, tmp_path, free_port):
         assert rb.stats.cached_tokens > 0
         assert rb.stats.cached_from == {"alice": rb.stats.cached_tokens}  # from whom: alice's blocks
         # the block map: every mirrored block has a slot, coloured by its creator
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not any(e.kind == "BlockHit" for e in seen):
-            time.sleep(0.05)
+        wait_for(lambda: any(e.kind == "BlockHit" for e in seen), 10, poll=0.05)
         m = backend.fleet.pod("kvplay")
         st = backend.stats()
         assert st["blocks_cached"] == len(m.blocks) > 0 and st["hit_tokens"] == rb.stats.cached_tokens

@@ -4,7 +4,6 @@ coloured by the user that stored them; usage.cached_tokens equals the blocks re-
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 
@@ -51,10 +50,9 @@ def test_mirror_equals_the_engine_index_through_evictions(serve, tmp_path, free_
                 assert r.status_code == 200, r.text
                 cached.setdefault(who, []).append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         pub = state.side.events.publisher
-        wait_for(lambda: pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
-                          timeout=20.0)
-        time.sleep(0.2)
-        wait_for(lambda: m.last_seq == pub.next_seq - 1, timeout=20.0)
+        state.side.engine.call(lambda: None)  # every step of those turns has ended and handed its batch over
+        wait_for(lambda: pub.idle and pub.next_seq > 0 and m.last_seq == pub.next_seq - 1 and m.pod_state == "live",
+                 timeout=20.0)
     finally:
         sub.stop()
         th.join(5)

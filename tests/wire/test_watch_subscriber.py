@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from support.watch import restart
+from support.wait import wait_for
 
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WireError
 from kvplay.wire.mirror import Fleet
@@ -40,10 +41,7 @@ def publish(pub, *events):
 def sent(pub, n, timeout=10.0):
     """Wait until the publisher's thread has sent seq n - 1: `publish` only queues, so a target
     taken from `pub.next_seq` before that may be met by an early seq (a busy box lags)."""
-    end = time.monotonic() + timeout
-    while pub.next_seq < n:
-        assert time.monotonic() < end, f"publisher stuck at seq {pub.next_seq}"
-        time.sleep(0.005)
+    wait_for(lambda: pub.next_seq >= n, timeout, f"the publisher to send seq {n - 1}", poll=0.005)
     return n
 
 
@@ -70,8 +68,7 @@ def test_late_join_replays_from_zero(publisher):
     pub = publisher()
     for i in range(5):  # published before anyone listens: only a replay can bring them
         publish(pub, stored([100 + i], parent=None if i == 0 else 99 + i))
-    while pub.next_seq < 5:  # sent (to nobody) before we connect
-        time.sleep(0.01)
+    sent(pub, 5)  # sent (to nobody) before we connect
     with connect(pub) as sub:
         m = sub.fleet.pod("p")
         # keep publishing until the subscription is up; the first live seq > 0 triggers a replay

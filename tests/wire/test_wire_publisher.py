@@ -16,22 +16,28 @@ import zmq
 from support import FIXTURES
 from support.pool_view import block_view
 from support.serve import ALICE, BOB, chat, keys
+from support.subscribe import Handshakes, subscribed
+from support.wait import wait_for
 
 VLLM_PY = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv") + "/bin/python"
 
 
 # --- an independent consumer: what any vLLM KV-event subscriber does ----------------------------
 class Sub:
+    """Connected: returns once its handshake with the publisher is done (its subscription is on
+    its way: support/subscribe.py). Bound: `handshakes.wait()` once the publisher connects."""
+
     def __init__(self, endpoint: str, bind: bool = False):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
         if bind:
+            self.handshakes = Handshakes(self.sock)
             self.sock.bind(endpoint)
             self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
-            self.sock.connect(endpoint)
+            subscribed(self.sock, endpoint)
         self.batches: list[tuple[bytes, int, list]] = []
 
     def drain(self, until=None, timeout=10.0):
@@ -48,6 +54,8 @@ class Sub:
         return [ev for _, _, (ts, evs, rank) in self.batches for ev in evs]
 
     def close(self):
+        if hasattr(self, "handshakes"):
+            self.handshakes.close()
         self.sock.close()
         self.ctx.term()
 
@@ -123,7 +131,6 @@ def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
     pub = state.side.events.publisher
     assert pub.binds  # "*" in the endpoint: bound, like vLLM
     sub = Sub(pub.endpoint)
-    time.sleep(0.3)  # let the subscription reach the publisher
     eng = state.side.engine
     with httpx.Client(timeout=30) as c:
         a = chat(c, srv.url, ALICE, "first")
@@ -167,7 +174,6 @@ def test_subscriber_sees_the_engines_blocks_and_replays(serve, tmp_path):
 def test_evictions_are_one_removed_event_per_block(serve):
     srv, state = serve(num_blocks=10, kv_events=events_config(topic=""))
     sub = Sub(state.side.events.publisher.endpoint)
-    time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         for i in range(4):  # 4 different ~70-token prompts through a 10-block pool
             assert chat(c, srv.url, content=f"{i} " * 20, system=f"system {i} " * 4, user=f"u{i}").status_code == 200
@@ -190,7 +196,7 @@ def test_pub_connects_when_the_endpoint_is_not_a_wildcard(serve):
     sub = Sub("tcp://127.0.0.1:*", bind=True)  # vLLM semantics: the subscriber binds
     srv, state = serve(kv_events=events_config(endpoint=sub.endpoint, replay_endpoint=None))
     assert not state.side.events.publisher.binds
-    time.sleep(0.3)
+    sub.handshakes.wait()  # the publisher has connected
     # A connecting PUB learns of the subscription only once it sends (libzmq; vLLM's publisher is
     # the same): the very first batch can be lost, and a consumer replays it. Later ones arrive.
     with httpx.Client(timeout=30) as c:
@@ -210,7 +216,6 @@ def test_vllm_decodes_our_events_and_hashes_agree(serve, tmp_path):
         pytest.skip("no vLLM venv (scripts/vllm-cpu.sh setup)")
     srv, state = serve(kv_events=events_config(), hash="sha256_cbor")
     sub = Sub(state.side.events.publisher.endpoint)
-    time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, user="ann")
         chat(c, srv.url, content="again", user="ben", vllm_xargs={"kv_cache_report_mode": "full"})
@@ -254,7 +259,6 @@ print(n, checked, ",".join(sorted(sessions)))
 def test_full_report_mode_as_the_server_default(serve):
     srv, state = serve(kv_events=events_config(), report_full=True)
     sub = Sub(state.side.events.publisher.endpoint)
-    time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, user="ann")
         chat(c, srv.url, content="other", user="ben")  # the default: reuse re-announced
@@ -280,9 +284,7 @@ def test_publisher_keeps_the_last_buffer_steps_batches():
     try:
         for i in range(5):
             pub.publish(EventBatch(float(i), [BlockRemoved([i], "GPU")] if i % 2 else [AllBlocksCleared()]))
-        deadline = time.monotonic() + 10
-        while pub.next_seq < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: pub.next_seq >= 5, 10)
         frames = replay(pub.replay_endpoint, 0)
     finally:
         pub.shutdown()
@@ -294,7 +296,6 @@ def test_publisher_keeps_the_last_buffer_steps_batches():
 def test_a_salted_block_carries_its_salt_in_extra_keys(serve, tmp_path):
     srv, state = serve(keys=keys(tmp_path), isolation="user", kv_events=events_config())
     sub = Sub(state.side.events.publisher.endpoint)
-    time.sleep(0.3)
     with httpx.Client(timeout=30) as c:
         chat(c, srv.url, ALICE, "mine")
     sub.drain(until=lambda s: any(e.get("session_id") == "alice" for e in s.events()))
@@ -316,7 +317,6 @@ def test_same_events_as_a_real_vllm_for_the_same_chats(serve, smollm, monkeypatc
     srv, state = serve(loaded=smollm, model="default", num_blocks=None, cache_mb=64, block_size=cap["block_size"],
                        hash="sha256_cbor", kv_events=events_config())
     sub = Sub(state.side.events.publisher.endpoint)
-    time.sleep(0.3)
     usages = []
     with httpx.Client(timeout=300) as c:
         def turn(user, text):

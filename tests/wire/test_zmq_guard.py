@@ -1,12 +1,14 @@
 """wire/zmq_guard.py: per-connection budgets on a real ZMQ PUB over loopback TCP."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
-import time
 
 import pytest
 import zmq
+
+from support.wait import wait_for
 
 from kvplay.wire.zmq_guard import PeerGuard, bytes_received
 
@@ -43,13 +45,8 @@ def peer(ctx, endpoint, subs=0):
 
 
 def settle(guard, until, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        guard.check()
-        if until():
-            return True
-        time.sleep(0.02)
-    return False
+    """until() once it holds, the guard taking its news and measuring before each look."""
+    return wait_for(until, timeout, before=guard.check)
 
 
 def test_counts_what_the_kernel_received():
@@ -58,9 +55,7 @@ def test_counts_what_the_kernel_received():
     conn, _ = srv.accept()
     try:
         cli.sendall(b"x" * 5000)
-        deadline = time.monotonic() + 5
-        while bytes_received(conn) != 5000 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: bytes_received(conn) == 5000, 5)
         assert bytes_received(conn) == 5000
     finally:
         for s in (cli, conn, srv):
@@ -108,7 +103,8 @@ def test_a_descriptor_that_is_no_longer_the_connection_is_left_alone(ctx):
     rec.names = (("127.0.0.1", 1), ("127.0.0.1", 2))  # as if the number now held another socket
     for i in range(1000):
         p.send(b"\x01" + b"topic-%08d" % i)
-    time.sleep(0.3)
+    with socket.socket(fileno=os.dup(rec.fd)) as conn:  # they reached the kernel: a guard that measured would cut
+        wait_for(lambda: (bytes_received(conn) or 0) > 1024, 10)
     guard.check()
     assert guard.cut == 0 and guard.peers == 0
     assert not gone.poll(300)
