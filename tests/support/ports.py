@@ -15,6 +15,17 @@ consumer was given, a vLLM or RadixView process told its port — the port is *r
 
 The old way (bind port 0, close, hand the number out) left the port free for anyone between
 the close and the bind.
+
+Which tests still need a port known in advance, and why:
+- a consumer that binds (`attach`/`watch --events-bind`, a bound Subscriber) while kvplay serve's
+  or vLLM's publisher connects to it: the consumer needs the server first, the server's
+  publisher needs the endpoint at start (tui/test_attach, tui/test_tree_views,
+  wire/test_watch_remote, wire/test_watch_serve, cli/test_watch_cmd, interop/*);
+- a publisher restarted on the endpoints its consumer was given (wire/test_watch_subscriber,
+  cli/test_watch_cmd);
+- a separate process told its port: vLLM (HTTP, events, replay: support/vllm.py), RadixView's page;
+- a port where nothing listens, for "cannot reach" (tui/test_attach, wire/test_discovery,
+  wire/test_watch_remote, cli/test_watch_cmd, serve/test_serve_info).
 """
 from __future__ import annotations
 
