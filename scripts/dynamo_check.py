@@ -7,7 +7,7 @@ kvplay's usage reported for it.
         --dynamo-python /work/dynamo-venv/bin/python'
 
 Dynamo's indexer listens on every interface (it has no host option), so run this in a network
-namespace that has only loopback (`unshare -rn`, as above; tests/test_interop_dynamo.py does).
+namespace that has only loopback (`unshare -rn`, as above; tests/interop/test_interop_dynamo.py does).
 Set up the indexer with scripts/dynamo-setup.sh. Nothing here leaves the machine.
 """
 from __future__ import annotations

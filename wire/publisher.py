@@ -250,6 +250,22 @@ class ZmqEventPublisher:
         """Connections cut for sending too much (both sockets; wire/zmq_guard.py)."""
         return self._guard.cut + (self._replay_guard.cut if self._replay_guard is not None else 0)
 
+    @property
+    def idle(self) -> bool:
+        """Every batch queued so far has been sent (or dropped): none waits in the queue or in the
+        live thread's hands."""
+        return self._queue.unfinished_tasks == 0
+
+    @property
+    def subscribers(self) -> int:
+        """Connections to the live socket, as its guard last counted them (every CHECK_INTERVAL)."""
+        return self._guard.peers
+
+    @property
+    def heap_trims(self) -> int:
+        """Heap trims after cuts (wire/zmq_guard.py), both sockets: what a cut peer held is back."""
+        return self._guard.trims + (self._replay_guard.trims if self._replay_guard is not None else 0)
+
     def shutdown(self, timeout: float = 2.0) -> None:
         if not self._running:
             return
@@ -287,6 +303,7 @@ class ZmqEventPublisher:
                 continue
             while batch is not None:
                 self._send_live(batch)
+                self._queue.task_done()
                 try:
                     batch = self._queue.get_nowait()
                 except queue.Empty:

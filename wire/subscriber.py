@@ -30,7 +30,7 @@ ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
 Pod state: ``waiting`` (nothing yet), ``live``, ``replaying``, ``stale`` (peer gone, or the mirror
 may miss batches; an ``AllBlocksCleared`` makes it exact again).
 
-**A hostile publisher** cannot wedge, crash or flood it (tests/test_hostile_publisher.py):
+**A hostile publisher** cannot wedge, crash or flood it (tests/wire/test_hostile_publisher.py):
 message size (``ZMQ_MAXMSGSIZE``) and receive queues (``RCVHWM``) are bounded; the live socket
 takes only ``[topic, seq8, payload]`` (a 2-frame or replay-shaped message is a bad frame, never a
 seq to act on); a live seq more than `MAX_SEQ_JUMP` past the last one is dropped as a lost batch

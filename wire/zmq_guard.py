@@ -119,6 +119,7 @@ class PeerGuard:
         self._trim_at = None
         self.cut = 0  # connections cut, all reasons
         self.cut_bytes = 0  # bytes those had sent
+        self.trims = 0  # heap trims done after cuts
 
     @property
     def peers(self) -> int:
@@ -150,6 +151,7 @@ class PeerGuard:
                 pass
             if MALLOC_TRIM is not None:
                 MALLOC_TRIM(0)
+            self.trims += 1
         return cut
 
     def _events(self, now: float) -> None:

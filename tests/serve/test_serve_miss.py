@@ -1,0 +1,98 @@
+"""`kvplay serve` and miss attribution: the opt-in per-request breakdown (`return_miss_details`),
+only for the key that sent the request and without other tenants in it unless the key is an
+admin's, and the `kvplay:prefix_cache_miss_tokens_total{reason}` counters."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from kvplay.serve.keys import load_keys
+
+from support.serve import chat
+
+KEYS = """
+[[keys]]
+key = "sk-alice-0123456789"
+user = "alice"
+[[keys]]
+key = "sk-carol-0123456789"
+user = "carol"
+[[keys]]
+key = "sk-root-0123456789"
+user = "root"
+admin = true
+"""
+ALICE, CAROL, ROOT = "sk-alice-0123456789", "sk-carol-0123456789", "sk-root-0123456789"
+
+
+def three_keys(tmp_path):
+    p = tmp_path / "keys.toml"
+    p.write_text(KEYS)
+    return load_keys(str(p))
+
+
+def samples(text: str) -> dict:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def miss_series(text: str) -> dict:
+    return {k.split('reason="')[1].split('"')[0]: v for k, v in samples(text).items()
+            if k.startswith("kvplay:prefix_cache_miss_tokens_total")}
+
+
+def test_isolated_tokens_are_named_for_an_admin_and_cold_for_a_tenant(serve, tmp_path):
+    srv, _ = serve(keys=three_keys(tmp_path), isolation="user")
+    with httpx.Client(timeout=30) as c:
+        first = chat(c, srv.url, ALICE, "the same question")
+        assert "miss" not in first.json()["kvplay"]  # opt-in
+        carol = chat(c, srv.url, CAROL, "the same question", return_miss_details=True).json()
+        root = chat(c, srv.url, ROOT, "the same question", return_miss_details=True).json()
+        bad = chat(c, srv.url, CAROL, "x", return_miss_details="yes")
+        admin_text = c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {ROOT}"}).text
+        tenant_text = c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {CAROL}"}).text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_miss_details"
+    usage = carol["usage"]
+    n, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 0
+    m = carol["kvplay"]["miss"]  # carol's own view: alice's identical blocks are not hers to know about
+    assert m["tokens"] == n - cached and m["reasons"]["isolated"] == 0 and m["isolated_from"] == {}
+    assert m["reasons"]["cold"] == (n - 1) // 16 * 16
+    assert "alice" not in json.dumps(carol)
+    full = root["kvplay"]["miss"]  # an admin key sees whose blocks would have hit
+    assert full["reasons"]["isolated"] == (n - 1) // 16 * 16 and set(full["isolated_from"]) == {"alice"}
+    # the counters: by reason only; a tenant's scrape counts isolated tokens as cold
+    admin, tenant = miss_series(admin_text), miss_series(tenant_text)
+    assert admin["isolated"] == 2 * ((n - 1) // 16 * 16) and admin["tail"] > 0
+    assert "isolated" not in tenant and tenant["cold"] == admin["cold"] + admin["isolated"]
+    assert sum(admin.values()) == sum(tenant.values())
+    q = samples(admin_text)
+    total = q['vllm:prefix_cache_queries_total{model_name="tiny:llama",engine="0"}']
+    hits = q['vllm:prefix_cache_hits_total{model_name="tiny:llama",engine="0"}']
+    assert sum(admin.values()) == total - hits  # every uncached prompt token has one reason
+    assert all("user=" not in line for line in admin_text.splitlines() if "miss_tokens" in line)
+
+
+def test_another_tenants_eviction_says_others_and_a_stream_carries_the_miss(serve, tmp_path):
+    srv, _ = serve(keys=three_keys(tmp_path), isolation="user", num_blocks=24)
+    system, question = "Be brief.", "one question, asked at length " * 4
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, ALICE, question, system=system)
+        # carol's allocation (22 of the 24 blocks) evicts alice's cached ones
+        chat(c, srv.url, CAROL, "tell me everything about sourdough " * 9, system=system, max_tokens=16)
+        events = []
+        with c.stream("POST", srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {ALICE}"}, json={
+                "model": "tiny:llama", "stream": True, "max_tokens": 2, "return_miss_details": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    assert events and "error" not in events[0], events[:2]
+    final = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")][0]
+    m = final["kvplay"]["miss"]
+    assert m["reasons"]["evicted"] > 0 and m["evicted_by"] == {"others": m["reasons"]["evicted"]}
+    assert "carol" not in json.dumps(events)
+    assert events[-1]["kvplay"]["miss"] == m  # the usage chunk carries it too

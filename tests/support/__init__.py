@@ -1,0 +1,13 @@
+"""Helpers the test groups share (tests/<layer>/ import them as `support.<module>`; pyproject's
+pytest `pythonpath` puts tests/ on the path). Fixtures live in the conftest.py files, not here.
+
+Paths into the checkout, so a test module does not depend on how deep it sits in tests/.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+EXAMPLES = ROOT / "examples"
+SCRIPTS = ROOT / "scripts"
+FIXTURES = ROOT / "tests" / "fixtures"  # recorded vLLM frames (scripts/capture_vllm_events.py)

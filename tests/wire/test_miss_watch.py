@@ -1,0 +1,429 @@
+"""Why a watched server computed what it did, from its KV events alone (wire/miss_watch.py):
+recomputed after an eviction (when, and whose stores were around it), branches (where, from
+whom), the same tokens under other keys, other cache tiers; exact block counts, bounded memory,
+hostile input. Through the translator and the mirror (as `kvplay watch` applies a batch), through
+`kvplay watch --json` against a scripted publisher, and against `kvplay serve`, whose engine
+explains the same requests at admission."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from support.serve import keys
+from support.wait import wait_for
+
+from kvplay.wire import miss_watch as mw
+from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvplay.wire.mirror import Fleet
+from kvplay.wire.miss_watch import MissWatch
+from kvplay.wire.publisher import KVEventsConfig, ZmqEventPublisher
+
+BS = 4
+A, B, C, D = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+
+
+def st(hashes, parent, tokens, sid, medium="GPU", extra=None, locality=None, group=None):
+    return BlockStored(list(hashes), parent, list(tokens), BS, None, medium, None, extra_keys=extra,
+                       group_idx=group, session_id=sid, locality=locality)
+
+
+def rm(*hashes, medium="GPU", locality=None):
+    return [BlockRemoved([h], medium, locality=locality) for h in hashes]
+
+
+class Pod:
+    """A pod as `kvplay watch` runs it: each wire batch translated, applied, then attributed."""
+
+    def __init__(self, **kw):
+        self.fleet = Fleet()
+        self.wire = self.fleet.from_wire("p")
+        self.mirror = self.fleet.pod("p")
+        self.why = MissWatch(self.fleet, **kw)
+        self.seq = 0
+
+    def __call__(self, *events, ts=None):
+        self.seq += 1
+        b = self.wire(EventBatch(float(self.seq) if ts is None else ts, list(events)), self.seq)
+        self.mirror.apply(b)
+        return self.why.on_batch("p", b, detail=True)
+
+    @property
+    def misses(self):
+        return self.why.pod("p")
+
+
+def test_recomputed_after_eviction_with_when_and_the_stores_around_it():
+    p = Pod()
+    assert p(st([1, 2, 3], None, A + B + C, "alice"))["blocks"] == {"cold": 3}
+    # carol's store needs room: vLLM evicts alice's tail first, in the same step
+    got = p(*rm(3, 2), st([10, 11], None, D + D, "carol"), ts=50.0)
+    assert got["blocks"] == {"cold": 2}
+    # alice again: block 1 is still cached (a hit, not announced), blocks 2 and 3 are recomputed
+    got = p(st([2, 3, 4], 1, B + C + D, "alice"), ts=60.0)
+    assert got["blocks"] == {"evicted": 2, "cold": 1} and got["tokens"] == {"evicted": 8, "cold": 4}
+    assert got["recomputed"] == [{"session": "alice", "reason": "evicted", "blocks": 2, "tokens": 8,
+                                  "removed_at": 50.0, "evicted_by": "carol"}]
+    s = p.misses.summary()
+    assert s["blocks"]["evicted"] == 2 and s["blocks"]["cold"] == 6
+    assert s["by_session"]["alice"] == {"blocks": {"evicted": 2, "cold": 4}, "tokens": {"evicted": 8, "cold": 16}}
+    assert s["evicted_from"] == {"alice": 2}
+    marks = p.misses.marks()
+    assert marks == {2: {"kind": "recomputed", "reason": "evicted", "removed_at": 50.0, "evicted_by": "carol",
+                         "blocks": 2}}
+
+
+def test_recomputed_after_a_clear_and_after_a_publisher_restart():
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice"))
+    p(AllBlocksCleared())
+    got = p(st([1, 2], None, A + B, "alice"))
+    assert got["blocks"] == {"cleared": 2} and got["recomputed"][0]["reason"] == "cleared"
+    assert "evicted_by" not in got["recomputed"][0]
+    b = p.wire.restart()  # the publisher restarted: its cache went with it
+    p.mirror.apply(b)
+    p.why.on_batch("p", b)
+    assert p(st([1], None, A, "bob"))["blocks"] == {"cleared": 1}
+
+
+def test_a_branch_says_where_and_from_whom():
+    p = Pod()
+    p(st([1, 2, 3], None, A + B + C, "alice"))
+    # bob shares alice's first two blocks and 2 tokens of the third: the branch is at 4 * 2 + 2
+    got = p(st([20, 21], 2, [9, 10, 99, 98] + D, "bob"))
+    assert got["blocks"] == {"diverged": 2}
+    assert got["branches"] == [{"session": "bob", "reason": "diverged", "at": 10, "within_block": 2, "blocks": 2,
+                                "tokens": 8, "from": "alice"}]
+    # a continuation of a cached leaf is no branch (a conversation going on)
+    assert p(st([22], 21, A, "bob"))["blocks"] == {"cold": 1}
+    # at the root: the same first token, then different
+    got = p(st([30], None, [1, 2, 77, 78], "carol"))
+    assert got["blocks"] == {"diverged": 1} and got["branches"][0]["at"] == 2
+    # a root sharing no first token with any cached one is cold
+    assert p(st([31], None, [50, 51, 52, 53], "dave"))["blocks"] == {"cold": 1}
+    marks = p.misses.marks()
+    assert marks[20] == {"kind": "diverged", "at": 10, "within_block": 2, "from": "alice", "blocks": 2}
+    assert marks[30]["at"] == 2
+
+
+def test_branch_at_a_block_boundary_and_unknown_depth():
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice"))
+    got = p(st([5], 1, D, "bob"))  # differs from alice's second block at its first token
+    assert got["branches"][0]["at"] == 4 and got["branches"][0]["within_block"] == 0
+    # a parent the watch never saw stored (joined late): no depth, no position
+    p2 = Pod()
+    p2(st([7, 8], 6, A + B, "alice"))
+    got = p2(st([9], 7, C, "bob"))
+    assert got["blocks"] == {"diverged": 1} and got["branches"][0]["at"] is None
+
+
+def test_the_same_tokens_under_another_salt_are_isolated_unsalted_config():
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice", extra=[["salt-a"], None]))
+    got = p(st([11, 12], None, A + B, "bob", extra=[["salt-b"], None]))
+    assert got["blocks"] == {"isolated": 2} and got["branches"][0] == {
+        "session": "bob", "reason": "isolated", "blocks": 2, "tokens": 8, "from": "alice"}
+    # no extra keys on either side: another hash seed or model; only the first block is the same
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice"))
+    got = p(st([21, 22], None, A + C, "carol"))
+    assert got["blocks"] == {"config": 1, "cold": 1}
+
+
+def test_other_tiers_are_counted_and_a_device_store_of_a_tier_block_is_a_hit():
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice"))
+    got = p(st([1, 2], None, A + B, "alice", medium="CPU"), *rm(2, 1))  # offloaded, then evicted
+    assert got["tiers"] == {"CPU": {"stored": 2, "removed": 0, "hits": 0}}
+    got = p(st([1, 2, 3], None, A + B + C, "bob"))  # loaded back from the CPU tier, one block new
+    assert got["blocks"] == {"tier": 2, "cold": 1}
+    assert got["tiers"] == {"CPU": {"stored": 0, "removed": 0, "hits": 2}}
+    # any case; locality REMOTE; another tier's removal; "gpu" is the device, mirrored
+    p(st([40], None, C, "x", medium="cpu_pinned"), st([41], None, D, "x", medium="Storage"),
+      st([42], None, D, "x", locality="REMOTE"), *rm(40, medium="CPU_PINNED"))
+    p(st([43], None, [60, 61, 62, 63], "x", medium="gpu"))
+    assert 43 in p.mirror.blocks and 40 not in p.mirror.blocks
+    tiers = p.misses.summary()["tiers"]
+    assert tiers == {"CPU": {"stored": 2, "removed": 0, "hits": 2}, "CPU_PINNED": {"stored": 1, "removed": 1, "hits": 0},
+                     "STORAGE": {"stored": 1, "removed": 0, "hits": 0},
+                     "REMOTE:GPU": {"stored": 1, "removed": 0, "hits": 0}}
+    assert p.mirror.other_medium == 2 + 1 + 1 + 1 + 1  # counted, as before
+
+
+def test_per_session_and_tier_names_are_bounded(monkeypatch):
+    monkeypatch.setattr(mw, "MAX_SESSIONS", 8)
+    monkeypatch.setattr(mw, "MAX_TIERS", 3)
+    p = Pod()
+    for i in range(20):
+        p(st([100 + i], None, [200 + i] * BS, f"user-{i}"), st([300 + i], None, A, "t", medium=f"tier-{i}"))
+    s = p.misses.summary()
+    assert len(s["by_session"]) == 9 and s["by_session"]["others"]["blocks"] == {"cold": 12}
+    assert len(s["tiers"]) == 4 and s["tiers"]["others"]["stored"] == 17
+    assert sum(d["blocks"]["cold"] for d in s["by_session"].values()) == 20
+
+
+def test_memory_follows_the_pool_through_churn(monkeypatch):
+    monkeypatch.setattr(mw, "SWEEP_SLACK", 64)
+    p = Pod()
+    h = 1
+    for i in range(400):  # long chains, all but their first block evicted: the chains are cut down
+        chain = list(range(h, h + 16))
+        h += 16
+        p(st(chain, None, [i % 7] * (16 * BS), "u"))
+        p(*rm(*chain[1:]))
+    pm = p.misses
+    assert len(pm.run_of) <= 2 * len(p.mirror.key_slot) + 64 + 16
+    assert pm._held <= 2 * len(p.mirror.key_slot) + 64 + 16
+    assert len(pm.heads) <= len(p.mirror.key_slot) + 16
+    # what was removed is still remembered: the chains' tails come back as recomputed
+    got = p(st(list(range(h - 15, h)), h - 16, [6] * (15 * BS), "u"))
+    assert got["blocks"] == {"evicted": 15}
+
+
+def test_hostile_input_is_bounded_and_never_a_traceback():
+    p = Pod()
+    # a huge chain, hashes of every kind, no tokens, odd block sizes, a parent that is the chain itself
+    p(st(list(range(1, 5001)), None, [], "big"))
+    p(BlockStored([b"\x01" * 32, b"\x02" * 32], None, A + B, BS, None, "GPU", None, session_id="digests"))
+    p(BlockStored([-5, -6], None, A + B, BS, None, "GPU", None, session_id="sglang"))
+    p(BlockStored([7001], 7001, A, BS, None, "GPU", None, session_id="loop"))
+    p(BlockStored([7002], 7001, [], 0, None, "GPU", None, session_id="no size"))
+    p(st([7003], None, A, "\u202e\x1b[31mred"))
+    p(*rm(*range(1, 5001)), *rm(-5, -6, 10**30 % (1 << 64)))
+    got = p(st([3, 4], 2, A + B, "big"))
+    assert got["blocks"] == {"evicted": 2}
+    s = p.misses.summary()
+    assert sum(s["blocks"].values()) == 5000 + 2 + 2 + 1 + 1 + 1 + 2
+    json.dumps(s)  # plain data
+    assert len(p.misses.removed.recent) <= p.misses.removed.recent_capacity + 512
+
+
+def test_watch_json_reports_recomputes_branches_and_tiers(free_port, pubs, watch_json):
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    w = watch_json("--events-bind", ev, "--replay", rep, "--pod", "vllm", "--topic", "kv-events", "--json",
+                   "--no-record")
+    pub = ZmqEventPublisher(ev, rep, topic="kv-events")
+    pubs.append(pub)
+    batches = [
+        [st([1, 2, 3], None, A + B + C, "alice")],
+        [st([20, 21], 2, [9, 10, 99, 98] + D, "bob")],
+        [*rm(3, 21, 20), st([30, 31], None, D + D, "carol")],
+        [st([3], 2, C, "alice"), st([1], None, A, "alice", medium="CPU")],
+    ]
+    sent = iter(batches)
+
+    def feed():
+        b = next(sent, None)
+        if b is not None:
+            pub.publish(EventBatch(time.time(), b))
+    got = w.until(lambda d: d.get("seq") == 3, feed=feed)
+    rest = w.stop()
+    assert w.p.returncode == 0, w.err
+    by_seq = {d["seq"]: d for d in got}
+    assert by_seq[1]["miss"]["branches"] == [{"session": "bob", "reason": "diverged", "at": 10, "within_block": 2,
+                                              "blocks": 2, "tokens": 8, "from": "alice"}]
+    m3 = by_seq[3]["miss"]
+    assert m3["blocks"] == {"evicted": 1} and m3["recomputed"][0]["evicted_by"] == "carol"
+    assert m3["tiers"] == {"CPU": {"stored": 1, "removed": 0, "hits": 0}}
+    assert "miss" not in by_seq[0] or by_seq[0]["miss"]["blocks"] == {"cold": 3}
+    pod = rest[-1]["pods"]["vllm"]
+    assert pod["misses"]["blocks"] == {"tier": 0, "evicted": 1, "cleared": 0, "config": 0, "isolated": 0,
+                                       "diverged": 2, "cold": 5}
+    assert pod["misses"]["by_session"]["bob"]["tokens"] == {"diverged": 8}
+    assert pod["other_medium"] == 1
+
+
+def test_watch_no_misses_skips_the_attribution(free_port, pubs, watch_json):
+    ev = f"tcp://127.0.0.1:{free_port()}"
+    w = watch_json("--events-bind", ev, "--pod", "p", "--json", "--no-record", "--no-misses")
+    pub = ZmqEventPublisher(ev, None)
+    pubs.append(pub)
+    n = iter(range(1, 1000))
+
+    def feed():  # no replay: send until the subscription is through
+        k = next(n)
+        pub.publish(EventBatch(time.time(), [st([k], None, A, "alice"), st([k + 1000], k, D, "bob")]))
+    seen = []
+    got = w.until(lambda d: seen.append(d) or len(seen) == 2, feed=feed)
+    rest = w.stop()
+    assert all("miss" not in d for d in got) and "misses" not in rest[-1]["pods"]["p"]
+
+
+# --- against kvplay serve: the events alone agree with the engine's own attribution -----------
+def test_watch_of_kvplay_serve_agrees_with_the_engines_reasons(free_port, serve, tmp_path, watch_json):
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(kv_events=cfg, num_blocks=14, block_size=16)
+    w = watch_json(srv.url, "--json", "--no-record")  # the endpoints come from GET /kv_event_sources
+    w.wait_err("kv_event_sources", timeout=30)
+    rng = [10 + (k * 7) % 90 for k in range(69)]  # 69 tokens: 4 full blocks and 5 tail tokens
+
+    def complete(user, ids):
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny:llama", "prompt": ids, "max_tokens": 1,
+                                                           "temperature": 0, "user": user,
+                                                           "return_miss_details": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["kvplay"]["miss"]
+
+    alice1 = complete("alice", rng)
+    bob = complete("bob", rng[:40] + [7] * 29)  # shares alice's first 40 tokens
+    for i in range(3):  # carol fills the pool: alice's blocks go
+        complete("carol", [4 + (i * 37 + k * 11) % 99 for k in range(69)])
+    alice2 = complete("alice", rng)
+    pub = state.side.events.publisher
+    got = w.until(lambda d: d.get("seq") == pub.next_seq - 1, timeout=30)
+    while pub.next_seq - 1 > max(d.get("seq", -1) for d in got):
+        got += w.until(lambda d: d.get("seq") == pub.next_seq - 1, timeout=30)
+    rest = w.stop()
+    assert w.p.returncode == 0, w.err
+    assert alice1["reasons"]["cold"] == 64 and bob["reasons"]["diverged"] == 32 and bob["diverged_at"] == 40
+    assert alice2["reasons"]["evicted"] > 0, alice2
+    misses = rest[-1]["pods"][next(iter(rest[-1]["pods"]))]["misses"]
+    sessions = misses["by_session"]
+    # the engine explains each request's prompt blocks at admission; the watch, from the events
+    # alone, finds the same blocks recomputed after eviction and the same branch
+    assert sessions["alice"]["tokens"].get("evicted", 0) == alice2["reasons"]["evicted"]
+    assert sessions["bob"]["tokens"] == {"diverged": 32}
+    branch = [b for d in got if "miss" in d for b in d["miss"]["branches"] if b["session"] == "bob"]
+    assert branch == [{"session": "bob", "reason": "diverged", "at": 40, "within_block": 8, "blocks": 2,
+                       "tokens": 32, "from": "alice", **({"text": branch[0]["text"]} if "text" in branch[0] else {})}]
+    again = alice2["tokens"] - alice2["reasons"]["tail"]  # the full blocks alice's second turn computed
+    assert sessions["alice"]["tokens"] == {k: v for k, v in {"evicted": alice2["reasons"]["evicted"],
+                                                             "cold": 64 + again - alice2["reasons"]["evicted"]}.items()
+                                           if v}
+
+
+# --- attach: each turn explained after the fact, against the engine's own reasons ------------
+def test_attach_explains_each_turn_as_the_engine_did(free_port, serve, tmp_path):
+    from kvplay.engine.miss import miss_from_event, miss_text
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.wire.remote import RemoteBackend
+    from kvplay.wire.subscriber import PodSource
+
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(kv_events=cfg, num_blocks=24, block_size=16)
+    engine_says = []  # the engine's MissExplained, in order
+    state.side.engine.subscribe_batches(
+        lambda b: engine_says.extend(miss_from_event(e) for e in b.events if e.kind == "MissExplained"))
+    backend = RemoteBackend(srv.url, sources=[PodSource("kv", ev, bind=True, replay=rep, topic="kv-events")])
+    system = "You answer questions about the bakery on Elm Street, briefly. " * 2
+    try:
+        def turn(user, text):
+            t = backend.submit(user, [{"role": "system", "content": system}, {"role": "user", "content": text}],
+                               SamplingParams(temperature=0.0, max_tokens=1))
+            r = t.result(60)
+            assert r.error is None, r.error
+            return r.stats
+
+        turns = [turn("alice", "When do you open?"), turn("bob", "Do you sell rye?")]
+        for i in range(4):  # carol fills the small pool
+            turns.append(turn("carol", f"{i} " + "tell me everything about your cakes " * 3))
+        turns.append(turn("alice", "When do you open?"))
+    finally:
+        backend.close()
+    assert len(engine_says) == len(turns)
+    for st_, want in zip(turns, engine_says):
+        assert st_.miss is not None, st_
+        assert st_.miss["reasons"] == want["reasons"], (st_.user, st_.miss, want)
+        assert st_.miss["diverged_at"] == want["diverged_at"]
+        assert st_.miss["evicted_by"] == want["evicted_by"]  # the stores around the eviction: carol's
+        assert st_.miss["tokens"] == st_.prompt_tokens - st_.cached_tokens
+    bob = turns[1].miss
+    assert bob["reasons"]["diverged"] > 0 and bob["diverged_from"] == "alice"
+    assert miss_text(bob, "bob").startswith(f"{bob['tokens']}: {bob['reasons']['diverged']} diverged at ")
+    assert turns[-1].miss["reasons"]["evicted"] > 0, turns[-1].miss
+
+
+def test_attach_says_isolated_where_the_server_salts_by_user(free_port, serve, tmp_path):
+    from serve_util import ALICE, BOB, chat
+
+    from kvplay.engine.miss import miss_from_event
+    from kvplay.engine.sampling import SamplingParams
+    from kvplay.wire.remote import RemoteBackend
+    from kvplay.wire.subscriber import PodSource
+
+    ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
+    srv, state = serve(keys=keys(tmp_path), kv_events=cfg, num_blocks=64, isolation="user")
+    engine_says = []
+    state.side.engine.subscribe_batches(
+        lambda b: engine_says.extend(miss_from_event(e) for e in b.events if e.kind == "MissExplained"))
+    system = "You answer questions about the bakery on Elm Street, briefly. " * 2
+    backend = RemoteBackend(srv.url, ALICE, sources=[PodSource("kv", ev, bind=True, replay=rep, topic="kv-events")])
+    try:
+        with httpx.Client(timeout=60) as c:  # bob, another tenant, asks first
+            assert chat(c, srv.url, BOB, "When do you open?", system=system, max_tokens=1).status_code == 200
+        wait_for(lambda: len(backend.fleet.pod("kv").blocks) > 0, what="the pod's blocks mirrored")
+        t = backend.submit("alice", [{"role": "system", "content": system},
+                                     {"role": "user", "content": "When do you open?"}],
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        r = t.result(60)
+    finally:
+        backend.close()
+    want = engine_says[-1]
+    assert want["reasons"]["isolated"] > 0 and want["isolated_from"] == {"bob": want["reasons"]["isolated"]}
+    assert r.stats.miss["reasons"] == want["reasons"] and r.stats.miss["isolated_from"] == want["isolated_from"]
+
+
+# --- the prefix tree marks branch points and recomputed chains -------------------------------
+def test_tree_marks_branch_points_and_recomputed_chains():
+    from kvplay.wire.tree import Labels, PrefixTree, to_json, to_text
+
+    p = Pod()
+    p(st([1, 2, 3], None, A + B + C, "alice"))
+    p(st([20, 21], 2, [9, 10, 99, 98] + D, "\x1b[31mmallory\u202e"))
+    p(*rm(3), ts=100.0)
+    p(st([3], 2, C, "alice"), ts=110.0)
+    tree = PrefixTree(p.mirror.blocks, None, 0, p.misses.marks())
+    lines = to_text(tree, Labels(None), now=130.0)
+    text = "\n".join(lines)
+    assert "⑂ prompts branch at token 10" in text
+    assert "⑂ diverged at 10 from " in text and "mallory" in text
+    assert "↻ recomputed 1 blk, evicted 30s ago by ␛[31mmallory" in text  # the last stores before it
+    assert "\x1b" not in text and "\u202e" not in text  # a server's session ids are shown inert
+    js = to_json(tree, Labels(None), now=130.0)
+    top = js["roots"][0]
+    assert top["branch_at"] == 10 and top["marks"] == []
+    kids = {c["creator"]: c for c in top["children"]}
+    assert kids["alice"]["marks"][0]["kind"] == "recomputed" and kids["alice"]["marks"][0]["removed_at"] == 100.0
+    assert kids["\x1b[31mmallory\u202e"]["marks"][0] == {"kind": "diverged", "at": 10, "within_block": 2,
+                                                       "from": "alice", "blocks": 2}
+
+
+def test_kvplay_tree_of_a_watch_recording_shows_the_marks(free_port, pubs, watch_json, tmp_path, capsys):
+    from kvplay.cli import main
+
+    ev = f"tcp://127.0.0.1:{free_port()}"
+    db = tmp_path / "s.db"
+    w = watch_json("--events-bind", ev, "--pod", "p", "--json", "--db", str(db))
+    w.wait_err("recording")
+    pub = ZmqEventPublisher(ev, None)
+    pubs.append(pub)
+    n = iter(range(1, 1000))
+
+    def feed():  # no replay: resend the story under new hashes until it all went through
+        k = 100 * next(n)
+        pub.publish(EventBatch(time.time(), [st([k + 1, k + 2], None, [k % 97] * 4 + B, "alice"),
+                                             st([k + 3], k + 1, C, "bob")]))
+    seen = []
+    w.until(lambda d: seen.append(d) or len(seen) == 2, feed=feed)
+    w.stop()
+    sid = next(e for e in w.err if "recording the watched events as session" in e).split("session ")[1].split()[0]
+    assert main(["tree", sid, "--db", str(db), "--ids"]) == 0
+    out = capsys.readouterr().out
+    assert "⑂ prompts branch at token 4" in out and "⑂ diverged at 4 from alice" in out
+
+
+def test_the_watch_line_says_why_in_words_and_shows_tier_names_inert():
+    from kvplay.sessions.watch import misses_text
+
+    blocks = {"tier": 6, "evicted": 10, "cleared": 2, "config": 0, "isolated": 4, "diverged": 40, "cold": 9}
+    tiers = {"CPU": {"stored": 12, "removed": 4, "hits": 6}, "\x1b[2Jevil": {"stored": 1, "removed": 0, "hits": 0}}
+    text = misses_text(blocks, tiers)
+    assert text.startswith("recomputed 12 (evicted 10, cleared 2) · diverged 40 · isolated 4 · CPU +12 -4 hits 6 · ")
+    assert "\x1b" not in text and "evil" in text
+    assert misses_text(dict.fromkeys(blocks, 0)) == ""
