@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from support.serve import keys
+from support.serve import ALICE, BOB, chat, keys
 from support.wait import wait_for
 
 from kvplay.wire import miss_watch as mw
@@ -339,7 +339,6 @@ def test_attach_explains_each_turn_as_the_engine_did(free_port, serve, tmp_path)
 
 
 def test_attach_says_isolated_where_the_server_salts_by_user(free_port, serve, tmp_path):
-    from serve_util import ALICE, BOB, chat
 
     from kvplay.engine.miss import miss_from_event
     from kvplay.engine.sampling import SamplingParams
