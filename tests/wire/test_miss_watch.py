@@ -10,7 +10,6 @@ import json
 import time
 
 import httpx
-import pytest
 
 from support.serve import ALICE, BOB, chat, keys
 from support.wait import wait_for
