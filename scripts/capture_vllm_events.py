@@ -40,6 +40,9 @@ import msgpack
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
+# the venv scripts/vllm-cpu.sh sets up: $KVPLAY_VLLM_VENV, else the user cache dir
+VLLM_VENV = Path(os.environ.get("KVPLAY_VLLM_VENV")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvplay" / "vllm-venv")
 SCRIPT = ROOT / "scripts" / "vllm-cpu.sh"
 TOPIC = "kv-events"
 SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, cakes, opening "
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         cap.stop()
         replayed = replay(replay_ep, 1)
-        version = subprocess.run([str(Path(os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")) / "bin" / "python"),
+        version = subprocess.run([str(VLLM_VENV / "bin" / "python"),
                                   "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True).stdout.strip()
     finally:
         if not args.keep_running:

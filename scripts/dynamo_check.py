@@ -4,7 +4,7 @@ prompt's tokens, the tokens Dynamo's index matched *before* the turn ran, and th
 kvplay's usage reported for it.
 
     unshare -rn sh -c 'ip link set lo up && exec .venv/bin/python scripts/dynamo_check.py \
-        --dynamo-python /work/dynamo-venv/bin/python'
+        --dynamo-python "$(scripts/dynamo-setup.sh path)"'
 
 Dynamo's indexer listens on every interface (it has no host option), so run this in a network
 namespace that has only loopback (`unshare -rn`, as above; tests/interop/test_interop_dynamo.py does).

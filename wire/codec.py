@@ -23,7 +23,9 @@ a hash that is a list, ``block_size: "4"``, ``token_ids: 7``, a list or a 10 MiB
 Encoding follows vLLM's msgspec structs (``omit_defaults=True``): fields without a default
 (``lora_id``, ``medium``, ``lora_name`` on BlockStored; ``medium`` on BlockRemoved) are always
 written, even as nil, because vLLM's own decoder requires them; fields whose default is None are
-left out when None. See /work/shared/research/vllm-wire.md for the observed wire.
+left out when None. The wire as vLLM defines it: ``vllm/distributed/kv_events.py`` (the structs and
+``ZmqEventPublisher``); as vLLM 0.32 sends it: tests/fixtures/vllm_capture*.msgpack, captured from
+a real server by scripts/capture_vllm_events.py.
 """
 from __future__ import annotations
 

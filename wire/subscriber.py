@@ -3,7 +3,10 @@
 One SUB socket per pod: `connect` to a publisher that binds (``--events``), or `bind` for a
 publisher that connects (``--events-bind``; vLLM connects whenever its endpoint is not a wildcard).
 Per pod the subscriber tracks the last applied seq and the last live seq and handles what the
-ecosystem's consumers got wrong (see /work/shared/research/anchors-2026.md §2):
+ecosystem's consumers got wrong (vLLM's example subscriber never advances its last seq on live
+batches, so its gap check cannot fire; llm-d-kv-cache's indexer keeps a last and a last-live seq
+and clears a pod whose seq goes back; a replayed ``Stored(A)`` applied after a live ``Removed(A)``
+brings A back, as the review of Mooncake PR #4159 found):
 
 - **gap** (a live seq beyond last applied + 1): ask the pod's replay ROUTER through a DEALER for
   every batch from last applied + 1 (``[b"", seq8]``), read until the end marker (seq -1), and

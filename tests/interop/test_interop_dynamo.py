@@ -20,7 +20,7 @@ from support.interop import venv_python
 
 @pytest.mark.dynamo
 def test_dynamo_indexer_agrees_with_cached_tokens():
-    py = venv_python("KVPLAY_DYNAMO_VENV", "/work/dynamo-venv", ".kvplay-dynamo-setup")
+    py = venv_python("KVPLAY_DYNAMO_VENV", "dynamo-venv", ".kvplay-dynamo-setup")
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rn", "true"]).returncode != 0:
         pytest.skip("needs `unshare -rn` (a loopback-only network namespace for Dynamo's 0.0.0.0 listener)")
     script = f"ip link set lo up && exec {sys.executable} {ROOT / 'scripts' / 'dynamo_check.py'} --dynamo-python {py}"

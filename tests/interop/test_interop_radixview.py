@@ -20,7 +20,7 @@ SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly
 
 @pytest.mark.radixview
 def test_radixview_draws_the_shared_system_prompt_as_one_node(serve, tmp_path, free_port):
-    py = venv_python("KVPLAY_RADIXVIEW_VENV", "/work/radixview-venv", ".kvplay-radixview-setup")
+    py = venv_python("KVPLAY_RADIXVIEW_VENV", "radixview-venv", ".kvplay-radixview-setup")
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:*")  # bound where the OS says
     srv, state = serve(kv_events=cfg, num_blocks=128)
     view = free_port()

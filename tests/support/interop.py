@@ -10,12 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from . import tool_venv
 from .wait import wait_for
 
 
-def venv_python(env: str, default: str, stamp: str) -> str:
-    """The tool venv's python, or skip the test (with how to set it up)."""
-    venv = Path(os.environ.get(env, default))
+def venv_python(env: str, name: str, stamp: str) -> str:
+    """The tool venv's python (`$env`, else the user cache dir's kvplay/`name`), or skip the test
+    (with how to set it up)."""
+    venv = tool_venv(env, name)
     if not (venv / stamp).exists() or not (venv / "bin" / "python").exists():
         script = "scripts/" + stamp.split("-")[1] + "-setup.sh"
         pytest.skip(f"needs {venv} (run {script})")

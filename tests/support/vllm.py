@@ -17,9 +17,9 @@ import urllib.request
 
 import pytest
 
-from support import SCRIPTS
+from support import SCRIPTS, tool_venv
 
-VLLM_VENV = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv")
+VLLM_VENV = str(tool_venv("KVPLAY_VLLM_VENV", "vllm-venv"))
 SCRIPT = str(SCRIPTS / "vllm-cpu.sh")
 SYSTEM = ("You are a careful assistant for a small bakery. You answer questions about bread, cakes, opening "
           "hours and orders. Keep answers short, friendly and precise. ") * 5

@@ -13,13 +13,13 @@ import msgpack
 import pytest
 import zmq
 
-from support import FIXTURES
+from support import FIXTURES, tool_venv
 from support.pool_view import block_view
 from support.serve import ALICE, BOB, chat, keys
 from support.subscribe import Handshakes, subscribed
 from support.wait import wait_for
 
-VLLM_PY = os.environ.get("KVPLAY_VLLM_VENV", "/work/vllm-venv") + "/bin/python"
+VLLM_PY = str(tool_venv("KVPLAY_VLLM_VENV", "vllm-venv") / "bin" / "python")
 
 
 # --- an independent consumer: what any vLLM KV-event subscriber does ----------------------------
@@ -120,7 +120,7 @@ def test_kv_events_config_is_vllms():
                 '{"buffer_steps": 0}', '{"endpoint": "http://x"}'):
         with pytest.raises(EngineError):
             KVEventsConfig.from_json(bad)
-    assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557") and is_bind_endpoint("ipc:///tmp/x")
+    assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557") and is_bind_endpoint("ipc://kvplay-events.sock")
     assert not is_bind_endpoint("tcp://127.0.0.1:5557")
     assert loopback_only("tcp://*:5557") == "tcp://127.0.0.1:5557"
     assert loopback_only("tcp://127.0.0.1:*") == "tcp://127.0.0.1:*"
