@@ -12,6 +12,7 @@ then the EngineConfig default.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -93,6 +94,35 @@ def check_output_file(path: str | None, flag: str, suffix: str | None = None) ->
         raise KvplayError(f"{flag} {path!r}: no such directory: {folder}")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise KvplayError(f"{flag} {path!r}: not writable")
+
+
+MAX_JSON_FILE = 64 << 20  # a report another command wrote (serve_compare's --json, a lab's --json)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_json_file(path: str, limit: int | None = None):
+    """A JSON file another command wrote, as Python objects; unreadable, too large (`limit` bytes,
+    default MAX_JSON_FILE), not UTF-8, not JSON, or holding NaN/Infinity is one line
+    (KvplayError), never a traceback."""
+    limit = MAX_JSON_FILE if limit is None else limit
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise KvplayError(f"{path}: {exc.strerror or exc}") from None
+    if len(raw) > limit:
+        raise KvplayError(f"{path}: larger than {limit:,} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise KvplayError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise KvplayError(f"{path}: nested too deeply") from None
+    except ValueError as exc:  # json.JSONDecodeError too
+        raise KvplayError(f"{path}: not JSON ({str(exc).splitlines()[0][:120]})") from None
 
 
 def save_plot(save, path: str) -> None:
