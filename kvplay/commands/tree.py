@@ -3,11 +3,13 @@ made and who reused them (wire/tree.py), headless.
 
     kvplay tree 3f2a                      # a recorded session, at its end
     kvplay tree 3f2a --at 120 --json      # ... after its first 120 events, as JSON
+    kvplay tree http://127.0.0.1:8000     # a server: its KV events, found as `watch URL` finds them
     kvplay tree http://127.0.0.1:8000 --events tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
 
 A session's mirror is its recorded events up to N applied in order; its text comes from the
 session's model's tokenizer when it is on this machine (else token ids; `--ids` skips it). A
-server's mirror is its KV events, listened to for `--duration` seconds (with `--replay`, the
+server's mirror is its KV events (the endpoints it advertises, like `watch URL`, or
+`--events`), listened to for `--duration` seconds (with `--replay`, the
 server re-sends what it kept, so the tree covers what was cached before); its text comes from
 the server's `/detokenize`. Each node: its text, blocks and tokens, who made it → who reused it,
 hits, age; where prompts branch from it (`⑂ prompts branch at token 497`, and on the branch
@@ -24,7 +26,7 @@ import os
 import sys
 import time
 
-from kvplay.commands.watch import add_source_args, sources_from_args
+from kvplay.commands.watch import add_source_args, url_sources
 from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg
 from kvplay.sessions.tokenizer import session_detokenizer
@@ -84,14 +86,12 @@ def server_trees(args) -> tuple[dict, dict, object]:
 
     from kvplay.commands.attach import check_url
 
-    if not args.sources:
-        raise KvplayError("a server's tree comes from its KV events: give --events EP (or --events-bind EP)")
     if args.at is not None:
         raise KvplayError("--at reads a recorded session; a server's tree is its cache now")
     if not args.duration > 0:
         raise KvplayError(f"--duration {args.duration:g}: give a number of seconds above 0")
-    backend = RemoteBackend(check_url(args.target), args.api_key or os.environ.get("KVPLAY_API_KEY"),
-                            sources_from_args(args))
+    url, key = check_url(args.target), args.api_key or os.environ.get("KVPLAY_API_KEY")
+    backend = RemoteBackend(url, key, url_sources(args, url))
     try:
         time.sleep(args.duration)
         with backend.fleet.lock:

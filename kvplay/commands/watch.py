@@ -152,14 +152,18 @@ def _drops(args, names) -> list[tuple[str, list[int]]]:
     return out
 
 
+def url_sources(args, url: str) -> list[PodSource]:
+    """A server's pods: the --events/--events-bind given, else what the server at `url` advertises."""
+    if args.sources:
+        return sources_from_args(args)
+    if args.replay or args.pod:
+        raise KvplayError("--replay and --pod pair with --events/--events-bind: give the pod's events too")
+    return discovered_sources(url, args.api_key, args.topic,
+                              client_from_args(args.events_curve_server_key, args.events_curve_key))
+
+
 def main(args) -> int:
-    if args.url and not args.sources:
-        if args.replay or args.pod:
-            raise KvplayError("--replay and --pod pair with --events/--events-bind: give the pod's events too")
-        sources = discovered_sources(args.url, args.api_key, args.topic,
-                                     client_from_args(args.events_curve_server_key, args.events_curve_key))
-    else:
-        sources = sources_from_args(args)
+    sources = url_sources(args, args.url) if args.url else sources_from_args(args)
     if args.duration is not None and not args.duration > 0:
         raise KvplayError(f"--duration {args.duration:g}: give a number of seconds above 0")
     if not args.replay_timeout > 0:

@@ -278,6 +278,10 @@ async def test_kvplay_tree_of_a_server(serve, capsys, free_port):
     pod = out["pods"]["kv"]
     assert pod["blocks"] == state.side.engine.stats()["blocks_cached"] > 0
     assert len(pod["roots"]) == 1 and len(pod["roots"][0]["children"]) == 2
+    # no --events: the endpoints the server advertises (GET /kv_event_sources), as `watch URL` finds them
+    assert cli(["tree", srv.url, "--duration", "1.5", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["pods"]
+    assert [p["blocks"] for p in found.values()] == [pod["blocks"]]
     assert cli(["tree", srv.url, "--at", "3", "--events-bind", ev]) == 2
 
 
