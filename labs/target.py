@@ -240,8 +240,12 @@ def _leak_verdict(results: list[dict], label: str) -> str:
                      + f"{blocks_word(rs)} (95 % intervals); accuracy {top['accuracy']:.0%} and "
                        f"KS p={top['ks_p']:.1g} at {top['blocks']}{blocks_word([top])} "
                        f"(median hit {top['median_hit_ms']:.0f} vs miss {top['median_miss_ms']:.0f} ms).")
+        cached = [r["hit_cached_tokens"] for r in rs if r["hit_cached_tokens"] is not None]
+        if mode == "none" and cached and max(cached) == 0 and "leak" in [r["call"] for r in rs]:
+            parts.append("The server reused none of the victim's blocks for hit probes (cached tokens 0), so this "
+                         "separation is not its prefix cache: chance or drift between the probes (one 95 % interval "
+                         "in twenty misses 0.5); run again with another --seed before calling it a channel.")
         if mode == "per-user":
-            cached = [r["hit_cached_tokens"] for r in rs if r["hit_cached_tokens"] is not None]
             if cached and max(cached) > 0:
                 parts.append("The server still reused the victim's blocks for hit probes (cached tokens "
                              + ", ".join(f"{c:.0f}" for c in cached) + "): it ignores cache_salt.")

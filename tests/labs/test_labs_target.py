@@ -56,6 +56,18 @@ def test_leak_two_api_keys_under_user_isolation_share_nothing(serve, tmp_path): 
         tg.Target(srv.url, "sk-not-a-key-123").connect()
 
 
+def test_leak_verdict_says_a_separation_without_reuse_is_not_the_cache():
+    # the rows as run_leak makes them; a "leak" call where the server cached nothing for any hit probe
+    row = {"salt": "none", "blocks": 1, "tokens": 16, "n_hit": 102, "n_miss": 102, "auc": 0.37, "auc_lo": 0.30,
+           "auc_hi": 0.45, "ks_p": 0.96, "accuracy": 0.5, "median_hit_ms": 38.0, "median_miss_ms": 37.4,
+           "call": "leak", "hit_cached_tokens": 0.0}
+    said = tg._leak_verdict([row], "kvplay")
+    assert "LEAK" in said and "reused none of the victim's blocks" in said and "another --seed" in said
+    reused = tg._leak_verdict([dict(row, hit_cached_tokens=16.0, auc=1.0, auc_lo=1.0, auc_hi=1.0)], "kvplay")
+    quiet = tg._leak_verdict([dict(row, call="no evidence of a leak", auc=0.5, auc_lo=0.42, auc_hi=0.58)], "kvplay")
+    assert "reused none" not in reused and "reused none" not in quiet
+
+
 def test_determinism_against_kvplay_serve_deterministic_mode_agrees(serve):  # noqa: F811
     srv, _ = serve(num_blocks=256, deterministic=True)
     t = tg.Target(srv.url).connect()
