@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES, EngineConfig
 from kvplay.engine.errors import EngineError
@@ -103,22 +104,29 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def read_json_file(path: str, limit: int | None = None):
-    """A JSON file another command wrote, as Python objects; unreadable, too large (`limit` bytes,
-    default MAX_JSON_FILE), not UTF-8, not JSON, or holding NaN/Infinity is one line
-    (KvplayError), never a traceback."""
-    limit = MAX_JSON_FILE if limit is None else limit
+def read_text_file(path: str, limit: int, label: str = "") -> str:
+    """A small file's UTF-8 text, read no further than `limit` bytes; unreadable, larger or not
+    UTF-8 is one line (KvplayError) naming `label` (e.g. "--key-file ") and the path."""
     try:
         with open(path, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as exc:
-        raise KvplayError(f"{path}: {exc.strerror or exc}") from None
+        raise KvplayError(f"{label}{path}: {exc.strerror or exc}") from None
     if len(raw) > limit:
-        raise KvplayError(f"{path}: larger than {limit:,} bytes")
+        raise KvplayError(f"{label}{path}: larger than {limit:,} bytes")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise KvplayError(f"{path}: not UTF-8 text") from None
+        raise KvplayError(f"{label}{path}: not UTF-8 text") from None
+
+
+def read_json_file(path: str, limit: int | None = None):
+    """A JSON file another command wrote, as Python objects; unreadable, too large (`limit` bytes,
+    default MAX_JSON_FILE), not UTF-8, not JSON, or holding NaN/Infinity is one line
+    (KvplayError), never a traceback."""
+    text = read_text_file(path, MAX_JSON_FILE if limit is None else limit)
+    try:
+        return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise KvplayError(f"{path}: nested too deeply") from None
     except ValueError as exc:  # json.JSONDecodeError too
@@ -132,6 +140,29 @@ def save_plot(save, path: str) -> None:
     except OSError as exc:
         raise KvplayError(f"could not save the plot to {path}: {exc.strerror or exc}") from None
     print(f"kvplay: plot saved to {path}", file=sys.stderr)
+
+
+def plot_files_main(prog: str, description: str, what: str, load, figure, argv: list[str] | None = None) -> int:
+    """The main of a script that draws JSON reports into one PNG: `prog FILE.json… -o OUT.png`;
+    `load(path)` reads one file, `figure(loaded, plt)` draws them; a bad file or output is one
+    line and exit 2."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("files", nargs="+", metavar="FILE.json", help=what)
+    ap.add_argument("-o", "--out", required=True, metavar="OUT.png")
+    args = ap.parse_args(argv)
+    try:
+        check_output_file(args.out, "-o", ".png")
+        loaded = [load(p) for p in args.files]
+        plt = pyplot()
+        fig = figure(loaded, plt)
+        try:
+            save_plot(lambda path: fig.savefig(path, dpi=110), args.out)
+        finally:
+            plt.close(fig)
+    except KvplayError as exc:
+        print(f"{Path(prog).stem}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def pyplot():

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
 from kvplay.engine.errors import EngineError
+from kvplay.options import KvplayError, read_text_file
 from kvplay.serve.client import HttpError, HttpPeer
 from kvplay.sessions.probe_log import ProbeLog
 
@@ -194,16 +195,9 @@ def text_of(letters: list[str]) -> str:
 def read_key_file(path: str) -> list[str]:
     """API keys from a file, one per line (blank lines and # comments skipped)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_KEY_FILE + 1)
-    except OSError as exc:
-        raise AuditError(f"--key-file {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_KEY_FILE:
-        raise AuditError(f"--key-file {path}: larger than {MAX_KEY_FILE >> 10} KiB (one key per line)")
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        raise AuditError(f"--key-file {path}: not UTF-8 text (one key per line)") from None
+        text = read_text_file(path, MAX_KEY_FILE, "--key-file ")
+    except KvplayError as exc:
+        raise AuditError(f"{exc} (one key per line)") from None
     keys = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     if not keys:
         raise AuditError(f"--key-file {path}: no key in it (one key per line, # comments)")

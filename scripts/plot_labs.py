@@ -17,12 +17,11 @@ one line and exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 from kvplay.engine.config import ISOLATION_MODES
-from kvplay.options import KvplayError, check_output_file, pyplot, read_json_file, save_plot
+from kvplay.options import KvplayError, plot_files_main, read_json_file
 
 MAX_ROWS = 64  # a panel's statistics; a lab writes at most a few dozen
 ISOLATIONS = ISOLATION_MODES + ("cache_salt per user",)  # the last: `kvplay lab leak --target URL`'s salted rows
@@ -188,23 +187,7 @@ def figure(panels: list, plt):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/plot_labs.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="+", metavar="LAB.json", help="`kvplay lab NAME --json` outputs")
-    ap.add_argument("-o", "--out", required=True, metavar="OUT.png")
-    args = ap.parse_args(argv)
-    try:
-        check_output_file(args.out, "-o", ".png")
-        panels = [load(p) for p in args.files]
-        plt = pyplot()
-        fig = figure(panels, plt)
-        try:
-            save_plot(lambda path: fig.savefig(path, dpi=110), args.out)
-        finally:
-            plt.close(fig)
-    except KvplayError as exc:
-        print(f"plot_labs: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return plot_files_main("scripts/plot_labs.py", __doc__.split("\n\n")[0], "`kvplay lab NAME --json` outputs", load, figure, argv)
 
 
 if __name__ == "__main__":

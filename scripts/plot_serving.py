@@ -12,12 +12,11 @@ kvplay ms for latencies, kvplay ÷ vLLM for tok/s), its bar the range of the per
 """
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
 
-from kvplay.options import KvplayError, check_output_file, pyplot, read_json_file, save_plot
+from kvplay.options import KvplayError, plot_files_main, read_json_file
 
 METRICS = (("ttft", "TTFT p50"), ("itl", "ITL p50"), ("tok_s", "output tok/s"))
 WHEN = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d(:\d\d)? UTC")
@@ -123,23 +122,7 @@ def figure(tables: list[dict], plt):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/plot_serving.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="+", metavar="FILE.json", help="serve_compare.py --json outputs")
-    ap.add_argument("-o", "--out", required=True, metavar="OUT.png")
-    args = ap.parse_args(argv)
-    try:
-        check_output_file(args.out, "-o", ".png")
-        tables = [load(p) for p in args.files]
-        plt = pyplot()
-        fig = figure(tables, plt)
-        try:
-            save_plot(lambda path: fig.savefig(path, dpi=110), args.out)
-        finally:
-            plt.close(fig)
-    except KvplayError as exc:
-        print(f"plot_serving: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return plot_files_main("scripts/plot_serving.py", __doc__.split("\n\n")[0], "serve_compare.py --json outputs", load, figure, argv)
 
 
 if __name__ == "__main__":
