@@ -556,7 +556,7 @@ class PodMisses:
         self.run_of.update(zip(r[lo:hi], repeat(part)))
         if not first:
             self.heads[part[PARENT]] = part
-        if part[MARK] is not None:
+        if part[MARK] is not None and part[MARK][0] != "tier":  # (a tier hit is no mark of the tree)
             self.marked.append(part)
         return hi - lo
 
