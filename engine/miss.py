@@ -71,6 +71,7 @@ _MASK = (1 << 64) - 1
 
 # --- the bounded memory of removed blocks --------------------------------------------------------
 _C1, _C2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # odd 64-bit multipliers (golden ratio; xxHash's)
+_U_C1, _U_C2, _U_32, _U_1 = np.uint64(_C1), np.uint64(_C2), np.uint64(32), np.uint64(1)
 
 
 def _probe_hashes(key: int) -> tuple[int, int]:
@@ -100,7 +101,7 @@ class RotatingBloom:
         self._n = 0  # items in the current generation
         self._n_prev = 0
         self._steps = np.arange(probes, dtype=np.int64)
-        self._range = range(probes)
+        self._rest_range = range(probes - 1)  # the probes after the first
 
     @property
     def nbytes(self) -> int:
@@ -121,10 +122,19 @@ class RotatingBloom:
         return 2 * self.filter_rate(self.capacity, self.m, self.probes)
 
     def _positions(self, keys: list[int]) -> np.ndarray:
-        x = np.fromiter(map(_MASK.__and__, keys), dtype=np.uint64, count=len(keys))
-        h1 = ((x * np.uint64(_C1)) >> np.uint64(32)).astype(np.int64)  # uint64 arithmetic wraps: mod 2^64
-        h2 = (((x * np.uint64(_C2)) >> np.uint64(32)) | np.uint64(1)).astype(np.int64)
-        return ((h1[:, None] + self._steps[None, :] * h2[:, None]) % self.m).ravel()
+        try:  # a server's hashes: ints in [0, 2^64), converted at C speed
+            x = np.array(keys, dtype=np.uint64)
+        except (OverflowError, TypeError, ValueError):
+            x = np.fromiter(map(_MASK.__and__, keys), dtype=np.uint64, count=len(keys))
+        h1 = x * _U_C1  # uint64 arithmetic wraps: mod 2^64
+        h1 >>= _U_32
+        h2 = x * _U_C2
+        h2 >>= _U_32
+        h2 |= _U_1
+        pos = np.multiply.outer(h2.view(np.int64), self._steps)  # below 2^36: no overflow
+        pos += h1.view(np.int64)[:, None]
+        pos %= self.m
+        return pos.ravel()
 
     def add_many(self, keys: list[int]) -> None:
         start = 0
@@ -147,20 +157,23 @@ class RotatingBloom:
 
     def has(self, h1: int, h2: int) -> bool:
         """Whether a key whose probe hashes are (h1, h2) (`_probe_hashes`) was added (or is a
-        false positive)."""
+        false positive). The first probe is the same bit in both generations: a never-added key
+        usually fails it in each generation that holds items."""
+        b = h1 % self.m
+        i, bit = b >> 3, 1 << (b & 7)
+        return bool(self._n and self._vcur[i] & bit and self._rest(self._vcur, h1, h2)
+                    or self._n_prev and self._vprev[i] & bit and self._rest(self._vprev, h1, h2))
+
+    def _rest(self, v, h1: int, h2: int) -> bool:
+        """Probes 1 .. probes - 1 of a key in one generation's bytes `v` (its first one is set)."""
         m = self.m
-        for n, v in ((self._n, self._vcur), (self._n_prev, self._vprev)):
-            if not n:
-                continue
-            p = h1
-            for _ in self._range:
-                b = p % m
-                if not v[b >> 3] >> (b & 7) & 1:
-                    break
-                p += h2
-            else:
-                return True
-        return False
+        p = h1 + h2
+        for _ in self._rest_range:
+            b = p % m
+            if not v[b >> 3] >> (b & 7) & 1:
+                return False
+            p += h2
+        return True
 
     def __contains__(self, key: int) -> bool:
         if not self._n and not self._n_prev:
@@ -195,6 +208,7 @@ class RemovedLog:
         self.recent: dict[int, Removal] = {}  # insertion-ordered: the oldest first
         self._flush_every = max(1, flush_every)
         self.blooms: dict[str, RotatingBloom] = {}  # reason -> filter, made on first use
+        self._filters: list = []  # (reason, filter) of the filters made, in _REMOVAL_KINDS' order
 
     def add(self, key: int, removal: Removal) -> None:
         rec = self.recent
@@ -209,6 +223,14 @@ class RemovedLog:
         recent map keeps its place there (its details are replaced)."""
         rec = self.recent
         rec.update(zip(keys, removals))
+        if len(rec) >= self.recent_capacity + self._flush_every:
+            self.flush()
+
+    def add_all(self, keys, removal: Removal) -> None:
+        """`add_many` of one removal for all `keys`."""
+        rec = self.recent
+        for k in keys:
+            rec[k] = removal
         if len(rec) >= self.recent_capacity + self._flush_every:
             self.flush()
 
@@ -232,11 +254,17 @@ class RemovedLog:
         r = self.recent.get(key)
         if r is not None or not self.blooms:
             return r
+        return self.filtered(key)
+
+    def filtered(self, key: int) -> Removal | None:
+        """`get` for a key that is not in the recent map: what the filters say (the reason only)."""
+        filters = self._filters
+        if len(filters) != len(self.blooms):
+            filters = self._filters = [(r, self.blooms[r]) for r in _REMOVAL_KINDS if r in self.blooms]
         x = key & _MASK
         h1, h2 = ((x * _C1) & _MASK) >> 32, (((x * _C2) & _MASK) >> 32) | 1
-        for reason in _REMOVAL_KINDS:
-            bloom = self.blooms.get(reason)
-            if bloom is not None and bloom.has(h1, h2):
+        for reason, bloom in filters:
+            if bloom.has(h1, h2):
                 return Removal(reason)
         return None
 

@@ -54,6 +54,9 @@ from .mirror import Mirror
 from .tree import frozen_extra
 
 COUNTED = ("tier", "evicted", "cleared", "config", "isolated", "diverged", "cold")
+_AT = {r: i for i, r in enumerate(COUNTED)}  # a reason's place in a session's counts
+_NC = len(COUNTED)
+_COLD, _COLD_T = _AT["cold"], _AT["cold"] + _NC
 TIER_KEYS = 1 << 18     # hashes remembered as held by another tier, per pod (the newest)
 MAX_TIERS = 16          # tiers counted by name
 MAX_SESSIONS = 4096     # sessions counted by name
@@ -115,7 +118,7 @@ class PodMisses:
         self.marked: list = []   # chains with a mark (cleaned in sweeps)
         self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
         self.tiers: dict = {}    # tier -> {"stored", "removed", "hits"} blocks
-        self.sessions: dict = {}  # session -> {"blocks": {reason: n}, "tokens": {reason: n}}
+        self.sessions: dict = {}  # session -> [blocks by reason (COUNTED's order)..., then tokens]
         self.evicted_from: Counter = Counter()  # creator -> its blocks evicted
         self.counts = _new_counts()
         self.last_top: str | None = None  # who stored the most in the last batch that stored
@@ -129,27 +132,41 @@ class PodMisses:
         """Attribute `batch`'s new chains; with `detail`, what this batch added (None when
         nothing), for `kvplay watch --json`.
 
-        One loop with what it touches in locals, the usual chain (cold: no removed hash, no
-        cached sibling) handled inline: it runs once per batch a mirror applies."""
+        One loop with what it touches in locals: it runs once per batch a mirror applies, and
+        a busy server's batch is dozens of small events. The usual chains are handled inline:
+        a cold one (no removed hash, no cached sibling), and a branch from a cached block (the
+        likeliest two siblings compared, as `_branch` does); what is rarer (another tier, a
+        recompute, a chain without whole blocks of tokens) goes through `_special`. A batch's
+        usual evictions are entered at its end, in one go."""
         rep = None
         if detail:
             rep = _new_counts()
             rep["recomputed"], rep["branches"], rep["tiers"] = [], [], {}
         pod = batch.pod
         run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
-        cached = self.mirror.key_slot
+        run_get, heads_get, roots_get = run_of.get, heads.get, roots.get
+        m = self.mirror
+        cached = m.key_slot
+        slot_of = cached.get
+        tv = m.tokens.v  # slot -> its tokens (the mirror's list)
         removed = self.removed
-        recent, blooms = removed.recent, removed.blooms
-        Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
+        recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
+        marked = self.marked
+        Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
         fill: dict = {}    # session -> new blocks it stored in this batch
-        ftok: dict = {}    # ... and their tokens
-        other = None       # [(session, reason, blocks, tokens)]: what is not cold
+        sget = self.sessions.get
+        tally = [0] * (2 * _NC)  # the batch's blocks by reason (COUNTED's order), then tokens
+        cold = cold_t = 0  # ... cold ones
+        later: list = []   # (session, reason's place or -1, its blocks, the chain's blocks, block size)
+        #                    of the chains of sessions not counted yet: counted at the end, in order
         evicted = False
         gone: list = []    # the batch's usual evictions (keys), and whose blocks they were
         whose: list = []
         bts = batch.ts
         held_keys = 0      # keys the batch's new chains hold
         tracking = self.tracker is not None
+        usual_rm = pod is None and not tracking
+        usual = (0, "evicted", "", bts)  # (group, reason, by_user, ts) of a usual eviction
         for ev in batch.events:
             cls = ev.__class__
             if cls is Stored:
@@ -163,44 +180,120 @@ class PodMisses:
                     pk = ev.parent_block_hash
                 user, size = ev.user, ev.block_size
                 fill[user] = fill.get(user, 0) + n
-                ftok[user] = ftok.get(user, 0) + n * size
                 toks = ev.token_ids
-                pr, at = None, -1  # the parent's chain, and the parent's index in it
                 if pk is None:
-                    depth = 0
-                    sibs = roots.get(toks[0]) if toks else None
+                    pr, at, depth = None, -1, 0
+                    sibs = roots_get(toks[0]) if toks else None
                 else:
-                    depth = None
-                    pr = run_of.get(pk)
-                    if pr is not None:
+                    pr = run_get(pk)  # the parent's chain, and the parent's index in it
+                    if pr is None:
+                        at, depth = -1, None
+                        sibs = heads_get(pk)
+                    else:
                         at = pr.index(pk, HDR)
-                        if pr[DEPTH] is not None:
-                            depth = pr[DEPTH] + at - HDR + 1
+                        depth = pr[DEPTH]
+                        if depth is not None:
+                            depth += at - HDR + 1
                         nxt = at + 1
-                        if nxt < len(pr) and pr[nxt] in cached and run_of.get(pr[nxt]) is pr:
+                        if nxt < len(pr) and pr[nxt] in cached and run_get(pr[nxt]) is pr:
                             sibs = True  # the parent's own chain goes on
                         else:
-                            sibs = heads.get(pk)
-                    else:
-                        sibs = heads.get(pk)
+                            sibs = heads_get(pk)
                 k0 = hs[0]
                 ik = k0 if k0.__class__ is int else hash(k0)
-                r = recent.get(ik)
+                r = recent_get(ik)
                 if r is None:
                     if blooms:
-                        r = removed.get(ik)
+                        r = filtered(ik)
                     if r is None and gone and k0 in gone:  # evicted earlier in this batch
                         r = Removal("evicted", bts)
                 extras = ev.extra_keys
-                run = (depth, pk, user, bool(extras) and extras[0] is not None, None, *hs)
-                if r is not None or sibs or (held and k0 in held):
-                    run = self._special(ev, run, r, pr, at, sibs, rep)
+                salted = bool(extras) and extras[0] is not None
+                ri = -1  # the place of its reason in COUNTED (-1: cold), and how many blocks have it
+                if r is None and not sibs:
+                    if held and k0 in held:
+                        run = self._special(ev, (depth, pk, user, salted, None, *hs), r, pr, at, sibs, rep)
+                        mark = run[MARK]
+                        if mark is not None:
+                            ri, q = _AT["tier"], mark[-1]
+                    else:
+                        run = (depth, pk, user, salted, None, *hs)  # cold
+                elif r is None and size and len(toks) == n * size and not (held and k0 in held):
+                    # a branch (`_branch`, inline): the rest of the parent's chain, then the newest
+                    # chain under the parent (at the root: with the same first token), if cached
+                    tt = tuple(toks)
+                    mine = tt[:size]
+                    best, sr, si = -1, None, 0
+                    if sibs is True:
+                        theirs = tv[cached[pr[at + 1]]] or ()
+                        best = size if mine == theirs else common_prefix(mine, theirs)
+                        sr, si = pr, at + 1
+                        sibs = heads_get(pk)
+                    if sibs is not None and sibs is not pr:
+                        k = sibs[HDR]
+                        s = slot_of(k)
+                        if s is not None and run_get(k) is sibs:
+                            theirs = tv[s] or ()
+                            c = size if mine == theirs else common_prefix(mine, theirs)
+                            if c > best:
+                                best, sr, si = c, sibs, HDR
+                    if sr is None:
+                        run = (depth, pk, user, salted, None, *hs)  # no cached sibling: cold
+                    else:
+                        who = sr[USER]
+                        if best == size:  # the same tokens under another hash: other keys
+                            reason = "isolated" if salted or (si == HDR and sr[SALTED]) else "config"
+                            k, o = 1, size
+                            for key in sr[si + 1:si + n]:  # how many blocks after it are the same
+                                s = slot_of(key)
+                                if s is None or run_get(key) is not sr or tv[s] != tt[o:o + size]:
+                                    break
+                                k += 1
+                                o += size
+                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+                                rep["branches"].append({"session": user, "reason": reason, "blocks": k,
+                                                        "tokens": k * size, "from": who})
+                            mark = ("branch", reason, None, None, who, k)
+                        else:
+                            reason = "diverged"
+                            pos = None if depth is None else depth * size + best
+                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+                                d = {"session": user, "reason": "diverged", "at": pos, "within_block": best,
+                                     "blocks": n, "tokens": n * size, "from": who}
+                                text = self._excerpt(pr, at, toks, size, self._tokens(sr[si]), best)
+                                if text is not None:
+                                    d["text"] = {"prompt": text[0], "cached": text[1]}
+                                rep["branches"].append(d)
+                            mark = ("branch", "diverged", pos, best, who, n)
+                        run = (depth, pk, user, salted, mark, *hs)
+                        marked.append(run)
+                        ri, q = _AT[reason], mark[-1]
+                else:
+                    run = self._special(ev, (depth, pk, user, salted, None, *hs), r, pr, at, sibs, rep)
                     mark = run[MARK]
                     if mark is not None:
-                        if other is None:
-                            other = []
-                        other.append((user, mark[1] if mark[0] != "tier" else "tier", mark[-1], size))
-                run_of.update(zip(hs, repeat(run)))
+                        ri, q = _AT[mark[1] if mark[0] != "tier" else "tier"], mark[-1]
+                sc = sget(user)  # count it: its session's counts now (`_count_later` when it has none yet)
+                if sc is None:
+                    later.append((user, ri, q if ri >= 0 else 0, n, size))
+                elif ri < 0:
+                    sc[_COLD] += n
+                    sc[_COLD_T] += n * size
+                    cold += n
+                    cold_t += n * size
+                else:
+                    t = q * size
+                    sc[ri] += q
+                    sc[ri + _NC] += t
+                    tally[ri] += q
+                    tally[ri + _NC] += t
+                    if q < n:
+                        sc[_COLD] += n - q
+                        sc[_COLD_T] += (n - q) * size
+                        cold += n - q
+                        cold_t += (n - q) * size
+                for k in hs:  # (a loop: dict.update(zip(...)) makes a tuple a key)
+                    run_of[k] = run
                 held_keys += n
                 if pk is not None:
                     heads[pk] = run
@@ -208,14 +301,17 @@ class PodMisses:
                     roots[toks[0]] = run
                 if tracking:
                     self._track(ev, hs, pk, toks, size)
+            elif cls is Hit:
+                continue
             elif cls is Removed:
                 hs = ev.block_hashes
                 if not hs:
                     continue
-                if (pod is None and not ev.group_idx and ev.reason == "evicted" and not ev.by_user
-                        and ev.ts == bts and len(ev.creators) == len(hs) and not tracking):
+                cr = ev.creators
+                if usual_rm and len(cr) == len(hs) and ((ev.group_idx, ev.reason, ev.by_user, ev.ts) == usual or (
+                        not ev.group_idx and ev.reason == "evicted" and not ev.by_user and ev.ts == bts)):
                     gone += hs  # the usual eviction: entered with the batch's others at its end
-                    whose += ev.creators
+                    whose += cr
                 else:
                     evicted |= self._removed(ev, pod)
             elif cls is ev_.TierBlocks:
@@ -223,11 +319,15 @@ class PodMisses:
             elif cls is ev_.AllBlocksCleared:
                 heads.clear()
                 roots.clear()
-                self.marked.clear()
+                marked.clear()
         self._held += held_keys
         if fill:
             self.last_top = max(fill, key=fill.get)
-            self._count(fill, ftok, other, rep)
+            if later:
+                cold, cold_t = self._count_later(later, tally, cold, cold_t)
+            tally[_COLD] += cold
+            tally[_COLD_T] += cold_t
+            self._tally(tally, rep)
         if gone:
             self._log(gone, whose, bts)
         if evicted or gone:
@@ -284,7 +384,7 @@ class PodMisses:
     def _log(self, keys: list, creators: list, ts: float) -> None:
         """Enter a batch's usual evictions (no `by_user`, its time) into the RemovedLog: one
         Removal for all (whose blocks they were is counted in `evicted_from`, not kept per block)."""
-        self.removed.add_many(_ikeys(keys), repeat(Removal("evicted", ts)))
+        self.removed.add_all(_ikeys(keys), Removal("evicted", ts))
         self._whose(creators)
 
     def _whose(self, creators: list) -> None:
@@ -312,34 +412,51 @@ class PodMisses:
         """Who evicted a remembered removal (None: not known)."""
         return r.by or self.by_at.get(r.ts)
 
-    def _count(self, fill: dict, ftok: dict, other: list | None, rep) -> None:
-        """Count a batch's new blocks: `other` what is not cold, the rest of each session's cold."""
-        blocks, tokens = self.counts["blocks"], self.counts["tokens"]
-        sessions = self.sessions
-        cold_b, cold_t = dict(fill), dict(ftok)
-        for user, reason, n, size in other or ():
-            t = n * size
-            cold_b[user] -= n
-            cold_t[user] -= t
-            self._add(sessions, user, reason, n, t, blocks, tokens, rep)
-        for user, n in cold_b.items():
+    def _count_later(self, later: list, tally: list, cold: int, cold_t: int) -> tuple[int, int]:
+        """Count the chains of the sessions that had no counts when the batch came: first what is
+        not cold, in order, then each session's cold blocks, in the order the sessions first
+        stored in the batch (so the first `MAX_SESSIONS` sessions are named, in that order).
+        Returns the batch's cold blocks and tokens."""
+        sget = self.sessions.get
+        colds: dict = {}
+        for user, ri, q, n, size in later:
+            if ri >= 0:
+                t = q * size
+                sc = sget(user) or self._session(user)
+                sc[ri] += q
+                sc[ri + _NC] += t
+                tally[ri] += q
+                tally[ri + _NC] += t
+            c = colds.get(user)
+            colds[user] = (n - q, (n - q) * size) if c is None else (c[0] + n - q, c[1] + (n - q) * size)
+        for user, (n, t) in colds.items():
             if n:
-                self._add(sessions, user, "cold", n, cold_t[user], blocks, tokens, rep)
+                sc = sget(user) or self._session(user)
+                sc[_COLD] += n
+                sc[_COLD_T] += t
+                cold += n
+                cold_t += t
+        return cold, cold_t
 
-    @staticmethod
-    def _add(sessions: dict, user: str, reason: str, n: int, t: int, blocks: dict, tokens: dict, rep) -> None:
-        sess = sessions.get(user)
-        if sess is None:
-            if len(sessions) >= MAX_SESSIONS:
-                user = OTHERS
-            sess = sessions.setdefault(user, _new_counts())
-        blocks[reason] += n
-        tokens[reason] += t
-        sess["blocks"][reason] += n
-        sess["tokens"][reason] += t
-        if rep is not None:
-            rep["blocks"][reason] += n
-            rep["tokens"][reason] += t
+    def _tally(self, tally: list, rep) -> None:
+        """Add a batch's counts (blocks by reason, then tokens) to the pod's and to `rep`'s."""
+        blocks, tokens = self.counts["blocks"], self.counts["tokens"]
+        for i, reason in enumerate(COUNTED):
+            n = tally[i]
+            if n:
+                blocks[reason] += n
+                tokens[reason] += tally[i + _NC]
+                if rep is not None:
+                    rep["blocks"][reason] += n
+                    rep["tokens"][reason] += tally[i + _NC]
+
+    def _session(self, user: str) -> list:
+        """A session's counts, new (`OTHERS`' once `MAX_SESSIONS` are counted by name): blocks
+        by reason (`COUNTED`'s order), then tokens."""
+        sessions = self.sessions
+        if len(sessions) >= MAX_SESSIONS:
+            user = OTHERS
+        return sessions.setdefault(user, [0] * (2 * _NC))
 
     def _tier(self, ev, pod, rep) -> None:
         tier = ev.tier
@@ -556,7 +673,7 @@ class PodMisses:
         self.run_of.update(zip(r[lo:hi], repeat(part)))
         if not first:
             self.heads[part[PARENT]] = part
-        if part[MARK] is not None:
+        if part[MARK] is not None and part[MARK][0] != "tier":  # (a tier hit is no mark of the tree)
             self.marked.append(part)
         return hi - lo
 
@@ -586,9 +703,9 @@ class PodMisses:
     def summary(self) -> dict:
         c = self.counts
         return {"blocks": dict(c["blocks"]), "tokens": dict(c["tokens"]),
-                "by_session": {s: {"blocks": {k: v for k, v in d["blocks"].items() if v},
-                                   "tokens": {k: v for k, v in d["tokens"].items() if v}}
-                               for s, d in sorted(self.sessions.items()) if any(d["blocks"].values())},
+                "by_session": {s: {"blocks": {k: v for k, v in zip(COUNTED, c) if v},
+                                   "tokens": {k: v for k, v in zip(COUNTED, c[_NC:]) if v}}
+                               for s, c in sorted(self.sessions.items()) if any(c[:_NC])},
                 "evicted_from": dict(self.evicted_from.most_common(64)),
                 "tiers": {t: dict(v) for t, v in sorted(self.tiers.items())},
                 "memory": {"removed_recent": len(self.removed.recent), "removed_filter_bytes": self.removed.nbytes,

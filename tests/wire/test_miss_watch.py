@@ -182,6 +182,17 @@ def test_memory_follows_the_pool_through_churn(monkeypatch):
     assert got["blocks"] == {"evicted": 15}
 
 
+def test_a_sweep_keeps_tier_hits_out_of_the_tree_marks(monkeypatch):
+    monkeypatch.setattr(mw, "SWEEP_SLACK", 0)
+    p = Pod()
+    p(st([1, 2], None, A + B, "alice"))
+    p(st([1, 2], None, A + B, "alice", medium="CPU"), *rm(2, 1))  # offloaded, then evicted
+    assert p(st([1, 2, 3, 4, 5], None, A + B + C + D + A, "bob"))["blocks"] == {"tier": 2, "cold": 3}
+    p(*rm(3, 4, 5))  # the sweep cuts bob's chain down to its cached blocks, the tier hit's among them
+    assert len(p.misses.run_of) == 2
+    assert p.misses.marks() == {}  # a tier hit is counted, but it is no mark of the prefix tree
+
+
 def test_hostile_input_is_bounded_and_never_a_traceback():
     p = Pod()
     # a huge chain, hashes of every kind, no tokens, odd block sizes, a parent that is the chain itself
