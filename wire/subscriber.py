@@ -259,8 +259,10 @@ class Subscriber:
         self._open_dealer(pod)
 
     def close(self) -> None:
+        # the SUB's monitor is stopped while its PAIR end is still open: libzmq sends that PAIR a
+        # last event as it stops, and with the PAIR closed first that send was seen to hang close()
         for pod in self._pods.values():
-            for name in ("monitor", "sub", "dealer"):
+            for name in ("sub", "monitor", "dealer"):
                 s = getattr(pod, name)
                 if s is None:
                     continue
