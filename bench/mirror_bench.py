@@ -29,9 +29,18 @@ import threading
 import time
 from collections import deque
 
+import zmq
+
+from kvplay.sessions.event_log import batch_row
+from kvplay.sessions.recorder import Recorder
+from kvplay.sessions.script import UserSpec
+from kvplay.sessions.watch_recording import WatchRecording
+from kvplay.tui.attach import AttachApp
 from kvplay.wire.codec import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch, encode_frames
 from kvplay.wire.mirror import Fleet, Mirror
 from kvplay.wire.miss_watch import MissWatch
+from kvplay.wire.remote import RemoteBackend
+from kvplay.wire.subscriber import PodSource, Subscriber
 from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
@@ -113,9 +122,6 @@ def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
     """(seconds, events dropped) to decode, apply and record (the mirror's engine events ->
     SQLite, flushed every 1,000 batches as `kvplay watch` flushes about once a second) every
     payload, until the recording is closed (everything written)."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.watch_recording import WatchRecording
-
     m = Mirror(pod="bench")
     w = FromWire(m)
     rec = WatchRecording(db_path, title="mirror bench")
@@ -152,10 +158,6 @@ def measure_recorder(payloads: list[bytes], db_path: str) -> tuple[float, int]:
     """(seconds, engine events) the recorder alone takes to write every payload's events: the
     batches are decoded, translated and applied first (untimed), then written with
     `Recorder.write_rows` 1,000 batches at a time (as `kvplay watch` flushes), and closed."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.event_log import batch_row
-    from kvplay.sessions.recorder import Recorder
-
     batches = _engine_batches(payloads)
     n = sum(len(b.events) for b in batches)
     rec = Recorder.open(db_path, None, "remote", "watch", "", title="mirror bench")
@@ -172,9 +174,6 @@ def measure_engine_recorder(payloads: list[bytes], db_path: str) -> tuple[float,
     engine events handed to `Recorder.record_batch` as one engine step's batch (what the engine
     thread does), the recorder's writer thread writing them, until `close` has written the
     last. None on a kvplay whose recorder has no batch queue."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.recorder import Recorder
-
     if not hasattr(Recorder, "record_batch"):
         return None
     batches = _engine_batches(payloads)
@@ -191,11 +190,6 @@ def measure_engine_recorder(payloads: list[bytes], db_path: str) -> tuple[float,
 def measure_socket(payloads: list[bytes]) -> float:
     """Seconds for the Subscriber to receive, decode and apply every batch over a real ZMQ
     socket (inproc, bound by the subscriber; a sender thread pushes pre-encoded frames)."""
-    # start-up time: imported when this first runs
-    import zmq
-
-    from kvplay.wire.subscriber import PodSource, Subscriber
-
     ctx = zmq.Context()
     ep = f"inproc://kvplay-mirror-bench-{id(payloads)}"
     fleet = Fleet()
@@ -233,9 +227,6 @@ def _publish(eps: list[str], per_pod: int, pool_blocks: int, rate: int, go, done
     """The publishers, in a process of their own as a server's are: bind each endpoint, send
     empty probes (seq 0) until `go`, then each pod's synthetic stream paced to `rate` events/s
     in all; `sent[k]`: the last seq sent to pod k."""
-    # start-up time: imported when this first runs
-    import zmq
-
     streams = [synthetic_stream(per_pod, pool_blocks, seed=20 + k) for k in range(len(eps))]
     counts = [[len(decode_batch(p).events) for p in st] for st in streams]
     ctx = zmq.Context()
@@ -280,14 +271,6 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
     and panels' lines) and the event loop's lag (how late a 10 ms timer fires: what a keystroke
     waits), p50/p95/max, and how many events/s the mirror applied (`kept_up`: it drained what was
     sent within a second of the end)."""
-    # start-up time: imported when this first runs
-    import zmq
-
-    from kvplay.sessions.script import UserSpec
-    from kvplay.tui.attach import AttachApp
-    from kvplay.wire.remote import RemoteBackend
-    from kvplay.wire.subscriber import PodSource
-
     def free_port() -> int:
         with _socket.socket() as s:
             s.bind(("127.0.0.1", 0))

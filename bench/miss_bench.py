@@ -19,9 +19,13 @@ import statistics
 import time
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import Engine
 from kvplay.engine.miss import MissTracker
+from kvplay.sessions.simulate import Trace, TraceRequest, simulate
 
+from .peers import kvplay_config, warm_up_engine
 from .scale import Progress, _quiet, play_rounds, tiny_and_load
+from .workloads import build_workload
 
 
 class _Clock:
@@ -54,12 +58,6 @@ class _Clock:
 
 
 def engine_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> dict:
-    # start-up time: imported when this first runs
-    from kvplay.engine.engine import Engine
-
-    from .peers import kvplay_config, warm_up_engine
-    from .workloads import build_workload
-
     workload = build_workload(name, loaded.tokenizer, users=4 if name == "shared-system" else None, turns=2,
                               new_tokens=16)
     cfg = kvplay_config(EngineConfig(model=loaded.name, threads=1), workload, False)
@@ -93,12 +91,6 @@ def engine_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> 
 
 
 def simulate_ab(loaded, name: str, reps: int = 5, progress: Progress = _quiet) -> dict:
-    # start-up time: imported when this first runs
-    from kvplay.sessions.simulate import Trace, TraceRequest, simulate
-
-    from .peers import kvplay_config
-    from .workloads import build_workload
-
     workload = build_workload(name, loaded.tokenizer, users=4 if name == "shared-system" else None, turns=2,
                               new_tokens=16)
     cfg = kvplay_config(EngineConfig(model=loaded.name), workload, False)

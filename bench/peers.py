@@ -15,10 +15,11 @@ import time
 from typing import Callable
 
 import torch
+from transformers import DynamicCache
 
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 from kvplay.engine.threads import on_fresh_thread
 
 from .metrics import PeerResult, RequestRecord, union_seconds
@@ -99,9 +100,6 @@ def _pad_id(model) -> int:
 
 
 def _new_cache(model):
-    # start-up time: imported when this first runs
-    from transformers import DynamicCache
-
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older signature
@@ -160,7 +158,6 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
     key = "hf-cb"
     res = PeerResult(key, LABELS[key])
     try:
-        # start-up time: imported when this first runs
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints

@@ -4,10 +4,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kvplay.options import pyplot
 from kvplay.sessions.report import console as make_console
 from kvplay.sessions.report import fmt, mib
 
 from .metrics import COMPARED
+from .scale import scale_lines
 
 
 def _f(v, spec: str = ".1f") -> str:
@@ -117,9 +119,6 @@ def print_report(report: dict, console: Console | None = None) -> None:
 
 def print_scale_report(report: dict, console: Console | None = None) -> None:
     """The `scale` workload: bench/scale.py's lines, then its targets."""
-    # start-up time: imported when this first runs
-    from .scale import scale_lines
-
     console = console or make_console(width=140)
     console.print(f"[bold]kvplay bench --workload scale[/] · {report['cpu_count']} CPUs, torch threads "
                   f"{report['torch_threads']} · load avg {_load(report['load_avg_start'])} → {_load(report.get('load_avg_end'))} · "
@@ -131,12 +130,7 @@ def print_scale_report(report: dict, console: Console | None = None) -> None:
 
 def plot_report(report: dict, path: str) -> None:
     """Bars of wall time and warm TTFT p50 per peer, one row per workload."""
-    # start-up time: imported when this first runs
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ws = report["workloads"]
     fig, axes = plt.subplots(len(ws), 3, figsize=(15, 3.6 * len(ws)), squeeze=False)
     for row, w in zip(axes, ws):

@@ -16,6 +16,7 @@ from . import peers as P
 from .metrics import Target, ratio, ratios, speedup, summarize
 from .http_peer import HttpPeer, KEY as HTTP_KEY
 from .http_peer import run_http_peer
+from .scale import run_scale, scale_targets
 from .workloads import WORKLOADS, build_workload, script_workload
 
 PEER_ORDER = ("kvplay", "hf-generate", "hf-cache-per-user", "hf-cb", "kvplay-det")
@@ -128,9 +129,6 @@ def run_bench(config: EngineConfig, workloads: list[str], users: int | None = No
 def run_scale_report(progress: Callable[[str], None] = P._quiet, **kwargs) -> dict:
     """The `scale` workload (bench/scale.py): the engine alone at GPU-workstation pool sizes, on
     the tiny model (metadata-heavy: its steps are cheap, so per-block costs show)."""
-    # start-up time: imported when this first runs
-    from .scale import run_scale, scale_targets
-
     t0 = time.perf_counter()
     load_avg_start = _load_avg()
     result = run_scale(progress=progress, **kwargs)

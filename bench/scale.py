@@ -28,9 +28,14 @@ import time
 from typing import Callable
 
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.engine import Engine
+from kvplay.engine.model import load_model
+from kvplay.engine.sampling_params import SamplingParams
 from kvplay.wire.mirror import Mirror
 
 from .metrics import Target
+from .peers import submit_together, warm_up_engine
+from .workloads import build_workload
 
 SMALL, LARGE, HUGE = 512, 500_000, 1_000_000
 Progress = Callable[[str], None]
@@ -52,20 +57,12 @@ def _rss_mb() -> float | None:
 
 
 def _workload(tokenizer):
-    # start-up time: imported when this first runs
-    from .workloads import build_workload
-
     return build_workload("shared-system", tokenizer, users=4, turns=2, new_tokens=16)
 
 
 def play_rounds(engine, workload, clock: Callable[[], float] = time.perf_counter, warm: bool = True) -> tuple[float, int]:
     """Play the workload's rounds (after a warm-up request, unless `warm` is False); returns
     (seconds on `clock`, forwards)."""
-    # start-up time: imported when this first runs
-    from kvplay.engine.sampling import SamplingParams
-
-    from .peers import submit_together, warm_up_engine
-
     if warm:
         warm_up_engine(engine, workload.turns[0].prompt_ids)
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.new_tokens, stop_on_eos=False)
@@ -90,9 +87,6 @@ def _per_call_us(fn, n: int) -> float:
 def step_and_stats(loaded, small: int = SMALL, large: int = LARGE, reps: int = 5,
                    progress: Progress = _quiet) -> dict:
     """(a) seconds per step at `small` vs `large` blocks, (b) stats() and block-map call costs."""
-    # start-up time: imported when this first runs
-    from kvplay.engine.engine import Engine
-
     workload = _workload(loaded.tokenizer)
     base = EngineConfig(model=loaded.name)
     per_step: dict[int, list[float]] = {small: [], large: []}
@@ -150,7 +144,7 @@ from kvplay.engine.kv_store import KVStore
 from kvplay.engine.model import load_model
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.runner import kv_geometry
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 loaded = load_model("tiny:llama", device="cpu", dtype="float32")
 out = {"blocks": n, "rss_before_mb": rss()}
 t = time.perf_counter()
@@ -190,9 +184,6 @@ def ready_at(blocks: int = HUGE, progress: Progress = _quiet) -> dict:
 def tiny_and_load(loaded=None) -> tuple:
     """(`loaded`, or the tiny model loaded now; the load averages before measuring, or None)."""
     if loaded is None:
-        # start-up time: imported when this first runs
-        from kvplay.engine.model import load_model
-
         loaded = load_model("tiny:llama", device="cpu", dtype="float32")
     try:
         load = [round(x, 2) for x in os.getloadavg()]

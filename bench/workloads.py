@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvplay.engine.chat import encode_chat
 from kvplay.engine.errors import EngineError
+from kvplay.sessions.script import load_script, sampling_for
 
 NEW_TOKENS = 32
 WORKLOADS = ("shared-system", "conversation", "pressure")
@@ -178,9 +179,6 @@ def script_workload(path: str, tokenizer, new_tokens: int | None = None) -> Work
     plays them); turns with the same `at` arrive together. The first round is cold. A user's later
     turn carries its earlier turns with canned replies (every peer sees the same prompts). Every
     turn generates the same number of tokens: `new_tokens`, else the script's largest max_tokens."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.script import load_script, sampling_for
-
     script = load_script(path)
     users = {u.name: u for u in script.users}
     history: dict[str, list[dict]] = {}

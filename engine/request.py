@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 from .errors import EngineError
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 

@@ -15,6 +15,8 @@ import os
 import threading
 from typing import Callable, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -28,9 +30,6 @@ def cpu_threads(threads: int | None) -> int:
 def set_cpu_threads(threads: int | None) -> int:
     """torch's intra-op threads for the process, and for the calling thread's OpenMP runtime
     (libgomp reads the count per thread: the engine thread sets it again when it starts)."""
-    # start-up time: imported when this first runs
-    import torch
-
     n = cpu_threads(threads)
     torch.set_num_threads(n)
     return n

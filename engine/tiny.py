@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import string
 
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from .errors import EngineError
 
 CHAT_TEMPLATE = (
@@ -21,10 +26,6 @@ SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def build_tokenizer():
-    # start-up time: imported when this first runs
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
     chars = sorted(set(string.printable))
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for ch in chars:
@@ -48,10 +49,6 @@ def build_tiny(kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int 
 
     ``sliding_window`` (mistral, qwen2) makes attention windowed: every Mistral layer, and every
     Qwen2 layer but the first (a mix of full and sliding layers, as real Qwen2 configs have)."""
-    # start-up time: imported when this first runs
-    import torch
-    import transformers as tf
-
     tok = build_tokenizer()
     common = dict(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,

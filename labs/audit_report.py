@@ -265,10 +265,7 @@ def sweep_line(groups: list[dict]) -> str:
 def plot(res: LabResult, path: str) -> None:
     """Hit vs miss client-time CDFs per level; with a sweep, AP (and its interval) against the
     shared blocks (Gu et al.'s Figure 5 shape) beside the CDFs at the largest shared prefix."""
-    plt = pyplot()
-    # start-up time: imported when this first runs (matplotlib is loaded by pyplot() above)
-    from matplotlib import ticker
-
+    plt = pyplot()  # matplotlib.pyplot: its ticker classes too (plt.FuncFormatter, …)
     groups = res.data["groups"]
     sweep = res.data["params"].get("sweep")
     cdf_groups = groups if not sweep else [max(groups, key=lambda g: g["shared_tokens"])]
@@ -301,7 +298,7 @@ def plot(res: LabResult, path: str) -> None:
                title=f"AP vs shared prefix ({sweep} sweep)")
         ax.set_xscale("symlog", linthresh=1)
         ax.set_xlim(-0.3, max(xs) * 1.5 + 1)
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.legend()
     for ax, g in zip(axes[1:] if sweep else axes, cdf_groups):
         for kind, colour in (("hit", "C0"), ("miss", "C1")):
@@ -319,9 +316,9 @@ def plot(res: LabResult, path: str) -> None:
         ax.set(xlabel="client time to first token (ms)", ylabel="fraction of probes", ylim=(0, 1.02),
                title=f"{g['level']}, {shared} shared\nKS p = {_p(c['ks_p'])}, {_ap(c)}")
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_major_locator(plt.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvplay.engine import events as ev
 from kvplay.engine.prefix import BlockHasher, block_extras
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from . import stats
 from .common import LabContext, LabResult, Table, cached_cell, pyplot, quoted, token_messages, token_pool

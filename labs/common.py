@@ -11,12 +11,20 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from kvplay.sessions.report import console as make_console
 from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table as RichTable
+from rich.text import Text
 
 from kvplay.inert import inert
 from kvplay.options import pyplot, save_plot  # noqa: F401 (labs import pyplot from here)
+from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.report import cached_cell, excerpt, fmt  # noqa: F401 (labs import them from here)
+from kvplay.sessions.report import console as make_console
 
 
 @dataclass
@@ -55,11 +63,6 @@ def _jsonable(x):
 def renderables(result: LabResult) -> list:
     """The lab's tables, verdict and footer as rich renderables (the CLI prints them; the app
     shows them in a screen). What they quote (a model's answers, names) is inert Text."""
-    # start-up time: imported when this first runs
-    from rich.panel import Panel
-    from rich.table import Table as RichTable
-    from rich.text import Text
-
     out: list = []
     for t in result.tables:
         rt = RichTable(title=t.title, title_justify="left", header_style="bold")
@@ -129,11 +132,6 @@ class Progress:
         if not self.enabled:
             return
         if self._tty:
-            # start-up time: imported when this first runs
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
             if self._bar is None:
                 self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                          TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -197,9 +195,6 @@ class LabContext:
 
 def open_recorder(db_path: str | None, config, model_name: str, lab: str, engine):
     """A session recorder attached to `engine`."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.recorder import Recorder
-
     rec = Recorder.open(db_path, config, model_name, source=f"lab:{lab}", system_prompt="")
     rec.attach(engine)
     return rec

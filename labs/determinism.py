@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from . import stats
 from .common import LabContext, LabResult, Table, pyplot, quoted

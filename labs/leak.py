@@ -27,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from . import stats
 from .common import LabContext, LabResult, Table, pyplot, token_messages, token_pool

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from . import stats
 from .common import LabContext, LabResult, Table, cached_cell, pyplot

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvplay.engine.chat import encode_chat
 from kvplay.engine.errors import EngineError
 from kvplay.engine.miss import redact
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from .bridge import HandleStream
 from .engine_side import Submit

@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+import httpx
+
 from kvplay.engine.errors import EngineError
 
 RESET_PATHS = ("/reset_prefix_cache", "/flush_cache")
@@ -32,9 +34,6 @@ class HttpPeer:
 
     def __init__(self, url: str, model: str | None = None, timeout: float = 600.0, api_key: str | None = None,
                  flag: str = "--peer-url"):
-        # start-up time: imported when this first runs
-        import httpx
-
         self.flag = flag  # what error lines name the server by (the command's flag)
         self.base = base_url(url, flag)
         api_key = api_key or os.environ.get("OPENAI_API_KEY")  # as OpenAI clients do
@@ -53,9 +52,6 @@ class HttpPeer:
     def connect(self) -> "HttpPeer":
         """Check the server answers, pick the model (the only one served, or --peer-model) and say
         what it is. Raises EngineError with one line when it cannot."""
-        # start-up time: imported when this first runs
-        import httpx
-
         try:
             r = self.client.get("/v1/models")
         except httpx.HTTPError as exc:
@@ -92,9 +88,6 @@ class HttpPeer:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the server's prefix cache if it offers a way; True when it did."""
-        # start-up time: imported when this first runs
-        import httpx
-
         paths = (self.reset_path,) if self.reset_path else RESET_PATHS
         for path in paths:
             try:
@@ -109,9 +102,6 @@ class HttpPeer:
     def request_json(self, method: str, path: str, max_bytes: int, **kw) -> tuple[int, object]:
         """(status, the body as JSON, or None when it is not JSON or longer than `max_bytes`) of
         one request (`kw`: httpx's json=, params=); a transport failure raises EngineError."""
-        # start-up time: imported when this first runs
-        import httpx
-
         raw = bytearray()
         try:
             with self.client.stream(method, path, **kw) as r:
@@ -150,9 +140,6 @@ class HttpPeer:
         `kvplay` object kvplay serve sends, else None), "request_id" and "processing_ms" (the
         response's X-Request-Id and openai-processing-ms headers, where sent). A refusal raises
         HttpError with its status; a broken stream, or one longer than `max_bytes`, EngineError."""
-        # start-up time: imported when this first runs
-        import httpx
-
         logprobs = []
         first = None
         chunks = 0

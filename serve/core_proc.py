@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -34,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvplay.engine.errors import EngineError
+from kvplay.sessions.headless import start_engine
+from kvplay.sessions.recorder import Recorder, close_run
+from kvplay.wire import curve as wire_curve
 
 from .engine_side import EngineSide, event_publisher
 from .link import Link, LinkClosed
@@ -58,10 +62,6 @@ class CoreParams:
 
 def build_side(p: CoreParams):
     """(engine, recorder, side) for `p`; anything that fails is one line (EngineError)."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.recorder import Recorder, close_run
-    from kvplay.sessions.headless import start_engine
-
     engine = start_engine(p.config)
     rec = side = None
     try:
@@ -69,9 +69,6 @@ def build_side(p: CoreParams):
             rec = Recorder.open(p.db, p.config, engine.model_name, "serve", "", title=p.title)
         curve = None
         if p.curve_dir:
-            # start-up time: imported when this first runs (zmq)
-            from kvplay.wire import curve as wire_curve
-
             curve = wire_curve.ServerCurve.load(p.curve_dir)
         side = EngineSide(engine, p.identities, event_publisher(p.kv_events, p.loopback, curve),
                           report_full=p.report_full, recorder=rec)
@@ -184,8 +181,6 @@ def _stop_on_sigterm(signum, frame):
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    # start-up time: imported when this first runs
-    import socket
 
     link = Link(socket.socket(fileno=int(argv[0])))
     try:
@@ -201,8 +196,6 @@ def main(argv: list[str]) -> int:
         except LinkClosed:  # the HTTP process is gone already
             pass
         return 2
-    # start-up time: imported when this first runs
-    from kvplay.sessions.recorder import close_run
 
     # the model, tokenizer and torch are built and never garbage: move them out of the collector's
     # reach (vLLM freezes the same way after start-up). A full collection over them takes ~0.2 s;

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvplay.engine.errors import EngineError
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
+from kvplay.wire.publisher import ZmqEventPublisher
 
 from .kv_events import EngineEventPublisher
 from .metrics import ServerMetrics
@@ -49,9 +52,6 @@ def logprob_entry(trace: list, index: int, token_id: int, top: int) -> tuple:
     """(token id, raw logprob, [(id, logprob)…]) of output token `index` from the logits the
     engine traced for it (vLLM's default: raw logprobs, before temperature/top-k/top-p). The
     traced row is dropped once read: a long logprobs reply does not keep every step's logits."""
-    # start-up time: imported when this first runs
-    import torch
-
     row, trace[index] = trace[index], None
     lp = torch.log_softmax(row.float(), dim=-1)
     best = []
@@ -95,8 +95,6 @@ def event_publisher(kv_events, loopback: bool, curve=None):
     loopback-only server a wildcard bind binds 127.0.0.1; `curve`: a wire.curve.ServerCurve."""
     if kv_events is None or not kv_events.enabled:
         return None
-    # start-up time: imported when this first runs (zmq)
-    from kvplay.wire.publisher import ZmqEventPublisher
 
     return ZmqEventPublisher.from_config(kv_events, loopback=loopback, curve=curve)
 

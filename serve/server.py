@@ -11,8 +11,12 @@ import socket
 import threading
 import time
 
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from kvplay.engine.errors import EngineError
 from kvplay.wire.loopback import endpoint_is_loopback, is_loopback_host
+from kvplay.wire.publisher import is_bind_endpoint, loopback_only
 
 from .app import ServeState, create_app
 from .engine_side import EngineSide, event_publisher
@@ -33,9 +37,6 @@ def guarded_h11():
     request head within HEADER_TIMEOUT_S of connecting (or of its last response) is closed, so
     slow or idle connections cannot pile up (uvicorn itself only times out kept-alive idle
     connections, and any byte received cancels that)."""
-    # start-up time: uvicorn is imported when a server is built
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
     class GuardedH11(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -80,9 +81,6 @@ def check_event_endpoints(kv_events, keys, loopback: bool, curve=None, insecure:
     Events carry every user's token ids (their prompts): without keys nothing may leave
     loopback (after the wildcard rewrite); with keys a non-loopback endpoint needs CURVE or
     the operator's explicit --kv-events-insecure."""
-    # start-up time: imported when this first runs (zmq)
-    from kvplay.wire.publisher import is_bind_endpoint, loopback_only
-
     if kv_events is None or not kv_events.enabled:
         return []
     pub = kv_events.endpoint
@@ -132,9 +130,6 @@ def close_state(state: ServeState) -> None:
 
 def _uvicorn_server(state: ServeState, log_level: str = "warning", ssl_keyfile: str | None = None,
                     ssl_certfile: str | None = None, ssl_keyfile_password: str | None = None):
-    # start-up time: imported when this first runs
-    import uvicorn
-
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2, ws="none", http=guarded_h11(),
                             timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,

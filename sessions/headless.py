@@ -10,23 +10,23 @@ from __future__ import annotations
 import sys
 import time
 
-from typing import TYPE_CHECKING
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
+from kvplay.engine.model_spec import check_model_spec
 from kvplay.inert import inert
 
+from .player import Done, Job, play
+from .recorder import Recorder, close_run
 from .report import cached_cell, computed_cell, excerpt, fmt_num, human_bytes, print_json, turn_object
 from .report import console as make_console
 from .script import Script, sampling_for
-
-if TYPE_CHECKING:  # the player imports the engine (torch): only when a script really runs
-    from .player import Done, Job
+from .store import open_db
 
 
 def script_jobs(script: Script) -> list[Job]:
     """Script turns -> player jobs (per-user sampling from [[users]], overridden per turn)."""
-    # start-up time: imported when this first runs
-    from .player import Job
-
     jobs = []
     for i, t in enumerate(script.turns, 1):
         u = script.user(t.user)
@@ -45,10 +45,6 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
     column is at least as wide as its name and the user names); the attribution, why tokens
     were computed and the reply take what is left and end in an ellipsis. Narrow terminals get
     no border, then no reply."""
-    # start-up time: imported when this first runs
-    from rich.table import Table
-    from rich.text import Text
-
     need = {name: len(name) for name in COLUMNS}
     need["user"] = max([4, *(len(inert(u, limit=64)) for u in users)])
     need["reply"] = 8
@@ -85,9 +81,6 @@ def make_table(title: str | None = None, rows: list[list[str]] = (), width: int 
 
 def as_text(cell):
     """A row's cell as Text: a Text as it is, a string as markup (the columns' own)."""
-    # start-up time: imported when this first runs
-    from rich.text import Text
-
     return cell if isinstance(cell, Text) else Text.from_markup(cell)
 
 
@@ -112,9 +105,6 @@ class TurnTable:
 
     def __enter__(self) -> "TurnTable":
         if self.console.is_terminal:
-            # start-up time: imported when this first runs
-            from rich.live import Live
-
             self.live = Live(self.table(), console=self.console, auto_refresh=False, transient=False)
             self.live.start()
         else:
@@ -151,9 +141,6 @@ class TurnTable:
 
 def table_row(done: Done) -> list:
     """A finished turn's cells (Text where they quote a user or the model)."""
-    # start-up time: imported when this first runs
-    from rich.text import Text
-
     st = done.result.stats if done.result else None
     if st is None or done.error:
         reply = Text(f"error: {excerpt(done.error, 200)}", style="red")
@@ -184,9 +171,6 @@ def summary_object(engine, dones: list[Done], wall_s: float, session_id: str | N
 
 
 def print_summary(console, summ: dict) -> None:
-    # start-up time: imported when this first runs
-    from rich.text import Text
-
     b = summ["blocks"]
     lines = [
         Text.assemble((f"{summ['turns']} turns", "bold"), f" ({summ['failed']} failed) on {inert(summ['model'])} in "
@@ -206,9 +190,6 @@ def print_summary(console, summ: dict) -> None:
 def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None, speed: float = 1.0,
              title: str | None = None, extra_row=None) -> tuple[list[Done], float]:
     """Play jobs, print each finished turn (JSON line or live table row), record each one."""
-    # start-up time: imported when this first runs
-    from .player import play
-
     console = make_console()
     t0 = time.perf_counter()
     table = TurnTable(console, [j.turn for j in jobs], [j.user for j in jobs], title)
@@ -235,11 +216,9 @@ def run_jobs(engine, jobs: list[Job], system: str, as_json: bool, recorder=None,
 def start_engine(config):
     t = time.perf_counter()
     print(f"kvplay: loading {inert(config.model)} …", file=sys.stderr, flush=True)  # before torch's import
-    # start-up time: imported when this first runs
-    from kvplay.engine.model import check_model_spec
-
     check_model_spec(config.model)  # a bad --model is one line at once, not after torch's import
-    # start-up time: imported when this first runs
+    # Lazy, where run, replay and serve start their model: importing the engine (torch,
+    # transformers) takes 2.6 s niced on the 2-core machine, after the line above, not before it.
     from kvplay.engine.engine import Engine
 
     engine = Engine(config).start()
@@ -253,17 +232,12 @@ def run_script(script: Script, config, db: str | None = None, record: bool = Tru
                speed: float = 1.0) -> dict:
     """Play `script` through a fresh Engine on `config`, printing each finished turn (a table
     row, or a JSON line), recorded in the sessions DB `db` unless not `record`; the summary."""
-    # start-up time: imported when this first runs
-    from .store import open_db
-
     jobs = script_jobs(script)
     if record:
         open_db(db).close()  # refuse a bad DB before spending time on the model
     engine = start_engine(config)
     for u in script.users:  # identity is bound here, once; turns carry only the user name
         engine.register_user(u.name, u.group)
-    # start-up time: imported when this first runs
-    from .recorder import Recorder, close_run
 
     rec = None
     try:

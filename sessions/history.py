@@ -23,6 +23,8 @@ from kvplay.wire.mirror import MAX_BLOCKS, Mirror
 from kvplay.wire.views import BlockView
 
 from .event_log import read_batches
+from .query import resolve_session, session_turns, session_users, with_misses
+from .store import StoreError
 
 CHECKPOINT_BYTES = 256 << 20  # all checkpoints of one History together, at most about this
 _SLOT_BYTES = 31  # bytes per slot of a Mirror's arrays
@@ -178,9 +180,6 @@ class Recording:
 
 
 def load_recording(db, ident: str) -> Recording:
-    from .query import resolve_session, session_turns, session_users, with_misses
-    from .store import StoreError
-
     s = resolve_session(db, ident)
     batches = session_batches(db, s["id"])
     if not batches:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from kvplay.engine.errors import EngineError
 from kvplay.engine.request import RequestResult
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from .conversation import Conversation, Pacing, consume
 

@@ -31,14 +31,10 @@ import time
 
 import msgspec
 
-from typing import TYPE_CHECKING
-
+from kvplay.engine.config import EngineConfig
 from kvplay.engine.events import EngineBatch
-
-if TYPE_CHECKING:  # annotations only: recording a watched server must not import torch
-    from kvplay.engine.config import EngineConfig
-    from kvplay.engine.request import RequestResult
-    from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.request import RequestResult
+from kvplay.engine.sampling_params import SamplingParams
 
 from .event_log import batch_row, insert_batch_rows
 from .ids import new_ulid

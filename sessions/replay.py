@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from kvplay.engine.miss import same_reasons
-from kvplay.engine.sampling import SamplingParams
+from kvplay.engine.sampling_params import SamplingParams
 
 from .player import Done, Job, play
 from .query import submit_order

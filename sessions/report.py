@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from rich.console import Console
 
 from kvplay.engine.miss import miss_text
 from kvplay.inert import inert, json_dumps
 
-if TYPE_CHECKING:  # player imports the engine (torch); `kvplay sessions --help` must not
-    from .player import Done
+from .player import Done
 
 
 def attribution(cached_from: dict[str, int] | None, user: str) -> str:
@@ -125,9 +126,6 @@ def human_bytes(n: float | None) -> str:
 
 def console(stderr: bool = False, width: int = 120):
     """A rich Console; `width` columns when not a terminal so piped tables stay readable."""
-    # start-up time: imported when this first runs
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     con = Console(file=stream)
     return con if con.is_terminal else Console(file=stream, width=width)

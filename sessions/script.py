@@ -48,6 +48,7 @@ from pathlib import Path
 
 from kvplay.engine.config import RESTART_FIELDS, EngineConfig
 from kvplay.engine.errors import EngineError
+from kvplay.engine.sampling_params import SamplingParams
 from kvplay.inert import inert
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and plainly."
@@ -62,9 +63,6 @@ class ScriptError(EngineError):
 
 def sampling_for(user: "UserSpec", turn: "TurnSpec | None" = None):
     """A turn's sampling: the user's settings, each overridden by the turn's when it sets one."""
-    # start-up time: imported when this first runs
-    from kvplay.engine.sampling import SamplingParams
-
     def pick(name):
         value = getattr(turn, name) if turn is not None else None
         return getattr(user, name) if value is None else value

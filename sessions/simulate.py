@@ -24,74 +24,32 @@ furthest in the future (never used again first), deeper blocks of a chain first 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
+import torch
+
+from kvplay.engine import events as ev_
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.errors import EngineError
 from kvplay.engine.events import EventQueue, RequestFinished, RequestQueued, RequestStarted
 from kvplay.engine.eviction import POLICIES, EvictionPolicy, make_policy
+from kvplay.engine.kv_manager import KVManager
+from kvplay.engine.output import OutputProcessor
 from kvplay.engine.pool import BlockPool
 from kvplay.engine.prefix import BlockHasher, block_extras
+from kvplay.engine.request import Request
+from kvplay.engine.sampling import make_generator
+from kvplay.engine.sampling_params import SamplingParams
+from kvplay.engine.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from kvplay.engine.request import Request
+from .event_log import batch_row, insert_batch_rows
+from .ids import new_ulid
+from .recorder import _dumps, versions
+from .store import write_txn
+from .traces import SIM_POLICIES, Clear, ReadTrace, Trace, TraceRequest
 
-SIM_POLICIES = tuple(POLICIES) + ("belady",)
 MAX_STEPS = 5_000_000
-
-
-# --- the trace ---------------------------------------------------------------------------------
-@dataclass
-class TraceRequest:
-    request_id: str
-    user: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    group: str | None = None
-    system_tokens: int = 0
-    stop: bool = True  # ended on end-of-sequence after output_ids (else at len(output_ids) tokens)
-    clock: int | None = None  # engine forward count when it was queued (None: one at a time)
-    after: frozenset = frozenset()  # request ids that had finished before it was queued
-    cached_tokens: int | None = None  # what the live run reused (None: not recorded)
-    ts: float | None = None  # wall clock when it was queued
-
-
-@dataclass
-class Clear:
-    """The cache was emptied (the app's "clear cache", a reconfigure) at this point."""
-    clock: int | None = None
-    after: frozenset = frozenset()
-    reason: str = "cleared"
-
-
-@dataclass
-class Trace:
-    config: EngineConfig  # the recorded settings, num_blocks resolved
-    model_key: str  # the model name that keys block 0 of every chain
-    items: list  # TraceRequest | Clear, in the order they reached the engine
-    source: str = ""
-    recorded_hit_tokens: int | None = None
-    recorded_query_tokens: int | None = None
-    final_settings: dict = field(default_factory=dict)  # isolation/eviction the session ended with
-
-    @property
-    def requests(self) -> list[TraceRequest]:
-        return [it for it in self.items if isinstance(it, TraceRequest)]
-
-    @property
-    def recorded_hit_rate(self) -> float | None:
-        if not self.recorded_query_tokens:
-            return None if self.recorded_query_tokens is None else 0.0
-        return self.recorded_hit_tokens / self.recorded_query_tokens
-
-    def prompt_tokens(self) -> int:
-        return sum(len(r.prompt_ids) for r in self.requests)
-
-    def max_blocks_needed(self) -> int:
-        """Blocks the longest request needs alone (a smaller pool fails it)."""
-        bs = self.config.block_size
-        return max((-(-(len(r.prompt_ids) + len(r.output_ids) + 1) // bs) for r in self.requests), default=1)
 
 
 # --- the model stand-in ------------------------------------------------------------------------
@@ -108,10 +66,6 @@ class ReplayRunner:
     end-of-sequence)."""
 
     def __init__(self, vocab: int, eos: int):
-        # start-up time: imported when this first runs
-        import torch
-
-        self.torch = torch
         self.vocab, self.eos = vocab, eos
         self.forwards = 0
         self.max_positions = 1 << 30
@@ -121,7 +75,7 @@ class ReplayRunner:
         out = self.outputs.get(req.request_id, [])
         n = len(req.output_ids)
         tok = out[n] if n < len(out) else self.eos
-        lg = self.torch.full((self.vocab,), -1e9)
+        lg = torch.full((self.vocab,), -1e9)
         lg[tok] = 0.0
         return lg
 
@@ -219,14 +173,6 @@ def simulate(trace: Trace, num_blocks: int | None = None, policy: str | None = N
     """Replay `trace` once (defaults: its recorded settings) and count the prompt tokens reused;
     with `attribution`, also why each request's uncached tokens were computed (the engine's own
     miss attribution, engine/miss.py)."""
-    # Imported here for start-up time: the scheduler pulls in torch (seconds), and `kvplay
-    # export --help` / `simulate --help` import this module for its names alone.
-    from kvplay.engine.kv_manager import KVManager
-    from kvplay.engine.output import OutputProcessor
-    from kvplay.engine.request import Request
-    from kvplay.engine.sampling import SamplingParams, make_generator
-    from kvplay.engine.scheduler import Scheduler
-
     cfg = trace.config
     policy = policy or cfg.eviction
     if policy not in SIM_POLICIES:
@@ -359,3 +305,52 @@ def headline(res: SimResult, opt: SimResult) -> str:
     else:
         s += ", as did the optimum (no reuse was possible)"
     return s
+
+
+def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
+    """Record a trace as a session (source "import"): its requests as turns, and the cache events
+    of replaying it through the real scheduler and pool under the trace's settings, so the
+    scrubber and the simulator open it like any recorded session."""
+    trace = read.trace
+    res = simulate(trace, keep_events=True)
+    sid = new_ulid()
+    reqs = trace.requests
+    users = list(dict.fromkeys(r.user for r in reqs))
+    cached = res.cached
+    stats = {"hit_tokens": res.hit_tokens, "query_tokens": res.query_tokens, "hit_rate": res.hit_rate,
+             "blocks_total": trace.config.num_blocks, "evictions": res.evictions, "preemptions": res.preemptions,
+             "block_size": trace.config.block_size}
+    finish = {ev.request_id: ev for ev, _ in res.events if type(ev).__name__ == "RequestFinished"}
+    with write_txn(db):
+        db["sessions"].insert({
+            "id": sid, "created": time.time(), "ended": time.time(), "source": "import", "model": trace.model_key,
+            "engine_config": _dumps(trace.config.to_dict()), "versions": _dumps(versions()), "system_prompt": "",
+            "script_path": trace.source, "replay_of": None, "title": title or f"{read.format} trace {trace.source}",
+            "stats": _dumps(stats)})
+        for u in users:
+            db["users"].upsert({"session_id": sid, "name": u}, pk=("session_id", "name"))
+        rows = []
+        for i, r in enumerate(reqs, 1):
+            fin = finish.get(r.request_id)
+            rows.append({
+                "id": new_ulid(), "session_id": sid, "seq": i, "user": r.user, "text": f"request {i}", "reply": "",
+                "messages": "[]", "sampling": _dumps({"max_tokens": max(1, len(r.output_ids))}), "seed": None,
+                "at": None, "started": r.ts, "ended": r.ts, "request_id": r.request_id, "ttft_ms": None,
+                "decode_tok_s": None, "prompt_tokens": len(r.prompt_ids), "cached_tokens": cached.get(r.request_id, 0),
+                "computed_tokens": len(r.prompt_ids) - cached.get(r.request_id, 0), "output_tokens": len(r.output_ids),
+                "cached_from": "{}", "preemptions": 0, "finish_reason": fin.finish_reason if fin else "stop",
+                "error": fin.error if fin else None, "token_ids": _dumps(r.output_ids),
+                "prompt_ids": _dumps(r.prompt_ids), "system_tokens": 0})
+        db["turns"].insert_all(rows)
+        steps: list = []  # [forwards, events]: one recorded batch per step of the simulated engine
+        for ev, forwards in res.events:
+            kind = type(ev).__name__
+            if kind == "FirstToken":  # no model ran: no time to first token to show
+                continue
+            if kind == "RequestFinished":
+                ev.stats = {k: (None if k.endswith("_ms") or k == "decode_tok_s" else v) for k, v in ev.stats.items()}
+            if not steps or steps[-1][0] != forwards:
+                steps.append((forwards, []))
+            steps[-1][1].append(ev)
+        insert_batch_rows(db, [batch_row(sid, ev_.EngineBatch(k, evs[-1].ts, evs, fw)) for k, (fw, evs) in enumerate(steps, 1)])
+    return sid

@@ -16,6 +16,7 @@ import sqlite3
 from pathlib import Path
 
 import sqlite_utils
+from platformdirs import user_data_dir
 
 from kvplay.engine.errors import EngineError
 
@@ -33,8 +34,6 @@ def default_db_path() -> Path:
     env = os.environ.get("KVPLAY_DB")
     if env:
         return Path(env).expanduser()
-    # start-up time: imported when this first runs
-    from platformdirs import user_data_dir
 
     return Path(user_data_dir("kvplay", appauthor=False)) / "sessions.db"
 

@@ -6,18 +6,13 @@ def session_detokenizer(model: str | None):
     """`detokenize` for a recorded session's model when its tokenizer is on this machine, else None."""
     if not model:
         return None
-    try:  # start-up time: transformers is imported only when a label is wanted
-        if model.startswith("tiny:"):
-            from kvplay.engine.tiny import build_tokenizer
+    try:
+        # Lazy: the loader imports transformers and torch (1.5 s niced on the 2-core machine, then
+        # the tokenizer's load), paid when a session's text is wanted: not by `kvplay scrub` until
+        # its tree screen opens (on a worker), nor by `kvplay tree --ids`.
+        from kvplay.engine.model import load_tokenizer
 
-            tok = build_tokenizer()
-        else:
-            from kvplay.engine.model import DEFAULT_MODEL, EMBEDDED_NAME, ensure_converted
-
-            from transformers import AutoTokenizer
-
-            path = str(ensure_converted(lambda *_: None)) if model in (DEFAULT_MODEL, EMBEDDED_NAME) else model
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = load_tokenizer(model)
     except Exception:  # not here, not a tokenizer: ids instead
         return None
     return lambda ids: tok.decode(list(ids))

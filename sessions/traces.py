@@ -1,19 +1,81 @@
-"""Block-level traces: read one out of a recorded session (for the simulator), and export or
-import them as files other tools read (vLLM KV events, Mooncake-style request traces)."""
+"""Block-level traces: what a session or a trace file put to the engine, request by request (the
+simulator's input, sessions/simulate.py); read one out of a recorded session, and export or read
+them as files other tools read (vLLM KV events, Mooncake-style request traces)."""
 from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgpack
 
 from kvplay.engine import events as ev_
 from kvplay.engine.config import EngineConfig
+from kvplay.engine.eviction import POLICIES
+from kvplay.wire.codec import (AllBlocksCleared, BlockStored, EventBatch, WireError, decode_batch, decode_event,
+                               encode_batch, event_to_wire)
+from kvplay.wire.mirror import Mirror
+from kvplay.wire.translate import FromWire, hash_key, to_wire
 
 from .history import recorded_pool_size, session_batches
 from .query import resolve_session, session_turns, session_users
-from .simulate import Clear, Trace, TraceRequest, simulate
-from .store import StoreError, write_txn
+from .store import StoreError
+
+
+SIM_POLICIES = tuple(POLICIES) + ("belady",)  # what a trace replays under: the engine's policies and the optimum
+
+
+# --- the trace ---------------------------------------------------------------------------------
+@dataclass
+class TraceRequest:
+    request_id: str
+    user: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    group: str | None = None
+    system_tokens: int = 0
+    stop: bool = True  # ended on end-of-sequence after output_ids (else at len(output_ids) tokens)
+    clock: int | None = None  # engine forward count when it was queued (None: one at a time)
+    after: frozenset = frozenset()  # request ids that had finished before it was queued
+    cached_tokens: int | None = None  # what the live run reused (None: not recorded)
+    ts: float | None = None  # wall clock when it was queued
+
+
+@dataclass
+class Clear:
+    """The cache was emptied (the app's "clear cache", a reconfigure) at this point."""
+    clock: int | None = None
+    after: frozenset = frozenset()
+    reason: str = "cleared"
+
+
+@dataclass
+class Trace:
+    config: EngineConfig  # the recorded settings, num_blocks resolved
+    model_key: str  # the model name that keys block 0 of every chain
+    items: list  # TraceRequest | Clear, in the order they reached the engine
+    source: str = ""
+    recorded_hit_tokens: int | None = None
+    recorded_query_tokens: int | None = None
+    final_settings: dict = field(default_factory=dict)  # isolation/eviction the session ended with
+
+    @property
+    def requests(self) -> list[TraceRequest]:
+        return [it for it in self.items if isinstance(it, TraceRequest)]
+
+    @property
+    def recorded_hit_rate(self) -> float | None:
+        if not self.recorded_query_tokens:
+            return None if self.recorded_query_tokens is None else 0.0
+        return self.recorded_hit_tokens / self.recorded_query_tokens
+
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests)
+
+    def max_blocks_needed(self) -> int:
+        """Blocks the longest request needs alone (a smaller pool fails it)."""
+        bs = self.config.block_size
+        return max((-(-(len(r.prompt_ids) + len(r.output_ids) + 1) // bs) for r in self.requests), default=1)
 
 
 def session_config(session: dict, batches: list | None = None) -> EngineConfig:
@@ -82,9 +144,6 @@ def vllm_batches(batches: list) -> list:
     """A session's recorded batches as vLLM EventBatches, as `kvplay serve` publishes them
     (wire/translate.to_wire: consecutive stored blocks as one BlockStored with the creating user
     as session_id, one BlockRemoved per evicted block), batches without cache events left out."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.translate import to_wire
-
     out = (to_wire(b) for b in batches)
     return [b for b in out if b.events]
 
@@ -95,9 +154,6 @@ def _json_hash(h):
 
 def to_vllm_jsonl(batches: list) -> str:
     """One EventBatch per line, {"ts", "events"}, each event the map vLLM sends (uint64 hashes)."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.codec import event_to_wire
-
     lines = []
     for b in vllm_batches(batches):
         evs = []
@@ -113,9 +169,6 @@ def to_vllm_jsonl(batches: list) -> str:
 
 def to_vllm_msgpack(batches: list) -> bytes:
     """The EventBatch payloads, back to back (exactly the third frame of each ZMQ message)."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.codec import encode_batch
-
     return b"".join(encode_batch(b) for b in vllm_batches(batches))
 
 
@@ -209,9 +262,6 @@ def _mooncake_trace(recs: list[tuple[int, dict]], bs: int, source: str) -> list[
 def _whole(batch):
     """A recorded batch is imported whole or refused: decode_batch skips a wrongly typed event
     (right for a live stream), a trace file with one is refused with one line."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.codec import WireError
-
     if batch.bad_events:
         raise WireError(f"{batch.bad_events} event(s) with a wrongly typed or oversized field")
     return batch
@@ -219,11 +269,6 @@ def _whole(batch):
 
 def _vllm_batches_in(path: str, data: bytes):
     """Yields (record number, EventBatch) from msgpack payloads back to back or JSONL batches."""
-    # start-up time: imported when this first runs
-    import msgpack
-
-    from kvplay.wire.codec import EventBatch, WireError, decode_batch, decode_event
-
     if data.lstrip()[:1] == b"{":
         for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             if not line.strip():
@@ -283,11 +328,6 @@ def _requests_from_stored(batches, path: str) -> tuple[list, int, int, int]:
     cached (vLLM's kv_cache_report_mode "full"). What is cached is the one Mirror's picture
     (wire/mirror.py, fed every event in order). Returns the items, the hits the server got, the
     prompt tokens and the peak of blocks resident (a lower bound of its pool)."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.codec import AllBlocksCleared, BlockStored, EventBatch
-    from kvplay.wire.mirror import Mirror
-    from kvplay.wire.translate import FromWire, hash_key
-
     chain: dict = {}  # hash -> tokens of the whole prefix up to and including that block
     items: list = []
     mirror = Mirror(pod="trace")
@@ -391,67 +431,10 @@ def read_trace_file(path: str, fmt: str = "auto", block_size: int = 16, num_bloc
     return ReadTrace(trace, fmt, len(good), error)
 
 
-def import_trace(db, read: ReadTrace, title: str | None = None) -> str:
-    """Record a trace as a session (source "import"): its requests as turns, and the cache events
-    of replaying it through the real scheduler and pool under the trace's settings, so the
-    scrubber and the simulator open it like any recorded session."""
-    # start-up time: imported when this first runs
-    from .ids import new_ulid
-    from .event_log import batch_row, insert_batch_rows
-    from .recorder import _dumps, versions
-
-    trace = read.trace
-    res = simulate(trace, keep_events=True)
-    sid = new_ulid()
-    reqs = trace.requests
-    users = list(dict.fromkeys(r.user for r in reqs))
-    cached = res.cached
-    stats = {"hit_tokens": res.hit_tokens, "query_tokens": res.query_tokens, "hit_rate": res.hit_rate,
-             "blocks_total": trace.config.num_blocks, "evictions": res.evictions, "preemptions": res.preemptions,
-             "block_size": trace.config.block_size}
-    finish = {ev.request_id: ev for ev, _ in res.events if type(ev).__name__ == "RequestFinished"}
-    with write_txn(db):
-        db["sessions"].insert({
-            "id": sid, "created": time.time(), "ended": time.time(), "source": "import", "model": trace.model_key,
-            "engine_config": _dumps(trace.config.to_dict()), "versions": _dumps(versions()), "system_prompt": "",
-            "script_path": trace.source, "replay_of": None, "title": title or f"{read.format} trace {trace.source}",
-            "stats": _dumps(stats)})
-        for u in users:
-            db["users"].upsert({"session_id": sid, "name": u}, pk=("session_id", "name"))
-        rows = []
-        for i, r in enumerate(reqs, 1):
-            fin = finish.get(r.request_id)
-            rows.append({
-                "id": new_ulid(), "session_id": sid, "seq": i, "user": r.user, "text": f"request {i}", "reply": "",
-                "messages": "[]", "sampling": _dumps({"max_tokens": max(1, len(r.output_ids))}), "seed": None,
-                "at": None, "started": r.ts, "ended": r.ts, "request_id": r.request_id, "ttft_ms": None,
-                "decode_tok_s": None, "prompt_tokens": len(r.prompt_ids), "cached_tokens": cached.get(r.request_id, 0),
-                "computed_tokens": len(r.prompt_ids) - cached.get(r.request_id, 0), "output_tokens": len(r.output_ids),
-                "cached_from": "{}", "preemptions": 0, "finish_reason": fin.finish_reason if fin else "stop",
-                "error": fin.error if fin else None, "token_ids": _dumps(r.output_ids),
-                "prompt_ids": _dumps(r.prompt_ids), "system_tokens": 0})
-        db["turns"].insert_all(rows)
-        steps: list = []  # [forwards, events]: one recorded batch per step of the simulated engine
-        for ev, forwards in res.events:
-            kind = type(ev).__name__
-            if kind == "FirstToken":  # no model ran: no time to first token to show
-                continue
-            if kind == "RequestFinished":
-                ev.stats = {k: (None if k.endswith("_ms") or k == "decode_tok_s" else v) for k, v in ev.stats.items()}
-            if not steps or steps[-1][0] != forwards:
-                steps.append((forwards, []))
-            steps[-1][1].append(ev)
-        insert_batch_rows(db, [batch_row(sid, ev_.EngineBatch(k, evs[-1].ts, evs, fw)) for k, (fw, evs) in enumerate(steps, 1)])
-    return sid
-
-
 def _stored_only_trace(session: dict, batches: list) -> Trace:
     """A session that recorded blocks but no requests (`kvplay watch` of a real server): its
     requests rebuilt from the stored chains, as for an imported vLLM capture (the recorded
     batches in vLLM's form, wire/translate.to_wire)."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.translate import to_wire
-
     wire = [(n, to_wire(b)) for n, b in enumerate(batches, 1)]
     items, hits, query, peak = _requests_from_stored([(n, b) for n, b in wire if b.events], f"session {session['id']}")
     bs = next((e.block_size for b in batches for e in b.events if type(e) is ev_.BlockStored and e.block_size), 16)

@@ -42,6 +42,7 @@ from .messages import EngineFailed, EngineLoading, EngineReady
 from .panes import ChatPane, safe_id, user_label
 from .recording_room import RecordingRoom
 from .screens import ConfirmScreen, ErrorScreen, FormScreen, HelpScreen
+from .scrub import open_in_app
 from .theme import assign_looks
 from .widgets import CACHE_TAB, InertNotify, KvFooter, PaneSwitcher
 
@@ -321,7 +322,9 @@ class KvplayApp(InertNotify, App):
     def open_backend(self):
         """The ChatBackend the panes and the map use, subscribed to (on a worker thread): an
         in-process Engine here; `kvplay attach` returns a server's (tui/attach.py)."""
-        # start-up time: imported when this first runs
+        # Lazy, on the worker thread that loads the model: the engine's import (torch,
+        # transformers: 2.6 s niced on the 2-core machine) comes after the app is on screen, and
+        # `kvplay attach` (a server's backend) never pays it.
         from kvplay.engine.engine import Engine
 
         eng = Engine(self.config, loaded=self._loaded, progress=lambda m: self.post_message(EngineLoading(m)))
@@ -473,9 +476,6 @@ class KvplayApp(InertNotify, App):
 
     # --- command palette: "category: action" ---------------------------------------------------
     def action_scrub(self) -> None:
-        # start-up time: imported when this first runs
-        from .scrub import open_in_app
-
         open_in_app(self)
 
     def get_system_commands(self, screen):

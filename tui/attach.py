@@ -16,6 +16,7 @@ from textual.widgets import Static
 
 from kvplay.engine.config import EngineConfig
 from kvplay.inert import inert
+from kvplay.wire.remote import PodRange
 
 from .app import KvplayApp
 from .blockmap import BlockMap
@@ -33,9 +34,6 @@ class AttachCacheRoom(CacheRoom):
     def maps_ready(self) -> None:
         """A fleet: one map per pod (each its own scale, zoom and filter), titled by the pod; the
         status panel gives each pod's state and blocks, the stats panel the totals."""
-        # start-up time: imported when this first runs
-        from kvplay.wire.remote import PodRange
-
         pods = list(self.backend.pods)
         if len(pods) < 2:
             return

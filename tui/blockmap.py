@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from textual import events, work
@@ -57,8 +58,6 @@ class ViewsSource:
     """A pool given as a sequence of block views (objects with `state` and `creator`)."""
 
     def __init__(self, views) -> None:
-        import numpy as np
-
         self.views = tuple(views)
         users: list[str] = []
         index: dict[str, int] = {}

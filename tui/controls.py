@@ -13,8 +13,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from platformdirs import user_data_dir
+
 from kvplay.engine.config import EVICTION_POLICIES, ISOLATION_MODES, EngineConfig
 from kvplay.engine.errors import EngineError
+from kvplay.labs.common import LabContext, renderables
+from kvplay.sessions.recorder import Recorder
+from kvplay.sessions.store import open_db
 
 from .recording_room import RecordingRoom
 from .screens import ConfirmScreen, LabScreen
@@ -49,9 +54,6 @@ APP_LAB_TITLE = "from the app"  # a lab session recorded by the app (its sizes a
 def last_lab_seconds(db_path: str | None, name: str, model: str) -> float | None:
     """How long the last run of lab `name` from the app on `model` took (its recorded session),
     or None: the estimate shown before a lab starts."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.store import open_db
-
     try:
         db = open_db(db_path, create=False)
     except EngineError:
@@ -104,9 +106,6 @@ class LabProgress:
 def screenshot_dir() -> Path:
     """Where ctrl+s saves: `<XDG data dir>/kvplay/screenshots` (next to the sessions DB's
     default place), whatever the current directory is."""
-    # start-up time: imported when this first runs (as sessions/store.py does)
-    from platformdirs import user_data_dir
-
     return Path(user_data_dir("kvplay", appauthor=False)) / "screenshots"
 
 
@@ -252,9 +251,6 @@ class ControlsRoom:
                            group="lab", description="Running a lab")
 
     def _run_lab(self, name: str) -> None:
-        # start-up time: imported when this first runs
-        from kvplay.labs.common import LabContext, renderables
-
         module, params_cls, sizes = APP_LABS[name]
         mod = importlib.import_module(module)
         engine = self.backend.engine
@@ -293,9 +289,6 @@ class ControlsRoom:
 
     def _lab_recorder(self, name: str, engine):
         """The lab's own session (source lab:NAME, title APP_LAB_TITLE), attached to the engine."""
-        # start-up time: imported when this first runs
-        from kvplay.sessions.recorder import Recorder
-
         rec = Recorder.open(self.recording.db, engine.config, self.backend.model_name, source=f"lab:{name}",
                             system_prompt="", title=APP_LAB_TITLE)
         rec.attach(engine)

@@ -3,10 +3,11 @@ the stats block. No widgets here, so these are easy to test and reuse. Names, th
 block's text are inert (kvplay/inert.py): a server's session ids and decoded tokens among them."""
 from __future__ import annotations
 
+import time
+
+import numpy as np
 from rich.style import Style
 from rich.text import Text
-
-import time
 
 from kvplay.engine.miss import miss_from_event, miss_text
 from kvplay.inert import inert
@@ -181,9 +182,6 @@ def legend_text(looks: dict[str, UserLook]) -> Text:
 def range_detail(first: int, arrays, looks: dict[str, UserLook]) -> Text:
     """What a run of blocks holds: `blocks #4,096–#8,191: 120 in use · 800 cached · 3,176 free`
     and who created them (from the state and creator codes of wire.views.BlockArrays)."""
-    # start-up time: imported when this first runs
-    import numpy as np
-
     n = len(arrays.state)
     t = Text()
     t.append(f"blocks #{first:,}–#{first + n - 1:,} ", style="bold")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.script import UserSpec
 
 
@@ -42,9 +43,6 @@ class RecordingRoom:
         return self._opened
 
     def _open(self, backend, system_prompt: str, users: list[tuple[UserSpec, str]]) -> None:
-        # start-up time: imported when this first runs
-        from kvplay.sessions.recorder import Recorder
-
         engine = getattr(backend, "engine", None)  # None on a remote server
         rec = Recorder.open(self.db, engine.config if engine else None, backend.model_name,
                             source="replay" if self.replay_of else "app", system_prompt=system_prompt,

@@ -9,14 +9,13 @@ from pathlib import Path
 
 from kvplay.options import KvplayError
 
+from .screens import ErrorScreen
+
 
 async def take_screenshot(app, out: Path, size: tuple[int, int], timeout: float = 600.0,
                           show_events: bool = False, select_block: int | None = None,
                           loaded_callback=None, tree: bool = False) -> Path:
     """Run `app` headless until its script has played, then save `out` (an SVG)."""
-    # start-up time: imported when this first runs
-    from .screens import ErrorScreen
-
     async with app.run_test(size=size) as pilot:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

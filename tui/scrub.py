@@ -23,9 +23,11 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 
+from kvplay.engine.errors import EngineError
 from kvplay.engine.events import RequestFinished, RequestQueued
 from kvplay.inert import inert
-from kvplay.sessions.history import History, PoolState, Recording, turn_ends
+from kvplay.sessions.history import History, PoolState, Recording, load_recording, turn_ends
+from kvplay.sessions.store import open_db
 from kvplay.sessions.tokenizer import session_detokenizer
 
 from .blockmap import BlockMap
@@ -368,10 +370,6 @@ class ScrubApp(InertNotify, App):
 
 def open_in_app(app) -> None:
     """From the playground's palette: scrub the session it is recording, up to now."""
-    from kvplay.engine.errors import EngineError
-    from kvplay.sessions.history import load_recording
-    from kvplay.sessions.store import open_db
-
     rec = getattr(app, "recorder", None)
     if rec is None:
         app.notify("This session is not recorded (--no-record), so there is nothing to scrub.", severity="warning")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from kvplay.engine.errors import EngineError
 
@@ -81,8 +82,6 @@ class ServerCurve:
     def start_authenticator(self, ctx: zmq.Context):
         """A ZAP handler on `ctx` that admits only the keys in clients_dir (read now; restart
         the server to change them). Returns it (call .stop())."""
-        from zmq.auth.thread import ThreadAuthenticator
-
         auth = ThreadAuthenticator(ctx)
         auth.start()
         auth.configure_curve(domain=ZAP_DOMAIN, location=self.clients_dir)

@@ -42,7 +42,7 @@ by name (the rest as "others").
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from itertools import islice, repeat
 from typing import Callable
 

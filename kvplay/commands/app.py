@@ -5,6 +5,8 @@ import argparse
 
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
 from kvplay.sessions.script import UserSpec, load_script
+from kvplay.sessions.store import open_db
+from kvplay.tui.app import run_app
 
 
 def parse_users(text: str) -> list[UserSpec]:
@@ -41,9 +43,6 @@ APP_SYSTEM = (
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from kvplay.tui.app import run_app
-
     base, turns, system = {}, None, APP_SYSTEM
     users = parse_users(args.users or "alice,bob,carol")
     if args.script:
@@ -55,8 +54,6 @@ def main(args: argparse.Namespace) -> int:
         system = args.system
     config = config_from_args(args, base)
     if args.record:  # a DB that cannot record is one line now, not a warning at the first message
-        # start-up time: imported when this first runs
-        from kvplay.sessions.store import open_db
 
         open_db(args.db).close()
     return run_app(config, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)

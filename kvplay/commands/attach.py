@@ -19,18 +19,20 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from kvplay.commands.app import APP_SYSTEM, parse_users
 from kvplay.commands.screenshot import parse_size
 from kvplay.commands.watch import add_source_args, sources_from_args
 from kvplay.engine.errors import EngineError
 from kvplay.inert import inert
-from kvplay.options import KvplayError, add_db_arg, check_output_file
+from kvplay.options import KvplayError, add_db_arg, check_output_file, check_url
 from kvplay.sessions.script import load_script
+from kvplay.tui.attach import AttachApp
 from kvplay.tui.lifecycle import run_app, run_until_done
+from kvplay.tui.screenshot import take_screenshot
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import Unreachable, discover
+from kvplay.wire.remote import RemoteBackend
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -54,19 +56,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-record", dest="record", action="store_false", help="do not record this session")
 
 
-def check_url(url: str) -> str:
-    """A server's base URL (http/https, a host); a trailing /v1 is dropped (the routes add it)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise KvplayError(f"URL {url!r}: give the server's base URL, like http://127.0.0.1:8000")
-    try:
-        parts.port
-    except ValueError:
-        raise KvplayError(f"URL {url!r}: the port is not a number") from None
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
-
-
 def discover_or_none(url: str, api_key: str | None, topic: str = "", curve=None) -> list:
     """The server's advertised event endpoints (subscribed with `curve` when given), or none
     (said on stderr: the panes still work)."""
@@ -88,9 +77,6 @@ def discover_or_none(url: str, api_key: str | None, topic: str = "", curve=None)
 
 def open_backend(args):
     """The RemoteBackend for `args` (EngineError, one line, when the server or a pod refuses)."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.remote import RemoteBackend
-
     url = check_url(args.url)
     if args.sources:
         sources = sources_from_args(args)
@@ -120,15 +106,10 @@ def main(args: argparse.Namespace) -> int:
         check_output_file(args.screenshot, "--screenshot", ".svg")
         size = parse_size(args.size)
     backend = open_backend(args)
-    # start-up time: imported when this first runs
-    from kvplay.tui.attach import AttachApp
 
     app = AttachApp(backend, users, system, turns=turns, speed=args.speed, db=args.db, record=args.record)
     try:
         if args.screenshot:
-            # start-up time: imported when this first runs
-            from kvplay.tui.screenshot import take_screenshot
-
             run_until_done(take_screenshot(app, Path(args.screenshot), size))
             print(f"kvplay: saved {args.screenshot}", file=sys.stderr)
         else:

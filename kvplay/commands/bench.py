@@ -48,39 +48,31 @@ def _progress(start: float):
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from kvplay.bench.report import plot_report, print_report
-    from kvplay.bench.run import PEER_ORDER, run_bench
-
     config = config_from_args(args)
     check_output_file(args.plot, "--plot", ".png")
     if args.peer_model and not args.peer_url:
         raise KvplayError("--peer-model needs --peer-url")
+    # Lazy, the command boundary: the benchmarks import the engine, torch and transformers (5.7 s
+    # niced on the 2-core machine); `kvplay bench --help` and a bad flag answer without them.
+    from kvplay.bench import miss_bench, scrub_bench
+    from kvplay.bench.report import plot_report, print_report, print_scale_report
+    from kvplay.bench.run import PEER_ORDER, run_bench, run_scale_report
+
     if args.workload == "scale":
         for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
             if v:
                 raise KvplayError(f"--workload scale measures the engine alone: drop {flag}")
-        # start-up time: imported when this first runs
-        from kvplay.bench.report import print_scale_report
-        from kvplay.bench.run import run_scale_report
-
         report = run_scale_report(progress=_progress(time.perf_counter()))
         return _show(report, args.json, print_scale_report)
     if args.workload == "scrub":
         for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
             if v:
                 raise KvplayError(f"--workload scrub measures the scrubber alone: drop {flag}")
-        # start-up time: imported when this first runs
-        from kvplay.bench import scrub_bench
-
         return _show(scrub_bench.run(), args.json, scrub_bench.print_report)
     if args.workload == "miss":
         for flag, v in (("--script", args.script), ("--peer-url", args.peer_url), ("--plot", args.plot)):
             if v:
                 raise KvplayError(f"--workload miss measures the attribution alone: drop {flag}")
-        # start-up time: imported when this first runs
-        from kvplay.bench import miss_bench
-
         return _show(miss_bench.run(progress=_progress(time.perf_counter())), args.json, miss_bench.print_report)
     if args.script and not Path(args.script).is_file():
         raise KvplayError(f"--script {args.script}: no such file")

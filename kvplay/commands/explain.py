@@ -17,7 +17,10 @@ from kvplay.commands.simulate import load_source
 from kvplay.engine.miss import REASONS
 from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
+from kvplay.sessions.query import resolve_session, session_turns, with_misses
 from kvplay.sessions.report import console, print_json
+from kvplay.sessions.store import open_db
+from kvplay.sessions.tokenizer import session_detokenizer
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +37,6 @@ def _session_side(source: str, db_path: str | None, trace) -> tuple[dict, dict, 
     """(request id -> recorded miss object, request id -> turn seq, detokenizer) of a session."""
     if not trace.source.startswith("session "):
         return {}, {}, None
-    # start-up time: imported when this first runs
-    from kvplay.sessions.query import resolve_session, session_turns, with_misses
-    from kvplay.sessions.store import open_db
-    from kvplay.sessions.tokenizer import session_detokenizer
 
     db = open_db(db_path, create=False)
     try:
@@ -60,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"--block-size must be positive (got {args.block_size})")
     trace, bad = load_source(args.source, args.db, args.block_size)
     recorded, numbers, detok = _session_side(args.source, args.db, trace)
-    # start-up time: imported when this first runs (the simulator pulls in the engine)
+    # Lazy, the command boundary: the explanation replays the trace through the simulator, whose
+    # import (the engine's scheduler: torch, transformers) takes 2.4 s niced on the 2-core machine.
     from kvplay.sessions.explain import explain, figure
 
     report = explain(trace, recorded, numbers, detok, top=args.top)

@@ -5,7 +5,9 @@ import argparse
 import importlib
 import sys
 
+from kvplay.labs.common import LabContext, Progress, emit, open_recorder
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, check_output_file, config_from_args
+from kvplay.sessions.recorder import close_run
 
 LABS = {
     "determinism": "kvplay.labs.determinism",
@@ -189,16 +191,12 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "target", None) and args.lab == "leak" and (args.control or args.repeats):
         raise _error("--control and --repeats are for the local engine (not --target)")
 
-    # start-up time: imported when this first runs
+    # Lazy, the command boundary: the engine (torch, transformers: 5 s niced on the 2-core
+    # machine) once the lab's options are checked; `kvplay lab X --help` and bad values answer at once.
     from kvplay.engine.engine import Engine
-    from kvplay.sessions.recorder import close_run
-
-    from kvplay.labs.common import LabContext, Progress, emit, open_recorder
+    from kvplay.labs.target import main as target_main
 
     if getattr(args, "target", None):
-        # start-up time: imported when this first runs
-        from kvplay.labs.target import main as target_main
-
         return target_main(args, params)
     if args.lab == "collide":
         args.hash = None  # the lab sets trunc:N itself

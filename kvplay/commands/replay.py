@@ -18,6 +18,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
 from kvplay.inert import inert
 from kvplay.engine.miss import miss_text
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
@@ -25,8 +29,10 @@ from kvplay.sessions.headless import start_engine
 from kvplay.sessions.query import (resolve_session, session_script, session_turns, session_users,
                                    settings_timeline, timeline_events, with_misses)
 from kvplay.sessions.recorder import Recorder, close_run
+from kvplay.sessions.replay import replay, replay_summary
 from kvplay.sessions.report import console, excerpt, fmt_num, print_json
 from kvplay.sessions.store import open_db
+from kvplay.tui.app import run_app
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +65,6 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"session {session['id']} has no recorded turns to replay")
     config = config_from_args(args, session["engine_config"], where=f"session {session['id']}: engine config")
     if not args.headless:
-        # start-up time: the app (Textual) loads only when it is asked for
-        from kvplay.tui.app import run_app
-
         return int(run_app(config, script.users, script.system, script.turns, speed=args.speed or 1.0,
                            db=args.db, record=not args.no_record,
                            title=f"replay of {session['id']}", replay_of=session["id"]) or 0)
@@ -70,9 +73,6 @@ def main(args: argparse.Namespace) -> int:
 
 def _row(c) -> list:
     """A compared turn's cells: Text, so what the turn quotes is shown inert, never parsed."""
-    # start-up time: imported when this first runs
-    from rich.text import Text
-
     if c.error:
         verdict = Text(f"error: {excerpt(c.error, 200)}", style="red")
     elif c.equal:
@@ -93,13 +93,6 @@ def _row(c) -> list:
 def headless(args, session: dict, turns: list[dict], users: list[dict], events: list[dict], config) -> int:
     """Re-drive the recorded turns through a fresh Engine: a table (or JSON lines) of the
     comparisons as they finish, then the verdict."""
-    # start-up time: `kvplay replay --help` imports this module
-    from rich.live import Live
-    from rich.table import Table
-    from rich.text import Text
-
-    from kvplay.sessions.replay import replay, replay_summary  # start-up time: the player imports torch
-
     recorded_det = bool(session["engine_config"].get("deterministic"))
     engine = start_engine(config)
     rec = None

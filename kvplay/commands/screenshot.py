@@ -12,8 +12,10 @@ from pathlib import Path
 
 from kvplay.options import KvplayError, add_engine_args, check_output_file, config_from_args
 from kvplay.sessions.script import load_script, parse_script
+from kvplay.tui.app import KvplayApp
 from kvplay.tui.demo import DEMO_TOML
 from kvplay.tui.lifecycle import run_until_done
+from kvplay.tui.screenshot import take_screenshot
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -43,10 +45,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from kvplay.tui.app import KvplayApp
-    from kvplay.tui.screenshot import take_screenshot
-
     script = load_script(args.script) if args.script else parse_script(DEMO_TOML, "built-in demo")
     config = config_from_args(args, script.engine)
     size = parse_size(args.size)

@@ -9,8 +9,12 @@ from pathlib import Path
 
 from kvplay.commands.screenshot import parse_size
 from kvplay.options import KvplayError, add_db_arg, check_output_file
+from kvplay.sessions.history import load_recording, turn_ends
+from kvplay.sessions.store import open_db
 
 from kvplay.tui.lifecycle import run_app, run_until_done
+from kvplay.tui.screenshot import save_svg
+from kvplay.tui.scrub import ScrubApp
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,10 +27,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def load(db_path: str | None, ident: str):
-    # start-up time: imported when this first runs
-    from kvplay.sessions.history import load_recording
-    from kvplay.sessions.store import open_db
-
     db = open_db(db_path, create=False)
     try:
         return load_recording(db, ident)
@@ -35,10 +35,6 @@ def load(db_path: str | None, ident: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from kvplay.sessions.history import turn_ends
-    from kvplay.tui.scrub import ScrubApp
-
     rec = load(args.db, args.id)
     cursor = args.at
     if args.turn is not None:
@@ -50,9 +46,6 @@ def main(args: argparse.Namespace) -> int:
         raise KvplayError(f"--at {cursor}: session {rec.id} has events 0 to {len(rec.events)}")
     app = ScrubApp(rec, cursor)
     if args.screenshot:
-        # start-up time: imported when this first runs
-        from kvplay.tui.screenshot import save_svg
-
         check_output_file(args.screenshot, "--screenshot", ".svg")
         out = run_until_done(save_svg(app, Path(args.screenshot), parse_size(args.size)))
         print(f"kvplay: saved {out}", file=sys.stderr)

@@ -18,6 +18,12 @@ import sys
 
 from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, add_engine_args, config_from_args
+from kvplay.serve.core_client import RemoteSide
+from kvplay.serve.keys import load_keys
+from kvplay.sessions.recorder import close_run
+from kvplay.sessions.store import open_db
+from kvplay.wire import curve as wire_curve
+from kvplay.wire.publisher import KVEventsConfig
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,13 +71,9 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from kvplay.sessions.store import open_db
-    from kvplay.wire import curve as wire_curve
-    from kvplay.wire.publisher import KVEventsConfig
-
+    # Lazy, the command boundary: the server and its engine side import torch (2 s niced on the
+    # 2-core machine); `kvplay serve --help` and a bad flag answer without it.
     from kvplay.serve.core_proc import CoreParams, build_side
-    from kvplay.serve.keys import load_keys
     from kvplay.serve.server import bind_socket, check_event_endpoints, identities_of, is_loopback, serve_forever, state_for
 
     if args.gen_curve_keys:
@@ -125,9 +127,6 @@ def main(args: argparse.Namespace) -> int:
             local = build_side(params)
             side = local[2]
         else:
-            # start-up time: imported when this first runs
-            from kvplay.serve.core_client import RemoteSide
-
             side = RemoteSide(params)
     except BaseException:
         sock.close()
@@ -167,8 +166,5 @@ def main(args: argparse.Namespace) -> int:
         finally:
             sock.close()
             if local is not None:
-                # start-up time: imported when this first runs
-                from kvplay.sessions.recorder import close_run
-
                 close_run(local[1], local[0])
     return 0

@@ -6,6 +6,9 @@ import argparse
 import datetime as dt
 import os
 
+from rich.table import Table
+from rich.text import Text
+
 from kvplay.inert import inert
 from kvplay.options import add_db_arg
 
@@ -76,10 +79,6 @@ def table_of(rows: list[dict], title: str, width: int | None):
     rates); in `width` columns the model loses its org/ prefix, then what the session is (source
     and note: a run's script) and the model give way with an ellipsis, the model first (under
     ~90 columns it is left out). `width` None (piped): every cell whole."""
-    # start-up time: imported when this first runs
-    from rich.table import Table
-    from rich.text import Text
-
     cells = []
     for r in rows:
         hr = hit_rate(r)

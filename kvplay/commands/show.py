@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.table import Table
+from rich.text import Text
+
 from kvplay.inert import inert
 from kvplay.options import add_db_arg
 from kvplay.sessions.query import load_session
@@ -22,10 +25,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # start-up time: imported when this first runs
-    from rich.table import Table
-    from rich.text import Text
-
     db = open_db(args.db, create=False)
     try:
         s = load_session(db, args.id, args.events)

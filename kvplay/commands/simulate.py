@@ -12,12 +12,15 @@ import argparse
 import os
 import sys
 
+from rich.table import Table
+from rich.text import Text
+
 from kvplay.engine.config import ISOLATION_MODES
 from kvplay.inert import inert
 from kvplay.options import KvplayError, add_db_arg, check_output_file, pyplot, save_plot
-
 from kvplay.sessions.report import console, print_json
-from kvplay.sessions.simulate import SIM_POLICIES, Trace, default_sizes, headline, simulate, simulate_grid
+from kvplay.sessions.store import open_db
+from kvplay.sessions.traces import SIM_POLICIES, Trace, read_trace_file, session_trace
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,9 +43,10 @@ def _list(text: str, allowed, flag: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _sizes(values: list[str] | None, trace: Trace) -> list[int]:
+def _sizes(values: list[str] | None) -> list[int] | None:
+    """The --num-blocks values, checked (None: not given)."""
     if not values:
-        return default_sizes(trace)
+        return None
     out = []
     for v in values:
         for part in str(v).split(","):
@@ -64,14 +68,8 @@ def load_source(source: str, db_path: str | None, block_size: int = 16) -> tuple
         what = "is a directory, not a trace file" if os.path.isdir(source) else "no such file"
         raise KvplayError(f"{source}: {what} (give a trace file or a session id from `kvplay sessions`)")
     if os.path.isfile(source):
-        # start-up time: imported when this first runs
-        from kvplay.sessions.traces import read_trace_file
-
         read = read_trace_file(source, block_size=block_size)
         return read.trace, read.error
-    # start-up time: imported when this first runs
-    from kvplay.sessions.store import open_db
-    from kvplay.sessions.traces import session_trace
 
     db = open_db(db_path, create=False)
     try:
@@ -119,9 +117,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(args, trace: Trace, policies: list[str]) -> int:
+    # Lazy, the command boundary: the simulator runs the engine's scheduler, whose import (torch,
+    # transformers) takes 2.4 s niced on the 2-core machine; `kvplay simulate --help`, a bad flag
+    # or a bad trace file answer without it.
+    from kvplay.sessions.simulate import default_sizes, headline, simulate, simulate_grid
+
     c = trace.config
     isolations = _list(args.isolation, ISOLATION_MODES, "--isolation") if args.isolation else [c.isolation]
-    sizes = _sizes(args.num_blocks, trace)
+    sizes = _sizes(args.num_blocks) or default_sizes(trace)
     err = sys.stderr
 
     def progress(i: int, total: int, what: str) -> None:
@@ -139,9 +142,6 @@ def _report(args, trace: Trace, policies: list[str]) -> int:
                                  "hit_rate": None if recorded is None else round(recorded, 6)},
                     "results": [r.to_dict() for r in results]})
         return 0
-    # start-up time: imported when this first runs
-    from rich.table import Table
-    from rich.text import Text
 
     con = console()
     n = len(trace.requests)

@@ -28,9 +28,14 @@ import time
 
 from kvplay.commands.watch import add_source_args, url_sources
 from kvplay.inert import inert
-from kvplay.options import KvplayError, add_db_arg
+from kvplay.options import KvplayError, add_db_arg, check_url
+from kvplay.sessions.event_log import read_batches
+from kvplay.sessions.history import flat_events, pool_state, recorded_pool_size
+from kvplay.sessions.query import resolve_session
+from kvplay.sessions.store import open_db
 from kvplay.sessions.tokenizer import session_detokenizer
 from kvplay.wire.miss_watch import recorded_marks
+from kvplay.wire.remote import RemoteBackend
 from kvplay.wire.tree import SHOWN_CHILDREN, Labels, PrefixTree, to_json, to_text
 
 
@@ -51,12 +56,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def session_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a recorded session after --at events, its header, and detokenize."""
-    # start-up time: imported when this first runs
-    from kvplay.sessions.event_log import read_batches
-    from kvplay.sessions.history import flat_events, pool_state, recorded_pool_size
-    from kvplay.sessions.query import resolve_session
-    from kvplay.sessions.store import open_db
-
     db = open_db(args.db, create=False)
     try:
         s = resolve_session(db, args.target)
@@ -81,11 +80,6 @@ def session_trees(args) -> tuple[dict, dict, object]:
 
 def server_trees(args) -> tuple[dict, dict, object]:
     """{pod: PrefixTree} of a server's KV events heard for --duration seconds."""
-    # start-up time: imported when this first runs
-    from kvplay.wire.remote import RemoteBackend
-
-    from kvplay.commands.attach import check_url
-
     if args.at is not None:
         raise KvplayError("--at reads a recorded session; a server's tree is its cache now")
     if not args.duration > 0:

@@ -41,6 +41,7 @@ from kvplay.sessions.watch import by_session_text, misses_text, watch
 from kvplay.wire.codec import WireError
 from kvplay.wire.curve import client_from_args
 from kvplay.wire.discovery import discover
+from kvplay.wire.remote import ServerDetokenizer
 from kvplay.wire.subscriber import TROUBLE, PodSource, check_endpoint, default_pod_name
 
 
@@ -171,9 +172,6 @@ def main(args) -> int:
     drops = _drops(args, {s.name for s in sources})
     detok = None
     if args.url and not args.no_misses:
-        # start-up time: imported when this first runs
-        from kvplay.wire.remote import ServerDetokenizer
-
         detok = ServerDetokenizer(args.url, args.api_key)
     try:
         summary = watch(sources, duration=args.duration, replay_timeout=args.replay_timeout, db=args.db,

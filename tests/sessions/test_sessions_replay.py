@@ -148,10 +148,10 @@ def test_sigkill_mid_run_keeps_finished_turns(tmp_path, capsys):
 
 def test_replay_in_app_gets_recorded_turns(tmp_path, capsys, monkeypatch):
     """Without --headless the recorded users and turns (with their recorded pace) go to the app."""
-    app = pytest.importorskip("kvplay.tui.app")
+    replay_cmd = pytest.importorskip("kvplay.commands.replay")  # it imports the app's run_app
     db, turns, sid = recorded(tmp_path, capsys, n_rounds=2)
     calls = []
-    monkeypatch.setattr(app, "run_app", lambda *a, **kw: calls.append((a, kw)) or 0)
+    monkeypatch.setattr(replay_cmd, "run_app", lambda *a, **kw: calls.append((a, kw)) or 0)
     assert cli(["replay", sid[:14], "--db", db, "--speed", "4"]) == 0
     [(args, kw)] = calls
     config, users, system, play = args[:4]
