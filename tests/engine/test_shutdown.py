@@ -107,9 +107,19 @@ def test_player_reports_a_stuck_turn_as_failed_and_cancels_it(make_engine, monke
 
     monkeypatch.setattr(player, "TURN_TIMEOUT_S", 0.3)
     eng = make_engine()
+    # the engine thread held between steps until the turn has timed out: stuck whatever the
+    # machine's speed (a tiny model reaches its context limit within 0.3 s on a quiet machine)
+    entered, gate = threading.Event(), threading.Event()
+    holder = threading.Thread(target=eng.call, args=(lambda: (entered.set(), gate.wait(30)),), daemon=True)
+    holder.start()
+    assert entered.wait(10)
     job = player.Job(1, "alice", "go on for ever", SamplingParams(max_tokens=100000, stop_on_eos=False),
                      messages=[{"role": "user", "content": "go on for ever"}])
-    [done] = player.play(eng, [job], "")
+    try:
+        [done] = player.play(eng, [job], "")
+    finally:
+        gate.set()
+        holder.join(10)
     assert not done.ok and "not finished" in done.error
     wait_for(lambda: eng.stats()["running"] == 0, 10, poll=0.05)
     assert eng.stats()["running"] == 0 and eng.stats()["blocks_in_use"] == 0
