@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
 from .chat import encode_chat
