@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from support.attach import attach_args, make_app, say, status
+from support.attach import attach_args, assert_reused_from_alice, make_app, say, status
 from support.tui import badges, wait_until
 from support.vllm import VllmServer, chat, hits_total
 from support.wait import wait_for
 
 from kvplay.commands.attach import open_backend
-from kvplay.tui.blockmap import BlockMap
 
 
 @pytest.mark.vllm
@@ -30,13 +29,9 @@ async def test_attach_real_vllm_two_panes(tmp_path, free_port):
             a = await say(app, pilot, "alice", "When do you open on Sundays?")
             b = await say(app, pilot, "bob", "Do you sell rye bread?")
             assert a.cached_tokens == 0 and b.cached_tokens >= 32  # the shared system prompt, 32-token blocks
-            # per turn "from whom": bob's cached tokens came from alice, as vLLM's usage counts them
-            assert b.cached_from == {"alice": b.cached_tokens}
-            assert f"cached {b.cached_tokens} (alice {b.cached_tokens})" in badges(app, "bob")[-1]
-            # the map marks bob's reused blocks, each created by alice, as many as vLLM reused
-            bm = app.query_one(BlockMap)
-            await wait_until(pilot, lambda: len(bm.hit) == b.cached_tokens // 32)
-            assert all(backend.block(i).creator == "alice" for i in bm.hit)
+            # per turn "from whom": bob's cached tokens came from alice, as vLLM's usage counts them,
+            # and the map marks bob's reused blocks, each created by alice, as many as vLLM reused
+            await assert_reused_from_alice(app, pilot, backend, b, 32)
             # the mirror holds both panes' blocks in their colours, and every prompt block vLLM stored
             arr = backend.arrays()
             cached = arr.state == 1

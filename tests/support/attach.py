@@ -5,8 +5,9 @@ from __future__ import annotations
 from kvplay.cli import build_parser
 from kvplay.sessions.script import UserSpec
 from kvplay.tui.attach import AttachApp
+from kvplay.tui.blockmap import BlockMap
 
-from .tui import wait_until
+from .tui import badges, wait_until
 
 SYSTEM = "You are the assistant of a small bakery. Answer every customer briefly and kindly. " * 3
 
@@ -28,6 +29,17 @@ async def say(app, pilot, user, text):
     await pilot.press("enter")
     await wait_until(pilot, lambda: len(app.cache.requests) > n and not app.busy)
     return app.cache.requests[-1]
+
+
+async def assert_reused_from_alice(app, pilot, backend, turn, block_size: int):
+    """bob's `turn` reused alice's blocks, and the turn's creators, its badge and the block map
+    (mirrored from the server's KV events) say so alike; the map's hit blocks are returned."""
+    assert turn.cached_from == {"alice": turn.cached_tokens}
+    assert f"cached {turn.cached_tokens} (alice {turn.cached_tokens})" in badges(app, "bob")[-1]
+    bm = app.query_one(BlockMap)
+    await wait_until(pilot, lambda: len(bm.hit) == turn.cached_tokens // block_size)
+    assert all(backend.block(i).creator == "alice" for i in bm.hit)
+    return bm
 
 
 def status(app) -> str:

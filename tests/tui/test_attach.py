@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 
-from support.attach import SYSTEM, attach_args, make_app, say, status
+from support.attach import SYSTEM, attach_args, assert_reused_from_alice, make_app, say, status
 from support.recorded import recorded
 from support.tui import badges, wait_until
 
@@ -41,12 +41,8 @@ async def test_attach_shows_bobs_reuse_of_alices_blocks(serve, tmp_path, free_po
         assert "cached 0" in badges(app, "alice")[-1]
         b = await say(app, pilot, "bob", "Do you sell croissants?")
         assert b.user == "bob" and b.cached_tokens >= 16
-        assert b.cached_from == {"alice": b.cached_tokens}
-        assert f"cached {b.cached_tokens} (alice {b.cached_tokens})" in badges(app, "bob")[-1]
-        bm = app.query_one(BlockMap)
         # the map marks the blocks bob reused: alice's (mirrored from the server's KV events)
-        await wait_until(pilot, lambda: len(bm.hit) == b.cached_tokens // 16)
-        assert all(backend.block(i).creator == "alice" for i in bm.hit)
+        bm = await assert_reused_from_alice(app, pilot, backend, b, 16)
         arr = backend.arrays()
         cached = arr.state == 1
         assert int(cached.sum()) == len(backend.fleet.pod("kv").blocks) == state.side.engine.stats()["blocks_cached"]

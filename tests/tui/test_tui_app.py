@@ -178,12 +178,17 @@ async def test_deterministic_toggle_on_an_empty_cache_does_not_ask(tiny_llama):
         assert not isinstance(app.screen, ConfirmScreen)
 
 
+def recording_app(tiny_llama, db):
+    """One pane (alice, 4 tokens a turn) on the tiny model, recording to `db`."""
+    return KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
+                     loaded=tiny_llama, record=True, db=str(db), timings=False)
+
+
 async def test_turns_are_recorded_when_recording(tiny_llama, tmp_path):
     import sqlite3
 
     db = tmp_path / "sessions.db"
-    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
-                    loaded=tiny_llama, record=True, db=str(db), timings=False)
+    app = recording_app(tiny_llama, db)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await say(app, pilot, "alice", "Hello")
@@ -348,8 +353,7 @@ async def test_an_app_session_without_turns_is_not_recorded(tiny_llama, tmp_path
     import sqlite3
 
     db = tmp_path / "sessions.db"
-    app = KvplayApp(EngineConfig(model="tiny:llama", num_blocks=64), [UserSpec("alice", max_tokens=4)], SYSTEM,
-                    loaded=tiny_llama, record=True, db=str(db), timings=False)
+    app = recording_app(tiny_llama, db)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None)
         await pilot.pause(0.3)  # the subject: the app runs a while with no turn, and records nothing
