@@ -149,7 +149,7 @@ class PodMisses:
         scan = self._compiled if self.native else None
         if scan is not None:
             tally, later, fill, whose, evicted, gone, held_keys = scan(self, batch.events, pod, rep, usual_rm,
-                                                                       tracking, batch.ts)
+                                                                       tracking, batch.ts, MAX_SESSIONS)
         else:
             tally, later, fill, whose, evicted, gone, held_keys = self._scan(batch.events, pod, rep, usual_rm,
                                                                              tracking, batch.ts)
@@ -160,7 +160,8 @@ class PodMisses:
                 cold, cold_t = self._count_later(later, tally, 0, 0)
                 tally[_COLD] += cold
                 tally[_COLD_T] += cold_t
-            self._tally(tally, rep)
+            if tally is not None:  # (None: the compiled loop counted them)
+                self._tally(tally, rep)
         if whose:
             self._whose(whose)
         if evicted or gone:

@@ -92,7 +92,7 @@ def test_the_compiled_loop_is_here_and_can_be_switched_off(monkeypatch):
     assert p(st([1, 2], None, A + B, "alice"))["blocks"] == {"cold": 2}
 
 
-def random_stream(rng: random.Random, batches: int) -> list[list]:
+def random_stream(rng: random.Random, batches: int, users: int = 5, per_batch: int = 12) -> list[list]:
     """Wire batches of a pool under churn that makes every reason: chains that continue, branch
     (inside a block and at its boundary), repeat a prefix under a salt or a group, come back after
     an eviction (with and without an evicting session named), another tier's blocks, clears."""
@@ -108,7 +108,7 @@ def random_stream(rng: random.Random, batches: int) -> list[list]:
     out = []
     for _ in range(batches):
         events = []
-        for _ in range(rng.randint(1, 12)):
+        for _ in range(rng.randint(1, per_batch)):
             x = rng.random()
             if x < 0.45:
                 n = rng.randint(1, 5)
@@ -119,7 +119,7 @@ def random_stream(rng: random.Random, batches: int) -> list[list]:
                 extra = [["salt-%d" % rng.randrange(2)]] + [None] * (n - 1) if rng.random() < 0.1 else None
                 group = 1 if rng.random() < 0.05 else None
                 medium = rng.choice(["CPU", "STORAGE"]) if rng.random() < 0.05 else "GPU"
-                events.append(st(hs, parent, [t for h in hs for t in toks(h)], "u%d" % rng.randrange(5),
+                events.append(st(hs, parent, [t for h in hs for t in toks(h)], "u%d" % rng.randrange(users),
                                  medium=medium, extra=extra, group=group))
                 if medium == "GPU" and group is None:
                     live.extend(hs)
@@ -135,11 +135,14 @@ def random_stream(rng: random.Random, batches: int) -> list[list]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed):
-    """Every count, mark, per-batch detail and remembered removal, batch by batch (`Pod`)."""
+def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monkeypatch):
+    """Every count, mark, per-batch detail and remembered removal, batch by batch (`Pod`); with
+    more sessions than are counted by name, and batches that evict many sessions' blocks."""
     rng = random.Random(seed)
+    if seed % 2:
+        monkeypatch.setattr(mw, "MAX_SESSIONS", 3)
     p = Pod()
-    for events in random_stream(rng, 150):
+    for events in random_stream(rng, 150, users=5 if seed < 4 else 80, per_batch=12 if seed < 4 else 120):
         p(*events)
     s = p.misses.summary()
     assert sum(s["blocks"].values()) > 200

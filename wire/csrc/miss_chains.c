@@ -27,11 +27,12 @@ enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, N
 #define C2 0xC2B2AE3D27D4EB4FULL
 
 static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
+static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
 static PyObject *s_block_hashes, *s_parent_block_hash, *s_user, *s_block_size, *s_token_ids, *s_extra_keys,
     *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_run_of, *s_heads, *s_roots, *s_tier_of,
     *s_marked, *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
     *s_n, *s_n_prev, *s_m, *s_probes, *s_cur, *s_prev, *s_filtered, *s_keys, *s_special, *s_removed_m,
-    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier;
+    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier;
 
 typedef struct {
     Py_buffer cur, prev;
@@ -395,13 +396,89 @@ out:
     return result;
 }
 
-/* scan(pm, events, pod, rep, usual_rm, tracking, bts) -> (tally, later, fill, whose, evicted, gone, held)
+/* d[key] += x for a dict of ints (a missing key counts 0). */
+static int dict_add(PyObject *d, PyObject *key, long x) {
+    return dict_add_long(d, key, x);
+}
+
+/* PodMisses._whose(whose): each creator's evicted blocks into `ev_from` (a Counter), the ones
+ * not counted by name yet as OTHERS once `max_sessions` are. */
+#define WHOSE_CACHE 32
+static int count_whose(PyObject *ev_from, PyObject *whose, Py_ssize_t max_sessions) {
+    if (!PyDict_Check(ev_from)) {
+        PyErr_SetString(PyExc_TypeError, "evicted_from");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(whose);
+    if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *c = PyList_GET_ITEM(whose, i);
+            int in = PyDict_Contains(ev_from, c);
+            if (in < 0 || dict_add(ev_from, in ? c : u_others, 1) < 0) return -1;
+        }
+        return 0;
+    }
+    PyObject *who[WHOSE_CACHE];
+    long count[WHOSE_CACHE];
+    int k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = PyList_GET_ITEM(whose, i);
+        int j = 0;
+        while (j < k && who[j] != c) j++;
+        if (j < k) {
+            count[j]++;
+            continue;
+        }
+        if (k == WHOSE_CACHE) {  /* many creators: the rest one by one (after those held, in order) */
+            for (j = 0; j < k; j++)
+                if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+            for (; i < n; i++)
+                if (dict_add(ev_from, PyList_GET_ITEM(whose, i), 1) < 0) return -1;
+            return 0;
+        }
+        who[k] = c;
+        count[k++] = 1;
+    }
+    for (int j = 0; j < k; j++)
+        if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+    return 0;
+}
+
+/* PodMisses._tally: the batch's counts into the pod's (`counts`) and the batch's details (`rep`). */
+static int add_tally(PyObject *pm, PyObject *rep, const long *tally) {
+    int any = 0;
+    for (int i = 0; i < NC; i++) any |= tally[i] != 0;
+    if (!any) return 0;
+    PyObject *counts = PyObject_GetAttr(pm, s_counts);
+    if (counts == NULL) return -1;
+    PyObject *targets[2] = {counts, rep};
+    int rc = 0;
+    for (int t = 0; t < 2 && !rc; t++) {
+        PyObject *c = targets[t];
+        if (c == Py_None) continue;
+        PyObject *blocks = PyObject_GetItem(c, u_blocks), *tokens = blocks ? PyObject_GetItem(c, u_tokens) : NULL;
+        if (tokens == NULL || !PyDict_Check(blocks) || !PyDict_Check(tokens)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "counts");
+            rc = -1;
+        }
+        for (int i = 0; i < NC && !rc; i++)
+            if (tally[i] && (dict_add(blocks, reason_names[i], tally[i]) < 0 ||
+                             dict_add(tokens, reason_names[i], tally[i + NC]) < 0))
+                rc = -1;
+        Py_XDECREF(blocks);
+        Py_XDECREF(tokens);
+    }
+    Py_DECREF(counts);
+    return rc;
+}
+
+/* scan(pm, events, pod, rep, usual_rm, tracking, bts, max_sessions) -> (tally, later, fill, whose, evicted, gone, held)
  * `tally`: the batch's blocks by reason (COUNTED's order), then tokens (cold ones included);
  * `later`: (session, reason's place or -1, its blocks, the chain's blocks, block size) of the chains
  * of sessions not counted yet. See PodMisses._scan. */
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "scan takes 7 arguments");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 8 arguments");
         return NULL;
     }
     if (Stored == NULL) {
@@ -410,6 +487,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *pm = args[0], *events = args[1], *pod = args[2], *rep = args[3], *bts = args[6];
     int usual_rm = PyObject_IsTrue(args[4]), tracking = PyObject_IsTrue(args[5]);
+    Py_ssize_t max_sessions = PyLong_AsSsize_t(args[7]);
+    if (max_sessions == -1 && PyErr_Occurred()) return NULL;
     if (!PyList_Check(events) && !PyTuple_Check(events)) {
         PyErr_SetString(PyExc_TypeError, "events must be a list or tuple");
         return NULL;
@@ -806,7 +885,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                           PySequence_Fast_GET_SIZE(fc) != nh;
                 if (!bad && usual_removal == NULL) {
                     usual_removal = PyObject_CallFunctionObjArgs(RemovalCls, u_evicted, bts, NULL);
-                    bad = usual_removal == NULL;
+                    bad = usual_removal == NULL || !PyTuple_Check(usual_removal);
+                    if (!bad) untrack(usual_removal);  /* (a namedtuple: the collector never untracks it) */
                 }
                 for (Py_ssize_t i = 0; i < nh && !bad; i++) {
                     PyObject *k = PySequence_Fast_GET_ITEM(fh, i), *ik;
@@ -857,13 +937,30 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (PyList_SetSlice(marked, 0, PyList_GET_SIZE(marked), NULL) < 0) goto fail;
         }
     }
+    /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end), counted by
+     * creator object first (a batch evicts few creators' blocks many times), then added in the
+     * order each first came */
+    if (PyList_GET_SIZE(whose)) {
+        PyObject *ev_from = NULL;
+        GET(ev_from, pm, s_evicted_from);
+        int rc = count_whose(ev_from, whose, max_sessions);
+        Py_DECREF(ev_from);
+        if (rc < 0) goto fail;
+        if (PyList_SetSlice(whose, 0, PyList_GET_SIZE(whose), NULL) < 0) goto fail;
+    }
     {
-        PyObject *tl = PyList_New(2 * NC);
-        if (tl == NULL) goto fail;
-        for (int i = 0; i < 2 * NC; i++) {
-            PyObject *v = PyLong_FromLong(tally[i]);
-            if (v == NULL) { Py_DECREF(tl); goto fail; }
-            PyList_SET_ITEM(tl, i, v);
+        PyObject *tl;
+        if (PyList_GET_SIZE(later) == 0) {  /* counted here (PodMisses._tally) */
+            if (add_tally(pm, rep, tally) < 0) goto fail;
+            tl = Py_None;
+            Py_INCREF(tl);
+        } else {
+            if ((tl = PyList_New(2 * NC)) == NULL) goto fail;
+            for (int i = 0; i < 2 * NC; i++) {
+                PyObject *v = PyLong_FromLong(tally[i]);
+                if (v == NULL) { Py_DECREF(tl); goto fail; }
+                PyList_SET_ITEM(tl, i, v);
+            }
         }
         result = Py_BuildValue("(NOOOOnl)", tl, later, fill, whose, evicted ? Py_True : Py_False, gone,
                                held_keys);
@@ -885,6 +982,27 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOOO!", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &PyDict_Type, &a[6]))
         return NULL;
     PyObject **slots[7] = {&Stored, &Removed, &Hit, &Tier, &Cleared, &RemovalCls, &AT};
+    PyObject *names[NC] = {NULL};
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(a[6], &pos, &k, &v)) {
+        long i = PyLong_AsLong(v);
+        if (i < 0 || i >= NC || !PyUnicode_Check(k)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "places: each reason's place in 0..6");
+            return NULL;
+        }
+        names[i] = k;
+    }
+    for (int i = 0; i < NC; i++)
+        if (names[i] == NULL) {
+            PyErr_SetString(PyExc_ValueError, "places: a place without a reason");
+            return NULL;
+        }
+    for (int i = 0; i < NC; i++) {
+        Py_INCREF(names[i]);
+        Py_XSETREF(reason_names[i], names[i]);
+    }
     for (int i = 0; i < 7; i++) {
         Py_INCREF(a[i]);
         Py_XSETREF(*slots[i], a[i]);
@@ -913,7 +1031,8 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_prev, "_prev"}, {&s_filtered, "filtered"}, {&s_keys, "_keys"}, {&s_special, "_special"},
         {&s_removed_m, "_removed"}, {&s_tier_m, "_tier"}, {&s_track, "_track"}, {&s_capacity, "capacity"},
         {&s_rotate, "rotate"}, {&s_recent_capacity, "recent_capacity"}, {&s_flush_every, "_flush_every"},
-        {&s_bloom_for, "bloom_for"}, {&u_branch, "branch"},
+        {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "evicted_from"}, {&s_counts, "counts"},
+        {&u_others, "others"}, {&u_blocks, "blocks"}, {&u_tokens, "tokens"}, {&u_branch, "branch"},
         {&u_diverged, "diverged"}, {&u_isolated, "isolated"}, {&u_config, "config"}, {&u_evicted, "evicted"},
         {&u_tier, "tier"},
     };
