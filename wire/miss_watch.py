@@ -32,6 +32,13 @@ with kv_cache_report_mode "full": the Mirror counts those), and isolation deeper
 branch point; attach, which knows each turn's prompt, explains it whole (`explain_prompt`:
 engine/miss.py's attribution over the Mirror through `MirrorPool`).
 
+**Compiled.** The per-event loop runs in C where it can be built (csrc/miss_chains.c through
+wire/miss_native.py: the same loop over the same objects, the usual chains inline), with this
+module's Python loop (`PodMisses._scan`) as its reference and fallback; the tests run both on
+every batch. On `python -m kvplay.bench.mirror_bench --no-socket --misses` it costs 1.2-1.4x the
+mirror's CPU time (the Python loop: 1.6x): what remains is a dict entry per stored block, a
+chain tuple per stored event and the Bloom filters' bits per removed block (docs/miss.md).
+
 **Bounded.** Per pod: the `RemovedLog` (at most 16,896 recent removals with details, then
 Bloom filters: 0.6 MiB a reason, a false positive rate of at most 4.0e-4 over all three); the
 chains of cached blocks (a map of the cached keys to their chain, swept when the chains hold

@@ -23,6 +23,7 @@
 enum { DEPTH, PARENT, USER, SALTED, MARK, HDR };
 enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, NC };
 #define MAX_BLOOMS 8
+#define MAX_PROBES 32
 #define C1 0x9E3779B97F4A7C15ULL
 #define C2 0xC2B2AE3D27D4EB4FULL
 
@@ -174,6 +175,14 @@ static Py_ssize_t common(PyObject *toks, Py_ssize_t off, Py_ssize_t size, PyObje
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *a = PyList_GET_ITEM(toks, off + i);
         if (a == b[i]) continue;
+        if (PyLong_CheckExact(a) && PyLong_CheckExact(b[i])) {  /* token ids: compared as C longs */
+            int oa, ob;
+            long x = PyLong_AsLongAndOverflow(a, &oa), y = PyLong_AsLongAndOverflow(b[i], &ob);
+            if (!oa && !ob) {
+                if (x != y) return i;
+                continue;
+            }
+        }
         int eq = PyObject_RichCompareBool(a, b[i], Py_EQ);
         if (eq < 0) { *err = 1; return i; }
         if (!eq) return i;
@@ -226,6 +235,17 @@ static void untrack(PyObject *t) {
         if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x)) return;
     }
     if (PyObject_GC_IsTracked(t)) PyObject_GC_UnTrack(t);
+}
+
+/* A tuple of `n` items (new references taken). */
+static PyObject *tuple_of(PyObject **items, int n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    return t;
 }
 
 /* A chain tuple: (depth, parent, user, salted, mark, *keys). */
@@ -299,7 +319,16 @@ static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
         uint64_t um = (uint64_t)m, h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
         uint64_t bit = h1 % um, step = h2 % um;  /* probe j: (h1 + j h2) mod m, without a division each */
         unsigned char *v = view.buf;
-        for (Py_ssize_t j = 0; j < probes; j++) {
+        uint64_t at[MAX_PROBES];
+        Py_ssize_t k = probes < MAX_PROBES ? probes : MAX_PROBES;
+        for (Py_ssize_t j = 0; j < k; j++) {  /* the probes' bytes fetched at once, then set */
+            at[j] = bit;
+            __builtin_prefetch(v + (bit >> 3), 1);
+            bit += step;
+            if (bit >= um) bit -= um;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) v[at[j] >> 3] |= (unsigned char)(1u << (at[j] & 7));
+        for (Py_ssize_t j = k; j < probes; j++) {
             v[bit >> 3] |= (unsigned char)(1u << (bit & 7));
             bit += step;
             if (bit >= um) bit -= um;
@@ -750,7 +779,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                             k++;
                             o += size;
                         }
-                        mark = Py_BuildValue("(OOOOOl)", u_branch, iso ? u_isolated : u_config, Py_None, Py_None, who, k);
+                        PyObject *kk = PyLong_FromLong(k);
+                        if (kk == NULL) goto stored_fail;
+                        PyObject *items[6] = {u_branch, iso ? u_isolated : u_config, Py_None, Py_None, who, kk};
+                        mark = tuple_of(items, 6);
+                        Py_DECREF(kk);
                         ri = iso ? R_ISOLATED : R_CONFIG;
                         q = k;
                     } else {
@@ -763,7 +796,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                             pos = PyLong_FromLong(dv * size + (long)best);
                             if (pos == NULL) goto stored_fail;
                         }
-                        mark = Py_BuildValue("(OOOnOn)", u_branch, u_diverged, pos, best, who, n);
+                        PyObject *bo = PyLong_FromSsize_t(best), *no = PyLong_FromSsize_t(n);
+                        PyObject *items[6] = {u_branch, u_diverged, pos, bo, who, no};
+                        mark = bo && no ? tuple_of(items, 6) : NULL;
+                        Py_XDECREF(bo);
+                        Py_XDECREF(no);
                         Py_DECREF(pos);
                         ri = R_DIVERGED;
                         q = (long)n;
