@@ -139,11 +139,8 @@ class RotatingBloom:
     def add_many(self, keys: list[int]) -> None:
         start = 0
         while start < len(keys):
-            if self._n >= self.capacity:  # rotate: the current generation becomes the previous one
-                self._prev, self._cur = self._cur, self._prev
-                self._vprev, self._vcur = self._vcur, self._vprev
-                self._cur[:] = 0
-                self._n_prev, self._n = self._n, 0
+            if self._n >= self.capacity:
+                self.rotate()
             part = keys[start:start + self.capacity - self._n]
             pos = self._positions(part)
             idx, bits = pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8)
@@ -154,6 +151,13 @@ class RotatingBloom:
                 np.bitwise_or.at(cur, idx[lost], bits[lost])
             self._n += len(part)
             start += len(part)
+
+    def rotate(self) -> None:
+        """The current generation becomes the previous one; the old previous one is forgotten."""
+        self._prev, self._cur = self._cur, self._prev
+        self._vprev, self._vcur = self._vcur, self._vprev
+        self._cur[:] = 0
+        self._n_prev, self._n = self._n, 0
 
     def has(self, h1: int, h2: int) -> bool:
         """Whether a key whose probe hashes are (h1, h2) (`_probe_hashes`) was added (or is a
@@ -202,8 +206,9 @@ class RemovedLog:
     oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason."""
 
     def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 20,
-                 probes: int = 14, flush_every: int = 512):
+                 probes: int = 14, flush_every: int = 512, flusher: Callable | None = None):
         self.recent_capacity = recent
+        self._flusher = flusher  # flush compiled (wire/miss_native.py): flusher(self), the same result
         self._bloom_args = (bloom_capacity, bits_per_item, probes)
         self.recent: dict[int, Removal] = {}  # insertion-ordered: the oldest first
         self._flush_every = max(1, flush_every)
@@ -236,6 +241,9 @@ class RemovedLog:
 
     def flush(self) -> None:
         """Move the oldest removals beyond `recent` from the map into the filters."""
+        if self._flusher is not None:
+            self._flusher(self)
+            return
         rec = self.recent
         n = len(rec) - self.recent_capacity
         if n <= 0:
@@ -245,10 +253,14 @@ class RemovedLog:
         kinds = set(reasons)
         for reason in kinds:
             keys = old if len(kinds) == 1 else [k for k, r in zip(old, reasons) if r == reason]
-            bloom = self.blooms.get(reason)
-            if bloom is None:
-                bloom = self.blooms[reason] = RotatingBloom(*self._bloom_args)
-            bloom.add_many(keys)
+            self.bloom_for(reason).add_many(keys)
+
+    def bloom_for(self, reason: str) -> RotatingBloom:
+        """The filter of `reason`, made on first use."""
+        bloom = self.blooms.get(reason)
+        if bloom is None:
+            bloom = self.blooms[reason] = RotatingBloom(*self._bloom_args)
+        return bloom
 
     def get(self, key: int) -> Removal | None:
         r = self.recent.get(key)

@@ -21,20 +21,15 @@ llama_step.py): the same results to float32 rounding, slower.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .model_spec import cache_root
+from . import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -42,66 +37,21 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "fused.c"]
 HEADERS = [CSRC / "vexp.h"]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded function or None, once tried; "why": why not
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and the CPU's model and flags."""
-    ident = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "model name", "Features")):
-                    ident += line
-                    if line.startswith(("flags", "Features")):
-                        break
-    except OSError:
-        pass
-    return ident
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 def library_path() -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-                         + _cpu_id().encode())
-    return cache_root() / "native" / f"kvplay_kernels-{key.hexdigest()[:16]}.so"
-
-
-def _build(cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode:
-            raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
-        if not os.path.getsize(tmp):
-            raise RuntimeError(f"{cc} wrote no library")
-        os.replace(tmp, target)  # atomic: a concurrent start loads either none or a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return cbuild.cached_path("kvplay_kernels", SOURCES + HEADERS, FLAGS)
 
 
 def _load():
     if os.environ.get("KVPLAY_NATIVE", "1") == "0":
         return None, "KVPLAY_NATIVE=0"
-    target = library_path()
-    if not target.exists():
-        cc = _compiler()
-        if cc is None:
-            return None, "no C compiler (cc) on PATH"
-        try:
-            _build(cc, target)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            return None, f"build failed: {e}"
+    target, why = cbuild.built("kvplay_kernels", SOURCES, HEADERS, FLAGS)
+    if target is None:
+        return None, why
     try:
         lib = ctypes.CDLL(str(target))
         fns = {name: getattr(lib, f"kvplay_{name}") for name in _SIGNATURES}

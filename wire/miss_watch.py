@@ -32,6 +32,13 @@ with kv_cache_report_mode "full": the Mirror counts those), and isolation deeper
 branch point; attach, which knows each turn's prompt, explains it whole (`explain_prompt`:
 engine/miss.py's attribution over the Mirror through `MirrorPool`).
 
+**Compiled.** The per-event loop runs in C where it can be built (csrc/miss_chains.c through
+wire/miss_native.py: the same loop over the same objects, the usual chains inline), with this
+module's Python loop (`PodMisses._scan`) as its reference and fallback; the tests run both on
+every batch. On `python -m kvplay.bench.mirror_bench --no-socket --misses` it costs 1.2-1.4x the
+mirror's CPU time (the Python loop: 1.6x): what remains is a dict entry per stored block, a
+chain tuple per stored event and the Bloom filters' bits per removed block (docs/miss.md).
+
 **Bounded.** Per pod: the `RemovedLog` (at most 16,896 recent removals with details, then
 Bloom filters: 0.6 MiB a reason, a false positive rate of at most 4.0e-4 over all three); the
 chains of cached blocks (a map of the cached keys to their chain, swept when the chains hold
@@ -50,6 +57,7 @@ from kvplay.engine import events as ev_
 from kvplay.engine.miss import (EXCERPT_CHARS, EXCERPT_TOKENS, REMOVAL_REASONS, MissTracker,
                                 Removal, RemovedLog, miss_object)
 
+from . import miss_native
 from .mirror import Mirror
 from .tree import frozen_extra
 
@@ -109,7 +117,9 @@ class PodMisses:
 
     def __init__(self, mirror, explain: bool = False, detokenize: Callable | None = None):
         self.mirror = mirror
-        self.removed = RemovedLog()
+        self._compiled = miss_native.scan(_AT)  # the compiled `_scan`, or None
+        self.native = True  # False: the Python `_scan` (what the compiled one is checked against)
+        self.removed = RemovedLog(flusher=miss_native.flusher())
         self.tracker = MissTracker(1, removed=self.removed) if explain else None
         self.detokenize = detokenize
         self.run_of: dict = {}   # cached key -> its chain
@@ -132,42 +142,71 @@ class PodMisses:
         """Attribute `batch`'s new chains; with `detail`, what this batch added (None when
         nothing), for `kvplay watch --json`.
 
-        One loop with what it touches in locals: it runs once per batch a mirror applies, and
-        a busy server's batch is dozens of small events. The usual chains are handled inline:
-        a cold one (no removed hash, no cached sibling), and a branch from a cached block (the
-        likeliest two siblings compared, as `_branch` does); what is rarer (another tier, a
-        recompute, a chain without whole blocks of tokens) goes through `_special`. A batch's
-        usual evictions are entered at its end, in one go."""
+        The per-event loop (`_scan`) runs compiled where it can be built (wire/miss_native.py:
+        the same loop in C over the same objects, with the usual chains inline: a cold one, a
+        branch from a cached block); the batch's counts, its usual evictions and who evicted
+        them are entered at its end, in one go."""
         rep = None
         if detail:
             rep = _new_counts()
             rep["recomputed"], rep["branches"], rep["tiers"] = [], [], {}
         pod = batch.pod
-        run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
-        run_get, heads_get, roots_get = run_of.get, heads.get, roots.get
-        m = self.mirror
-        cached = m.key_slot
-        slot_of = cached.get
-        tv = m.tokens.v  # slot -> its tokens (the mirror's list)
-        removed = self.removed
-        recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
-        marked = self.marked
-        Stored, Removed, Hit = ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit
-        fill: dict = {}    # session -> new blocks it stored in this batch
-        sget = self.sessions.get
-        tally = [0] * (2 * _NC)  # the batch's blocks by reason (COUNTED's order), then tokens
-        cold = cold_t = 0  # ... cold ones
-        later: list = []   # (session, reason's place or -1, its blocks, the chain's blocks, block size)
-        #                    of the chains of sessions not counted yet: counted at the end, in order
-        evicted = False
-        gone: list = []    # the batch's usual evictions (keys), and whose blocks they were
-        whose: list = []
-        bts = batch.ts
-        held_keys = 0      # keys the batch's new chains hold
         tracking = self.tracker is not None
         usual_rm = pod is None and not tracking
-        usual = (0, "evicted", "", bts)  # (group, reason, by_user, ts) of a usual eviction
-        for ev in batch.events:
+        scan = self._compiled if self.native else None
+        if scan is not None:
+            tally, later, fill, whose, evicted, gone, held_keys = scan(self, batch.events, pod, rep, usual_rm,
+                                                                       tracking, batch.ts, MAX_SESSIONS)
+        else:
+            tally, later, fill, whose, evicted, gone, held_keys = self._scan(batch.events, pod, rep, usual_rm,
+                                                                             tracking, batch.ts)
+        self._held += held_keys
+        if fill:
+            self.last_top = max(fill, key=fill.get)
+            if later:
+                cold, cold_t = self._count_later(later, tally, 0, 0)
+                tally[_COLD] += cold
+                tally[_COLD_T] += cold_t
+            if tally is not None:  # (None: the compiled loop counted them)
+                self._tally(tally, rep)
+        if whose:
+            self._whose(whose)
+        if evicted or gone:
+            self._evicted_by(batch.ts)
+        if self._held > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
+            self._sweep()
+        if rep is None or (not any(rep["blocks"].values()) and not rep["tiers"]):
+            return None
+        rep["blocks"] = {k: v for k, v in rep["blocks"].items() if v}
+        rep["tokens"] = {k: v for k, v in rep["tokens"].items() if v}
+        return rep
+
+    def _scan(self, events, pod, rep, usual_rm: bool, tracking: bool, bts: float) -> tuple:
+        """A batch's events, in order: each new chain's reason (a cold chain here, everything
+        else through `_special`), counted for its session; removals entered in the RemovedLog
+        (the usual ones — evictions that name no evicting session, at the batch's time — with
+        one Removal for all); tiers and clears. Returns (its blocks by reason (COUNTED's order)
+        then tokens, the chains of sessions not counted yet (session, reason's place or -1, its
+        blocks, the chain's blocks, block size), {session: blocks stored}, whose blocks the usual
+        evictions were, whether another eviction needs its evicting session, how many usual
+        evictions, the keys the new chains hold). csrc/miss_chains.c is this loop compiled: keep the two the same (the tests run
+        both)."""
+        run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
+        run_get, heads_get, roots_get = run_of.get, heads.get, roots.get
+        cached = self.mirror.key_slot
+        removed = self.removed
+        recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
+        Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
+        fill: dict = {}
+        sget = self.sessions.get
+        tally = [0] * (2 * _NC)
+        later: list = []
+        evicted = False
+        gone = 0
+        whose: list = []
+        usual = None  # Removal("evicted", bts), made on the batch's first usual eviction
+        held_keys = 0
+        for ev in events:
             cls = ev.__class__
             if cls is Stored:
                 hs = ev.block_hashes
@@ -205,71 +244,12 @@ class PodMisses:
                 if r is None:
                     if blooms:
                         r = filtered(ik)
-                    if r is None and gone and k0 in gone:  # evicted earlier in this batch
-                        r = Removal("evicted", bts)
                 extras = ev.extra_keys
                 salted = bool(extras) and extras[0] is not None
+                run = (depth, pk, user, salted, None, *hs)
                 ri = -1  # the place of its reason in COUNTED (-1: cold), and how many blocks have it
-                if r is None and not sibs:
-                    if held and k0 in held:
-                        run = self._special(ev, (depth, pk, user, salted, None, *hs), r, pr, at, sibs, rep)
-                        mark = run[MARK]
-                        if mark is not None:
-                            ri, q = _AT["tier"], mark[-1]
-                    else:
-                        run = (depth, pk, user, salted, None, *hs)  # cold
-                elif r is None and size and len(toks) == n * size and not (held and k0 in held):
-                    # a branch (`_branch`, inline): the rest of the parent's chain, then the newest
-                    # chain under the parent (at the root: with the same first token), if cached
-                    tt = tuple(toks)
-                    mine = tt[:size]
-                    best, sr, si = -1, None, 0
-                    if sibs is True:
-                        theirs = tv[cached[pr[at + 1]]] or ()
-                        best = size if mine == theirs else common_prefix(mine, theirs)
-                        sr, si = pr, at + 1
-                        sibs = heads_get(pk)
-                    if sibs is not None and sibs is not pr:
-                        k = sibs[HDR]
-                        s = slot_of(k)
-                        if s is not None and run_get(k) is sibs:
-                            theirs = tv[s] or ()
-                            c = size if mine == theirs else common_prefix(mine, theirs)
-                            if c > best:
-                                best, sr, si = c, sibs, HDR
-                    if sr is None:
-                        run = (depth, pk, user, salted, None, *hs)  # no cached sibling: cold
-                    else:
-                        who = sr[USER]
-                        if best == size:  # the same tokens under another hash: other keys
-                            reason = "isolated" if salted or (si == HDR and sr[SALTED]) else "config"
-                            k, o = 1, size
-                            for key in sr[si + 1:si + n]:  # how many blocks after it are the same
-                                s = slot_of(key)
-                                if s is None or run_get(key) is not sr or tv[s] != tt[o:o + size]:
-                                    break
-                                k += 1
-                                o += size
-                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
-                                rep["branches"].append({"session": user, "reason": reason, "blocks": k,
-                                                        "tokens": k * size, "from": who})
-                            mark = ("branch", reason, None, None, who, k)
-                        else:
-                            reason = "diverged"
-                            pos = None if depth is None else depth * size + best
-                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
-                                d = {"session": user, "reason": "diverged", "at": pos, "within_block": best,
-                                     "blocks": n, "tokens": n * size, "from": who}
-                                text = self._excerpt(pr, at, toks, size, self._tokens(sr[si]), best)
-                                if text is not None:
-                                    d["text"] = {"prompt": text[0], "cached": text[1]}
-                                rep["branches"].append(d)
-                            mark = ("branch", "diverged", pos, best, who, n)
-                        run = (depth, pk, user, salted, mark, *hs)
-                        marked.append(run)
-                        ri, q = _AT[reason], mark[-1]
-                else:
-                    run = self._special(ev, (depth, pk, user, salted, None, *hs), r, pr, at, sibs, rep)
+                if r is not None or sibs or (held and k0 in held):
+                    run = self._special(ev, run, r, pr, at, sibs, rep)
                     mark = run[MARK]
                     if mark is not None:
                         ri, q = _AT[mark[1] if mark[0] != "tier" else "tier"], mark[-1]
@@ -279,8 +259,8 @@ class PodMisses:
                 elif ri < 0:
                     sc[_COLD] += n
                     sc[_COLD_T] += n * size
-                    cold += n
-                    cold_t += n * size
+                    tally[_COLD] += n
+                    tally[_COLD_T] += n * size
                 else:
                     t = q * size
                     sc[ri] += q
@@ -290,8 +270,8 @@ class PodMisses:
                     if q < n:
                         sc[_COLD] += n - q
                         sc[_COLD_T] += (n - q) * size
-                        cold += n - q
-                        cold_t += (n - q) * size
+                        tally[_COLD] += n - q
+                        tally[_COLD_T] += (n - q) * size
                 for k in hs:  # (a loop: dict.update(zip(...)) makes a tuple a key)
                     run_of[k] = run
                 held_keys += n
@@ -301,16 +281,17 @@ class PodMisses:
                     roots[toks[0]] = run
                 if tracking:
                     self._track(ev, hs, pk, toks, size)
-            elif cls is Hit:
-                continue
             elif cls is Removed:
                 hs = ev.block_hashes
                 if not hs:
                     continue
                 cr = ev.creators
-                if usual_rm and len(cr) == len(hs) and ((ev.group_idx, ev.reason, ev.by_user, ev.ts) == usual or (
-                        not ev.group_idx and ev.reason == "evicted" and not ev.by_user and ev.ts == bts)):
-                    gone += hs  # the usual eviction: entered with the batch's others at its end
+                if usual_rm and len(cr) == len(hs) and not ev.group_idx and ev.reason == "evicted" \
+                        and not ev.by_user and ev.ts == bts:
+                    if usual is None:
+                        usual = Removal("evicted", bts)
+                    removed.add_all(_ikeys(hs), usual)
+                    gone += len(hs)
                     whose += cr
                 else:
                     evicted |= self._removed(ev, pod)
@@ -319,26 +300,8 @@ class PodMisses:
             elif cls is ev_.AllBlocksCleared:
                 heads.clear()
                 roots.clear()
-                marked.clear()
-        self._held += held_keys
-        if fill:
-            self.last_top = max(fill, key=fill.get)
-            if later:
-                cold, cold_t = self._count_later(later, tally, cold, cold_t)
-            tally[_COLD] += cold
-            tally[_COLD_T] += cold_t
-            self._tally(tally, rep)
-        if gone:
-            self._log(gone, whose, bts)
-        if evicted or gone:
-            self._evicted_by(bts)
-        if self._held > 2 * len(cached) + SWEEP_SLACK:
-            self._sweep()
-        if rep is None or (not any(rep["blocks"].values()) and not rep["tiers"]):
-            return None
-        rep["blocks"] = {k: v for k, v in rep["blocks"].items() if v}
-        rep["tokens"] = {k: v for k, v in rep["tokens"].items() if v}
-        return rep
+                self.marked.clear()
+        return tally, later, fill, whose, evicted, gone, held_keys
 
     @staticmethod
     def _keys(ev, pod) -> tuple[list, object]:
@@ -380,12 +343,6 @@ class PodMisses:
         else:
             self.removed.add_many(ikeys, removals)
         return evicted and by is None
-
-    def _log(self, keys: list, creators: list, ts: float) -> None:
-        """Enter a batch's usual evictions (no `by_user`, its time) into the RemovedLog: one
-        Removal for all (whose blocks they were is counted in `evicted_from`, not kept per block)."""
-        self.removed.add_all(_ikeys(keys), Removal("evicted", ts))
-        self._whose(creators)
 
     def _whose(self, creators: list) -> None:
         ev_from = self.evicted_from

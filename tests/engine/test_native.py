@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvplay.engine import native
+from kvplay.engine import cbuild, native
 from kvplay.engine.config import EngineConfig
 from kvplay.engine.engine import Engine
 from kvplay.engine.model import LoadedModel
@@ -25,7 +25,7 @@ from kvplay.engine.tiny import build_tiny
 from support.steps import NUM_BLOCKS, random_step, shared_prompt_traces
 from support.steps import deterministic_rows_are_batch_invariant, switch_reaches_the_runner, with_and_without
 
-pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on this machine")
 
 
 def _runner(kind="llama", kv_heads=2, block_size=8, window=None):

@@ -7,13 +7,17 @@ explains the same requests at admission."""
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import httpx
+import pytest
 
 from support.serve import ALICE, BOB, chat, keys
 from support.wait import wait_for
 
+from kvplay.engine.miss import Removal, RemovedLog
+from kvplay.wire import miss_native
 from kvplay.wire import miss_watch as mw
 from kvplay.wire.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvplay.wire.mirror import Fleet
@@ -34,24 +38,141 @@ def rm(*hashes, medium="GPU", locality=None):
 
 
 class Pod:
-    """A pod as `kvplay watch` runs it: each wire batch translated, applied, then attributed."""
+    """A pod as `kvplay watch` runs it: each wire batch translated, applied, then attributed.
+    Attributed three times over the same mirror, and checked to agree batch by batch: the
+    compiled loop with the batch's details (as `watch --json`), the compiled loop without them
+    (as `watch` and attach: the usual branches inline) and the Python loop."""
 
     def __init__(self, **kw):
         self.fleet = Fleet()
         self.wire = self.fleet.from_wire("p")
         self.mirror = self.fleet.pod("p")
         self.why = MissWatch(self.fleet, **kw)
+        self.bare = MissWatch(self.fleet, **kw)
+        self.ref = MissWatch(self.fleet, **kw)
+        self.ref.pod("p").native = False
         self.seq = 0
 
     def __call__(self, *events, ts=None):
         self.seq += 1
-        b = self.wire(EventBatch(float(self.seq) if ts is None else ts, list(events)), self.seq)
+        return self.apply(self.wire(EventBatch(float(self.seq) if ts is None else ts, list(events)), self.seq))
+
+    def apply(self, b):
+        """An engine batch applied and attributed: what this batch added (`watch --json`'s)."""
         self.mirror.apply(b)
-        return self.why.on_batch("p", b, detail=True)
+        got = self.why.on_batch("p", b, detail=True)
+        assert self.bare.on_batch("p", b) is None
+        assert self.ref.on_batch("p", b, detail=True) == got
+        agree(self.why.pod("p"), self.bare.pod("p"), self.ref.pod("p"))
+        return got
 
     @property
     def misses(self):
         return self.why.pod("p")
+
+
+def agree(*pods) -> None:
+    """PodMisses that saw the same batches hold the same counts, marks and memory."""
+    first = pods[0]
+    for pm in pods[1:]:
+        assert pm.summary() == first.summary()
+        assert pm.marks() == first.marks()
+        assert list(pm.removed.recent.items()) == list(first.removed.recent.items())
+        assert pm.run_of.keys() == first.run_of.keys() and pm._held == first._held
+
+
+def test_the_compiled_loop_is_here_and_can_be_switched_off(monkeypatch):
+    assert miss_native.module() is not None, miss_native.why_not()
+    assert Pod().why.pod("p")._compiled is not None
+    monkeypatch.setenv("KVPLAY_NATIVE", "0")
+    monkeypatch.setattr(miss_native, "_state", {})
+    assert miss_native.scan(mw._AT) is None and miss_native.why_not() == "KVPLAY_NATIVE=0"
+    p = Pod()
+    assert p.why.pod("p")._compiled is None and p.why.pod("p").removed._flusher is None
+    assert p(st([1, 2], None, A + B, "alice"))["blocks"] == {"cold": 2}
+
+
+def random_stream(rng: random.Random, batches: int, users: int = 5, per_batch: int = 12) -> list[list]:
+    """Wire batches of a pool under churn that makes every reason: chains that continue, branch
+    (inside a block and at its boundary), repeat a prefix under a salt or a group, come back after
+    an eviction (with and without an evicting session named), another tier's blocks, clears."""
+    tokens = {}  # hash -> its block's tokens (a hash always names the same tokens)
+
+    def toks(h):
+        if h not in tokens:
+            base = [rng.randrange(1, 6) for _ in range(BS)]
+            tokens[h] = base
+        return tokens[h]
+
+    live: list = []
+    out = []
+    for _ in range(batches):
+        events = []
+        for _ in range(rng.randint(1, per_batch)):
+            x = rng.random()
+            if x < 0.45:
+                n = rng.randint(1, 5)
+                parent = rng.choice(live) if live and rng.random() < 0.6 else None
+                hs = [rng.randrange(1, 400) for _ in range(n)]
+                if len(set(hs)) != n or parent in hs:
+                    continue
+                extra = [["salt-%d" % rng.randrange(2)]] + [None] * (n - 1) if rng.random() < 0.1 else None
+                group = 1 if rng.random() < 0.05 else None
+                medium = rng.choice(["CPU", "STORAGE"]) if rng.random() < 0.05 else "GPU"
+                events.append(st(hs, parent, [t for h in hs for t in toks(h)], "u%d" % rng.randrange(users),
+                                 medium=medium, extra=extra, group=group))
+                if medium == "GPU" and group is None:
+                    live.extend(hs)
+            elif x < 0.9 and live:
+                k = rng.randint(1, 4)
+                gone = [live.pop(rng.randrange(len(live))) for _ in range(min(k, len(live)))]
+                events.extend(rm(*gone, medium=rng.choice(["GPU", "GPU", "GPU", "CPU"])))
+            elif x < 0.91:
+                events.append(AllBlocksCleared())
+                live.clear()
+        out.append(events)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monkeypatch):
+    """Every count, mark, per-batch detail and remembered removal, batch by batch (`Pod`); with
+    more sessions than are counted by name, and batches that evict many sessions' blocks."""
+    rng = random.Random(seed)
+    if seed % 2:
+        monkeypatch.setattr(mw, "MAX_SESSIONS", 3)
+    p = Pod()
+    for events in random_stream(rng, 150, users=5 if seed < 4 else 80, per_batch=12 if seed < 4 else 120):
+        p(*events)
+    s = p.misses.summary()
+    assert sum(s["blocks"].values()) > 200
+    assert sum(1 for v in s["blocks"].values() if v) >= 5  # most reasons made
+
+
+def test_the_compiled_flush_fills_the_filters_bit_for_bit():
+    """RemovedLog.flush compiled (wire/miss_native.py) and in numpy: the same recent map, the same
+    Bloom bits and counts in both generations, through rotations."""
+    rng = random.Random(7)
+    logs = [RemovedLog(recent=100, bloom_capacity=300, flush_every=16, flusher=f)
+            for f in (None, miss_native.flusher())]
+    assert logs[1]._flusher is not None
+    for i in range(3000):
+        key = rng.choice([rng.getrandbits(64), rng.randrange(1000), -rng.getrandbits(70), 1 << 80])
+        r = Removal(rng.choice(["evicted", "evicted", "cleared", "config"]), float(i))
+        for log in logs:
+            if i % 3 == 0:
+                log.add(key, r)
+            else:
+                log.add_all([key, key + 1], r)
+    a, b = logs
+    assert list(a.recent.items()) == list(b.recent.items())
+    assert a.blooms.keys() == b.blooms.keys() == {"evicted", "cleared", "config"}
+    for reason, fa in a.blooms.items():
+        fb = b.blooms[reason]
+        assert (fa._n, fa._n_prev) == (fb._n, fb._n_prev) and fa._n_prev > 0
+        assert fa._cur.tobytes() == fb._cur.tobytes() and fa._prev.tobytes() == fb._prev.tobytes()
+    probes = [rng.getrandbits(64) for _ in range(2000)]
+    assert [a.get(k) for k in probes] == [b.get(k) for k in probes]
 
 
 def test_recomputed_after_eviction_with_when_and_the_stores_around_it():
@@ -81,9 +202,7 @@ def test_recomputed_after_a_clear_and_after_a_publisher_restart():
     got = p(st([1, 2], None, A + B, "alice"))
     assert got["blocks"] == {"cleared": 2} and got["recomputed"][0]["reason"] == "cleared"
     assert "evicted_by" not in got["recomputed"][0]
-    b = p.wire.restart()  # the publisher restarted: its cache went with it
-    p.mirror.apply(b)
-    p.why.on_batch("p", b)
+    p.apply(p.wire.restart())  # the publisher restarted: its cache went with it
     assert p(st([1], None, A, "bob"))["blocks"] == {"cleared": 1}
 
 

@@ -1,0 +1,1082 @@
+/* The per-event loop of a watched pod's miss attribution (wire/miss_watch.py, PodMisses.apply),
+ * compiled: a CPython extension built on first use (engine/cbuild.py) and loaded by
+ * wire/miss_native.py.
+ *
+ * It walks a batch's events and does for each what PodMisses' Python loop (`_scan`) does, on the
+ * same Python objects (the chains' dict, the parents' and roots' dicts, the mirror's key -> slot
+ * dict and token list, the RemovedLog's recent map and Bloom filters): the usual chains inline
+ * (a cold one; a branch from a cached block, the likeliest two siblings compared, as `_branch`
+ * does), everything rarer through the same Python methods (`_keys`, `_special`, `_removed`,
+ * `_tier`, `_track`). Its results are the Python loop's, bit for bit: tests/wire/test_miss_watch.py
+ * runs both over the same streams and compares every count, mark and summary.
+ *
+ * Every input is hostile: an event whose fields have unexpected types is handed to the Python
+ * methods or skipped as the Python loop would, never a crash; a Python exception raised by a
+ * callback propagates (the caller sees it as it would from the Python loop).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <structmember.h>
+
+enum { DEPTH, PARENT, USER, SALTED, MARK, HDR };
+enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, NC };
+#define MAX_BLOOMS 8
+#define MAX_PROBES 32
+#define C1 0x9E3779B97F4A7C15ULL
+#define C2 0xC2B2AE3D27D4EB4FULL
+
+static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
+static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
+static PyObject *s_block_hashes, *s_parent_block_hash, *s_user, *s_block_size, *s_token_ids, *s_extra_keys,
+    *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_run_of, *s_heads, *s_roots, *s_tier_of,
+    *s_marked, *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
+    *s_n, *s_n_prev, *s_m, *s_probes, *s_cur, *s_prev, *s_filtered, *s_keys, *s_special, *s_removed_m,
+    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier;
+
+typedef struct {
+    Py_buffer cur, prev;
+    int has_cur, has_prev;
+    Py_ssize_t n, n_prev;
+    uint64_t m;
+    long probes;
+} Bloom;
+
+typedef struct {
+    Bloom b[MAX_BLOOMS];
+    int count;
+    int ok;  /* 0: could not be read (then every check asks Python's RemovedLog.filtered) */
+} Blooms;
+
+/* An event's field: read from its slot where the event's type keeps it in one (a msgspec Struct's
+ * fields are member descriptors), else through getattr. New reference; NULL with an exception
+ * set where getattr raises. Each (type, field) offset is looked up once. */
+enum { F_BLOCK_HASHES, F_PARENT, F_USER, F_BLOCK_SIZE, F_TOKEN_IDS, F_EXTRA_KEYS, F_GROUP_IDX, F_CREATORS,
+       F_REASON, F_BY_USER, F_TS, NFIELDS };
+#define MAX_TYPES 8
+static struct { PyTypeObject *type; Py_ssize_t offset[NFIELDS]; } types[MAX_TYPES];
+static int ntypes;
+static PyObject *field_names[NFIELDS];
+
+static Py_ssize_t *offsets_of(PyTypeObject *t) {
+    for (int i = 0; i < ntypes; i++)
+        if (types[i].type == t) return types[i].offset;
+    if (ntypes == MAX_TYPES) return NULL;
+    Py_INCREF(t);  /* (the event types live as long as the process) */
+    types[ntypes].type = t;
+    for (int f = 0; f < NFIELDS; f++) {
+        Py_ssize_t off = -1;
+        PyObject *d = _PyType_Lookup(t, field_names[f]);  /* borrowed */
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+            if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) off = md->offset;
+        }
+        types[ntypes].offset[f] = off;
+    }
+    return types[ntypes++].offset;
+}
+
+static PyObject *fget(PyObject *ev, int f) {
+    Py_ssize_t *offs = offsets_of(Py_TYPE(ev));
+    if (offs != NULL && offs[f] >= 0) {
+        PyObject *v = *(PyObject **)((char *)ev + offs[f]);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(ev, field_names[f]);
+}
+
+static void blooms_release(Blooms *bs) {
+    for (int i = 0; i < bs->count; i++) {
+        if (bs->b[i].has_cur) PyBuffer_Release(&bs->b[i].cur);
+        if (bs->b[i].has_prev) PyBuffer_Release(&bs->b[i].prev);
+    }
+    bs->count = 0;
+}
+
+static Py_ssize_t attr_ssize(PyObject *o, PyObject *name, int *err) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) { *err = 1; return 0; }
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) { *err = 1; return 0; }
+    return x;
+}
+
+/* The filters of `blooms` (the RemovedLog's dict: reason -> RotatingBloom), read in place. */
+static void blooms_load(Blooms *bs, PyObject *blooms) {
+    blooms_release(bs);
+    bs->ok = 1;
+    Py_ssize_t pos = 0;
+    PyObject *k, *f;
+    while (PyDict_Next(blooms, &pos, &k, &f)) {
+        if (bs->count >= MAX_BLOOMS) { bs->ok = 0; return; }
+        Bloom *b = &bs->b[bs->count];
+        int err = 0;
+        b->has_cur = b->has_prev = 0;
+        b->n = attr_ssize(f, s_n, &err);
+        b->n_prev = attr_ssize(f, s_n_prev, &err);
+        Py_ssize_t m = attr_ssize(f, s_m, &err);
+        b->probes = (long)attr_ssize(f, s_probes, &err);
+        if (err || m <= 0 || b->probes < 1) { PyErr_Clear(); bs->ok = 0; return; }
+        b->m = (uint64_t)m;
+        PyObject *cur = PyObject_GetAttr(f, s_cur), *prev = PyObject_GetAttr(f, s_prev);
+        int got = cur && prev && PyObject_GetBuffer(cur, &b->cur, PyBUF_SIMPLE) == 0;
+        if (got) {
+            b->has_cur = 1;
+            got = PyObject_GetBuffer(prev, &b->prev, PyBUF_SIMPLE) == 0;
+            if (got) b->has_prev = 1;
+        }
+        Py_XDECREF(cur);
+        Py_XDECREF(prev);
+        bs->count++;
+        if (!got || (uint64_t)b->cur.len * 8 < b->m || (uint64_t)b->prev.len * 8 < b->m) {
+            PyErr_Clear();
+            bs->ok = 0;
+            return;
+        }
+    }
+}
+
+/* Probes 1 .. probes - 1 of a key whose first probe is bit `b` (= h1 mod m), `step` = h2 mod m:
+ * bit (h1 + i h2) mod m, each from the one before without a division. */
+static int bloom_rest(const unsigned char *v, uint64_t m, long probes, uint64_t b, uint64_t step) {
+    for (long i = 1; i < probes; i++) {
+        b += step;
+        if (b >= m) b -= m;
+        if (!((v[b >> 3] >> (b & 7)) & 1)) return 0;
+    }
+    return 1;
+}
+
+/* Whether any filter may hold `key` (RotatingBloom.has over RemovedLog's filters). */
+static int blooms_any(const Blooms *bs, uint64_t x) {
+    uint64_t h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
+    for (int i = 0; i < bs->count; i++) {
+        const Bloom *b = &bs->b[i];
+        uint64_t bit = h1 % b->m, step = h2 % b->m;
+        const unsigned char *c = b->cur.buf, *p = b->prev.buf;
+        if (b->n && (c[bit >> 3] >> (bit & 7) & 1) && bloom_rest(c, b->m, b->probes, bit, step)) return 1;
+        if (b->n_prev && (p[bit >> 3] >> (bit & 7) & 1) && bloom_rest(p, b->m, b->probes, bit, step)) return 1;
+    }
+    return 0;
+}
+
+/* How many leading items of list `toks` from `off` (at most `size`) equal those of `theirs` (a
+ * tuple or a list; anything else shares none). */
+static Py_ssize_t common(PyObject *toks, Py_ssize_t off, Py_ssize_t size, PyObject *theirs, int *err) {
+    if (theirs == NULL || !(PyTuple_Check(theirs) || PyList_Check(theirs))) return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(theirs);
+    PyObject **b = PySequence_Fast_ITEMS(theirs);
+    if (n > size) n = size;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyList_GET_ITEM(toks, off + i);
+        if (a == b[i]) continue;
+        if (PyLong_CheckExact(a) && PyLong_CheckExact(b[i])) {  /* token ids: compared as C longs */
+            int oa, ob;
+            long x = PyLong_AsLongAndOverflow(a, &oa), y = PyLong_AsLongAndOverflow(b[i], &ob);
+            if (!oa && !ob) {
+                if (x != y) return i;
+                continue;
+            }
+        }
+        int eq = PyObject_RichCompareBool(a, b[i], Py_EQ);
+        if (eq < 0) { *err = 1; return i; }
+        if (!eq) return i;
+    }
+    return n;
+}
+
+/* mirror.tokens.v[slot] (None when out of range) — borrowed. */
+static PyObject *slot_tokens(PyObject *tv, PyObject *slot) {
+    Py_ssize_t s = PyLong_AsSsize_t(slot);
+    if (s == -1 && PyErr_Occurred()) { PyErr_Clear(); return Py_None; }
+    if (s < 0 || s >= PyList_GET_SIZE(tv)) return Py_None;
+    return PyList_GET_ITEM(tv, s);
+}
+
+/* Add `d` to item i of a session's counts (a list of ints). */
+static int bump(PyObject *lst, Py_ssize_t i, long d) {
+    if (!d) return 0;
+    PyObject *old = PyList_GET_ITEM(lst, i);
+    long v = PyLong_AsLong(old);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLong(v + d);
+    if (nv == NULL) return -1;
+    PyList_SET_ITEM(lst, i, nv);
+    Py_DECREF(old);
+    return 0;
+}
+
+static int dict_add_long(PyObject *d, PyObject *key, long x) {
+    PyObject *old = PyDict_GetItemWithError(d, key);
+    long v = 0;
+    if (old != NULL) {
+        v = PyLong_AsLong(old);
+        if (v == -1 && PyErr_Occurred()) return -1;
+    } else if (PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLong(v + x);
+    if (nv == NULL) return -1;
+    int rc = PyDict_SetItem(d, key, nv);
+    Py_DECREF(nv);
+    return rc;
+}
+
+/* Let the garbage collector stop tracking a new tuple that holds no object it tracks (what it does
+ * itself at its next collection, `_PyTuple_MaybeUntrack`): a chain is kept long, and a young
+ * tracked tuple costs each collection until then. */
+static void untrack(PyObject *t) {
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyTuple_GET_ITEM(t, i);
+        if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x)) return;
+    }
+    if (PyObject_GC_IsTracked(t)) PyObject_GC_UnTrack(t);
+}
+
+/* A tuple of `n` items (new references taken). */
+static PyObject *tuple_of(PyObject **items, int n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    return t;
+}
+
+/* A chain tuple: (depth, parent, user, salted, mark, *keys). */
+static PyObject *make_run(PyObject *depth, PyObject *pk, PyObject *user, int salted, PyObject *mark,
+                          PyObject *hs) {
+    Py_ssize_t n = PyList_GET_SIZE(hs);
+    PyObject *run = PyTuple_New(HDR + n);
+    if (run == NULL) return NULL;
+    PyObject *items[HDR] = {depth, pk, user, salted ? Py_True : Py_False, mark};
+    for (int i = 0; i < HDR; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(run, i, items[i]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(hs, i);
+        Py_INCREF(k);
+        PyTuple_SET_ITEM(run, HDR + i, k);
+    }
+    untrack(run);
+    return run;
+}
+
+/* The run_of lookup `run_of.get(key) is run`. */
+static int owns(PyObject *run_of, PyObject *key, PyObject *run) {
+    PyObject *r = PyDict_GetItemWithError(run_of, key);
+    return r == run;
+}
+
+/* Add `keys[0..n)` (ints, taken modulo 2^64) to a RotatingBloom: RotatingBloom.add_many, bit for
+ * bit (probe i of a key is bit (h1 + i h2) mod m; the generations rotate through its `rotate()`). */
+static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
+    int err = 0;
+    Py_ssize_t cap = attr_ssize(bloom, s_capacity, &err), n = attr_ssize(bloom, s_n, &err);
+    Py_ssize_t m = attr_ssize(bloom, s_m, &err), probes = attr_ssize(bloom, s_probes, &err);
+    if (err) return -1;
+    if (cap < 1 || m < 8 || probes < 1) {
+        PyErr_SetString(PyExc_ValueError, "a Bloom filter's shape");
+        return -1;
+    }
+    Py_buffer view;
+    int held = 0;
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        if (n >= cap || !held) {
+            if (held) {
+                PyBuffer_Release(&view);
+                held = 0;
+            }
+            if (n >= cap) {
+                PyObject *nv = PyLong_FromSsize_t(n);
+                if (nv == NULL || PyObject_SetAttr(bloom, s_n, nv) < 0) { Py_XDECREF(nv); goto out; }
+                Py_DECREF(nv);
+                PyObject *t = PyObject_CallMethodNoArgs(bloom, s_rotate);
+                if (t == NULL) goto out;
+                Py_DECREF(t);
+                n = 0;
+            }
+            PyObject *cur = PyObject_GetAttr(bloom, s_cur);
+            if (cur == NULL) goto out;
+            int got = PyObject_GetBuffer(cur, &view, PyBUF_WRITABLE);
+            Py_DECREF(cur);
+            if (got < 0) goto out;
+            held = 1;
+            if (view.len * 8 < m) {
+                PyErr_SetString(PyExc_ValueError, "a Bloom filter's bits");
+                goto out;
+            }
+        }
+        uint64_t x = PyLong_AsUnsignedLongLongMask(keys[i]);
+        if (x == (uint64_t)-1 && PyErr_Occurred()) goto out;
+        uint64_t um = (uint64_t)m, h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
+        uint64_t bit = h1 % um, step = h2 % um;  /* probe j: (h1 + j h2) mod m, without a division each */
+        unsigned char *v = view.buf;
+        uint64_t at[MAX_PROBES];
+        Py_ssize_t k = probes < MAX_PROBES ? probes : MAX_PROBES;
+        for (Py_ssize_t j = 0; j < k; j++) {  /* the probes' bytes fetched at once, then set */
+            at[j] = bit;
+            __builtin_prefetch(v + (bit >> 3), 1);
+            bit += step;
+            if (bit >= um) bit -= um;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) v[at[j] >> 3] |= (unsigned char)(1u << (at[j] & 7));
+        for (Py_ssize_t j = k; j < probes; j++) {
+            v[bit >> 3] |= (unsigned char)(1u << (bit & 7));
+            bit += step;
+            if (bit >= um) bit -= um;
+        }
+        n++;
+    }
+    {
+        PyObject *nv = PyLong_FromSsize_t(n);
+        if (nv == NULL || PyObject_SetAttr(bloom, s_n, nv) < 0) { Py_XDECREF(nv); goto out; }
+        Py_DECREF(nv);
+    }
+    rc = 0;
+out:
+    if (held) PyBuffer_Release(&view);
+    return rc;
+}
+
+/* flush(removed_log): RemovedLog.flush, compiled: the oldest removals beyond `recent_capacity`
+ * leave the recent map for their reason's filter. */
+static PyObject *flush(PyObject *self, PyObject *rl) {
+    int err = 0;
+    PyObject *rec = PyObject_GetAttr(rl, s_recent);
+    if (rec == NULL) return NULL;
+    if (!PyDict_CheckExact(rec)) {
+        Py_DECREF(rec);
+        PyErr_SetString(PyExc_TypeError, "the recent map");
+        return NULL;
+    }
+    Py_ssize_t cap = attr_ssize(rl, s_recent_capacity, &err);
+    if (err) { Py_DECREF(rec); return NULL; }
+    Py_ssize_t n = PyDict_GET_SIZE(rec) - cap;
+    if (n <= 0) { Py_DECREF(rec); Py_RETURN_NONE; }
+    PyObject **ks = PyMem_Malloc(2 * n * sizeof(PyObject *)), **rs = ks + n;
+    PyObject *result = NULL;
+    Py_ssize_t got = 0, pos = 0;
+    if (ks == NULL) { Py_DECREF(rec); return PyErr_NoMemory(); }
+    PyObject *k, *v;
+    while (got < n && PyDict_Next(rec, &pos, &k, &v)) {
+        Py_INCREF(k);
+        Py_INCREF(v);
+        ks[got] = k;
+        rs[got] = v;
+        got++;
+    }
+    for (Py_ssize_t i = 0; i < got; i++)
+        if (PyDict_DelItem(rec, ks[i]) < 0) goto out;
+    /* each reason's keys, in order, into its filter (the reasons in the order they first come) */
+    {
+        PyObject **part = PyMem_Malloc((got ? got : 1) * sizeof(PyObject *));
+        char *done = PyMem_Calloc(got ? got : 1, 1);
+        if (part == NULL || done == NULL) { PyMem_Free(part); PyMem_Free(done); PyErr_NoMemory(); goto out; }
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < got && !bad; i++) {
+            if (done[i]) continue;
+            if (!PyTuple_Check(rs[i]) || PyTuple_GET_SIZE(rs[i]) < 1) {
+                PyErr_SetString(PyExc_TypeError, "a removal");
+                bad = 1;
+                break;
+            }
+            PyObject *reason = PyTuple_GET_ITEM(rs[i], 0);
+            Py_ssize_t np = 0;
+            for (Py_ssize_t j = i; j < got; j++) {
+                if (done[j]) continue;
+                PyObject *rj = PyTuple_Check(rs[j]) && PyTuple_GET_SIZE(rs[j]) ? PyTuple_GET_ITEM(rs[j], 0) : NULL;
+                int same = rj == reason;
+                if (!same && rj != NULL) {
+                    same = PyObject_RichCompareBool(rj, reason, Py_EQ);
+                    if (same < 0) { bad = 1; break; }
+                }
+                if (same) {
+                    part[np++] = ks[j];
+                    done[j] = 1;
+                }
+            }
+            if (bad) break;
+            PyObject *bloom = PyObject_CallMethodOneArg(rl, s_bloom_for, reason);
+            if (bloom == NULL) { bad = 1; break; }
+            if (bloom_add(bloom, part, np) < 0) bad = 1;
+            Py_DECREF(bloom);
+        }
+        PyMem_Free(part);
+        PyMem_Free(done);
+        if (bad) goto out;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+out:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        Py_DECREF(ks[i]);
+        Py_DECREF(rs[i]);
+    }
+    PyMem_Free(ks);
+    Py_DECREF(rec);
+    return result;
+}
+
+/* d[key] += x for a dict of ints (a missing key counts 0). */
+static int dict_add(PyObject *d, PyObject *key, long x) {
+    return dict_add_long(d, key, x);
+}
+
+/* PodMisses._whose(whose): each creator's evicted blocks into `ev_from` (a Counter), the ones
+ * not counted by name yet as OTHERS once `max_sessions` are. */
+#define WHOSE_CACHE 32
+static int count_whose(PyObject *ev_from, PyObject *whose, Py_ssize_t max_sessions) {
+    if (!PyDict_Check(ev_from)) {
+        PyErr_SetString(PyExc_TypeError, "evicted_from");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(whose);
+    if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *c = PyList_GET_ITEM(whose, i);
+            int in = PyDict_Contains(ev_from, c);
+            if (in < 0 || dict_add(ev_from, in ? c : u_others, 1) < 0) return -1;
+        }
+        return 0;
+    }
+    PyObject *who[WHOSE_CACHE];
+    long count[WHOSE_CACHE];
+    int k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = PyList_GET_ITEM(whose, i);
+        int j = 0;
+        while (j < k && who[j] != c) j++;
+        if (j < k) {
+            count[j]++;
+            continue;
+        }
+        if (k == WHOSE_CACHE) {  /* many creators: the rest one by one (after those held, in order) */
+            for (j = 0; j < k; j++)
+                if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+            for (; i < n; i++)
+                if (dict_add(ev_from, PyList_GET_ITEM(whose, i), 1) < 0) return -1;
+            return 0;
+        }
+        who[k] = c;
+        count[k++] = 1;
+    }
+    for (int j = 0; j < k; j++)
+        if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+    return 0;
+}
+
+/* PodMisses._tally: the batch's counts into the pod's (`counts`) and the batch's details (`rep`). */
+static int add_tally(PyObject *pm, PyObject *rep, const long *tally) {
+    int any = 0;
+    for (int i = 0; i < NC; i++) any |= tally[i] != 0;
+    if (!any) return 0;
+    PyObject *counts = PyObject_GetAttr(pm, s_counts);
+    if (counts == NULL) return -1;
+    PyObject *targets[2] = {counts, rep};
+    int rc = 0;
+    for (int t = 0; t < 2 && !rc; t++) {
+        PyObject *c = targets[t];
+        if (c == Py_None) continue;
+        PyObject *blocks = PyObject_GetItem(c, u_blocks), *tokens = blocks ? PyObject_GetItem(c, u_tokens) : NULL;
+        if (tokens == NULL || !PyDict_Check(blocks) || !PyDict_Check(tokens)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "counts");
+            rc = -1;
+        }
+        for (int i = 0; i < NC && !rc; i++)
+            if (tally[i] && (dict_add(blocks, reason_names[i], tally[i]) < 0 ||
+                             dict_add(tokens, reason_names[i], tally[i + NC]) < 0))
+                rc = -1;
+        Py_XDECREF(blocks);
+        Py_XDECREF(tokens);
+    }
+    Py_DECREF(counts);
+    return rc;
+}
+
+/* scan(pm, events, pod, rep, usual_rm, tracking, bts, max_sessions) -> (tally, later, fill, whose, evicted, gone, held)
+ * `tally`: the batch's blocks by reason (COUNTED's order), then tokens (cold ones included);
+ * `later`: (session, reason's place or -1, its blocks, the chain's blocks, block size) of the chains
+ * of sessions not counted yet. See PodMisses._scan. */
+static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 8 arguments");
+        return NULL;
+    }
+    if (Stored == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "miss_chains: setup() was not called");
+        return NULL;
+    }
+    PyObject *pm = args[0], *events = args[1], *pod = args[2], *rep = args[3], *bts = args[6];
+    int usual_rm = PyObject_IsTrue(args[4]), tracking = PyObject_IsTrue(args[5]);
+    Py_ssize_t max_sessions = PyLong_AsSsize_t(args[7]);
+    if (max_sessions == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(events) && !PyTuple_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "events must be a list or tuple");
+        return NULL;
+    }
+    PyObject *run_of = NULL, *heads = NULL, *roots = NULL, *held = NULL, *marked = NULL, *sessions = NULL,
+             *mirror = NULL, *cached = NULL, *tokens_obj = NULL, *tv = NULL, *removed = NULL, *recent = NULL,
+             *blooms = NULL, *later = NULL, *fill = NULL, *whose = NULL, *result = NULL;
+    PyObject *usual_removal = NULL;  /* Removal("evicted", bts): the batch's usual evictions' */
+    Py_ssize_t gone = 0, rec_cap = 0;
+    Blooms bs;
+    bs.count = 0;
+    bs.ok = 1;
+    long tally[2 * NC] = {0};
+    long held_keys = 0;
+    int evicted = 0;
+    int pod_none = pod == Py_None;
+
+#define GET(var, obj, name) if (((var) = PyObject_GetAttr((obj), (name))) == NULL) goto fail
+    GET(run_of, pm, s_run_of);
+    GET(heads, pm, s_heads);
+    GET(roots, pm, s_roots);
+    GET(held, pm, s_tier_of);
+    GET(marked, pm, s_marked);
+    GET(sessions, pm, s_sessions);
+    GET(mirror, pm, s_mirror);
+    GET(cached, mirror, s_key_slot);
+    GET(tokens_obj, mirror, s_tokens);
+    GET(tv, tokens_obj, s_v);
+    GET(removed, pm, s_removed);
+    GET(recent, removed, s_recent);
+    GET(blooms, removed, s_blooms);
+    if (!PyDict_CheckExact(run_of) || !PyDict_CheckExact(heads) || !PyDict_CheckExact(roots) ||
+        !PyDict_CheckExact(held) || !PyList_CheckExact(marked) || !PyDict_CheckExact(sessions) ||
+        !PyDict_CheckExact(cached) || !PyList_CheckExact(tv) || !PyDict_CheckExact(recent) ||
+        !PyDict_CheckExact(blooms)) {
+        PyErr_SetString(PyExc_TypeError, "miss_chains: unexpected state types");
+        goto fail;
+    }
+    if ((later = PyList_New(0)) == NULL || (fill = PyDict_New()) == NULL ||
+        (whose = PyList_New(0)) == NULL)
+        goto fail;
+    {
+        int err = 0;
+        rec_cap = attr_ssize(removed, s_recent_capacity, &err) + attr_ssize(removed, s_flush_every, &err);
+        if (err) goto fail;
+    }
+    if (PyDict_GET_SIZE(blooms)) blooms_load(&bs, blooms);
+
+    Py_ssize_t nev = PySequence_Fast_GET_SIZE(events);
+    PyObject **evs = PySequence_Fast_ITEMS(events);
+    for (Py_ssize_t e = 0; e < nev; e++) {
+        PyObject *ev = evs[e];
+        PyObject *cls = (PyObject *)Py_TYPE(ev);
+        if (cls == Stored) {
+            PyObject *hs = NULL, *pk = NULL, *user = NULL, *toks = NULL, *extras = NULL, *pr = NULL, *sibs = NULL,
+                     *depth = NULL, *r = NULL, *run = NULL, *mark = NULL, *ik = NULL, *gi = NULL, *szo = NULL;
+            int sibs_true = 0, ok = 0;
+            Py_ssize_t at = -1;
+            long ri = -1, q = 0, size;
+            if ((hs = fget(ev, F_BLOCK_HASHES)) == NULL) goto fail;
+            if (!PyList_Check(hs)) {  /* (a Struct's list; anything else: the Python way) */
+                Py_SETREF(hs, PySequence_List(hs));
+                if (hs == NULL) goto fail;
+            }
+            Py_ssize_t n = PyList_GET_SIZE(hs);
+            if (!n) { Py_DECREF(hs); continue; }
+            if ((gi = fget(ev, F_GROUP_IDX)) == NULL) goto stored_fail;
+            int grouped = PyObject_IsTrue(gi);
+            if (grouped < 0) goto stored_fail;
+            if (!pod_none || grouped) {
+                PyObject *t = PyObject_CallMethodObjArgs(pm, s_keys, ev, pod, NULL);
+                if (t == NULL) goto stored_fail;
+                if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) { Py_DECREF(t); PyErr_SetString(PyExc_TypeError, "_keys"); goto stored_fail; }
+                PyObject *k2 = PySequence_List(PyTuple_GET_ITEM(t, 0));
+                pk = PyTuple_GET_ITEM(t, 1);
+                Py_INCREF(pk);
+                Py_DECREF(t);
+                if (k2 == NULL) goto stored_fail;
+                Py_SETREF(hs, k2);
+                n = PyList_GET_SIZE(hs);
+                if (!n) { ok = 1; goto stored_done; }
+            } else if ((pk = fget(ev, F_PARENT)) == NULL) goto stored_fail;
+            if ((user = fget(ev, F_USER)) == NULL) goto stored_fail;
+            if ((szo = fget(ev, F_BLOCK_SIZE)) == NULL) goto stored_fail;
+            size = PyLong_AsLong(szo);
+            if (size == -1 && PyErr_Occurred()) goto stored_fail;
+            if (dict_add_long(fill, user, (long)n) < 0) goto stored_fail;
+            if ((toks = fget(ev, F_TOKEN_IDS)) == NULL) goto stored_fail;
+            if (!PyList_Check(toks)) {
+                Py_SETREF(toks, PySequence_List(toks));
+                if (toks == NULL) goto stored_fail;
+            }
+            Py_ssize_t ntok = PyList_GET_SIZE(toks);
+            if (pk == Py_None) {
+                depth = PyLong_FromLong(0);
+                if (depth == NULL) goto stored_fail;
+                if (ntok) {
+                    sibs = PyDict_GetItemWithError(roots, PyList_GET_ITEM(toks, 0));
+                    if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
+                    Py_XINCREF(sibs);
+                }
+            } else {
+                pr = PyDict_GetItemWithError(run_of, pk);
+                if (pr == NULL && PyErr_Occurred()) goto stored_fail;
+                Py_XINCREF(pr);
+                if (pr == NULL) {
+                    depth = Py_None;
+                    Py_INCREF(depth);
+                    sibs = PyDict_GetItemWithError(heads, pk);
+                    if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
+                    Py_XINCREF(sibs);
+                } else {
+                    Py_ssize_t len = PyTuple_GET_SIZE(pr);
+                    for (at = HDR; at < len; at++) {
+                        PyObject *x = PyTuple_GET_ITEM(pr, at);
+                        if (x == pk) break;
+                        int eq = PyObject_RichCompareBool(x, pk, Py_EQ);
+                        if (eq < 0) goto stored_fail;
+                        if (eq) break;
+                    }
+                    if (at >= len) {  /* (tuple.index raises: a chain that lost its parent) */
+                        PyErr_SetString(PyExc_ValueError, "tuple.index(x): x not in tuple");
+                        goto stored_fail;
+                    }
+                    PyObject *d = PyTuple_GET_ITEM(pr, DEPTH);
+                    if (d == Py_None) {
+                        depth = Py_None;
+                        Py_INCREF(depth);
+                    } else {
+                        long dv = PyLong_AsLong(d);
+                        if (dv == -1 && PyErr_Occurred()) goto stored_fail;
+                        if ((depth = PyLong_FromLong(dv + (long)(at - HDR) + 1)) == NULL) goto stored_fail;
+                    }
+                    Py_ssize_t nxt = at + 1;
+                    int cont = 0;
+                    if (nxt < len) {
+                        PyObject *kn = PyTuple_GET_ITEM(pr, nxt);
+                        int in = PyDict_Contains(cached, kn);
+                        if (in < 0) goto stored_fail;
+                        if (in && owns(run_of, kn, pr)) cont = 1;
+                        if (PyErr_Occurred()) goto stored_fail;
+                    }
+                    if (cont) sibs_true = 1;
+                    else {
+                        sibs = PyDict_GetItemWithError(heads, pk);
+                        if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
+                        Py_XINCREF(sibs);
+                    }
+                }
+            }
+            PyObject *k0 = PyList_GET_ITEM(hs, 0);
+            if (PyLong_CheckExact(k0)) {
+                ik = k0;
+                Py_INCREF(ik);
+            } else {
+                Py_hash_t h = PyObject_Hash(k0);
+                if (h == -1 && PyErr_Occurred()) goto stored_fail;
+                if ((ik = PyLong_FromSsize_t(h)) == NULL) goto stored_fail;
+            }
+            r = PyDict_GetItemWithError(recent, ik);
+            if (r == NULL && PyErr_Occurred()) goto stored_fail;
+            Py_XINCREF(r);
+            if (r == NULL) {
+                if (PyDict_GET_SIZE(blooms)) {
+                    int maybe = 1;
+                    if (bs.ok) maybe = blooms_any(&bs, PyLong_AsUnsignedLongLongMask(ik));
+                    if (PyErr_Occurred()) goto stored_fail;
+                    if (maybe) {
+                        r = PyObject_CallMethodObjArgs(removed, s_filtered, ik, NULL);
+                        if (r == NULL) goto stored_fail;
+                        if (r == Py_None) Py_CLEAR(r);
+                    }
+                }
+            }
+            if ((extras = fget(ev, F_EXTRA_KEYS)) == NULL) goto stored_fail;
+            int salted = 0;
+            if (extras != Py_None) {
+                Py_ssize_t ne = PyObject_Length(extras);
+                if (ne < 0) goto stored_fail;
+                if (ne) {
+                    PyObject *x0 = PySequence_GetItem(extras, 0);
+                    if (x0 == NULL) goto stored_fail;
+                    salted = x0 != Py_None;
+                    Py_DECREF(x0);
+                }
+            }
+            int in_tier = 0;
+            if (PyDict_GET_SIZE(held)) {
+                in_tier = PyDict_Contains(held, k0);
+                if (in_tier < 0) goto stored_fail;
+            }
+            int special = 0;
+            if (r == NULL && !sibs_true && sibs == NULL) {
+                if (in_tier) special = 1;
+                else if ((run = make_run(depth, pk, user, salted, Py_None, hs)) == NULL) goto stored_fail;  /* cold */
+            } else if (r == NULL && size > 0 && ntok == n * size && !in_tier && rep == Py_None) {
+                /* a branch (`_branch`, inline): the rest of the parent's chain, then the newest chain
+                 * under the parent (at the root: with the same first token), if cached */
+                Py_ssize_t best = -1, si = 0;
+                PyObject *sr = NULL;
+                int err = 0;
+                if (sibs_true) {
+                    PyObject *slot = PyDict_GetItemWithError(cached, PyTuple_GET_ITEM(pr, at + 1));
+                    if (slot == NULL) {
+                        if (PyErr_Occurred()) goto stored_fail;
+                        PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(pr, at + 1));
+                        goto stored_fail;
+                    }
+                    PyObject *theirs = slot_tokens(tv, slot);
+                    best = common(toks, 0, size, theirs == Py_None ? NULL : theirs, &err);
+                    if (err) goto stored_fail;
+                    sr = pr;
+                    si = at + 1;
+                    sibs = PyDict_GetItemWithError(heads, pk);
+                    if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
+                    Py_XINCREF(sibs);
+                }
+                if (sibs != NULL && sibs != pr && PyTuple_Check(sibs) && PyTuple_GET_SIZE(sibs) > HDR) {
+                    PyObject *k = PyTuple_GET_ITEM(sibs, HDR);
+                    PyObject *slot = PyDict_GetItemWithError(cached, k);
+                    if (slot == NULL && PyErr_Occurred()) goto stored_fail;
+                    if (slot != NULL && owns(run_of, k, sibs)) {
+                        PyObject *theirs = slot_tokens(tv, slot);
+                        Py_ssize_t c = common(toks, 0, size, theirs == Py_None ? NULL : theirs, &err);
+                        if (err) goto stored_fail;
+                        if (c > best) {
+                            best = c;
+                            sr = sibs;
+                            si = HDR;
+                        }
+                    }
+                    if (PyErr_Occurred()) goto stored_fail;
+                }
+                if (sr == NULL) {
+                    if ((run = make_run(depth, pk, user, salted, Py_None, hs)) == NULL) goto stored_fail;  /* cold */
+                } else {
+                    PyObject *who = PyTuple_GET_ITEM(sr, USER);
+                    if (best == size) {  /* the same tokens under another hash: other keys */
+                        int iso = salted || (si == HDR && PyObject_IsTrue(PyTuple_GET_ITEM(sr, SALTED)) > 0);
+                        long k = 1;
+                        Py_ssize_t o = size, srn = PyTuple_GET_SIZE(sr);
+                        for (Py_ssize_t j = si + 1; j < si + n && j < srn; j++) {
+                            PyObject *key = PyTuple_GET_ITEM(sr, j);
+                            PyObject *slot = PyDict_GetItemWithError(cached, key);
+                            if (slot == NULL) {
+                                if (PyErr_Occurred()) goto stored_fail;
+                                break;
+                            }
+                            if (!owns(run_of, key, sr)) {
+                                if (PyErr_Occurred()) goto stored_fail;
+                                break;
+                            }
+                            PyObject *theirs = slot_tokens(tv, slot);
+                            if (!PyTuple_Check(theirs) || PyTuple_GET_SIZE(theirs) != size) break;
+                            if (common(toks, o, size, theirs, &err) != size || err) {
+                                if (err) goto stored_fail;
+                                break;
+                            }
+                            k++;
+                            o += size;
+                        }
+                        PyObject *kk = PyLong_FromLong(k);
+                        if (kk == NULL) goto stored_fail;
+                        PyObject *items[6] = {u_branch, iso ? u_isolated : u_config, Py_None, Py_None, who, kk};
+                        mark = tuple_of(items, 6);
+                        Py_DECREF(kk);
+                        ri = iso ? R_ISOLATED : R_CONFIG;
+                        q = k;
+                    } else {
+                        PyObject *pos;
+                        if (depth == Py_None) {
+                            pos = Py_None;
+                            Py_INCREF(pos);
+                        } else {
+                            long dv = PyLong_AsLong(depth);
+                            pos = PyLong_FromLong(dv * size + (long)best);
+                            if (pos == NULL) goto stored_fail;
+                        }
+                        PyObject *bo = PyLong_FromSsize_t(best), *no = PyLong_FromSsize_t(n);
+                        PyObject *items[6] = {u_branch, u_diverged, pos, bo, who, no};
+                        mark = bo && no ? tuple_of(items, 6) : NULL;
+                        Py_XDECREF(bo);
+                        Py_XDECREF(no);
+                        Py_DECREF(pos);
+                        ri = R_DIVERGED;
+                        q = (long)n;
+                    }
+                    if (mark == NULL) goto stored_fail;
+                    untrack(mark);
+                    if ((run = make_run(depth, pk, user, salted, mark, hs)) == NULL) goto stored_fail;
+                    if (PyList_Append(marked, run) < 0) goto stored_fail;
+                }
+            } else special = 1;
+            if (special) {
+                PyObject *base = make_run(depth, pk, user, salted, Py_None, hs);
+                if (base == NULL) goto stored_fail;
+                PyObject *atobj = PyLong_FromSsize_t(at);
+                if (atobj == NULL) { Py_DECREF(base); goto stored_fail; }
+                PyObject *sibs_arg = sibs_true ? Py_True : (sibs ? sibs : Py_None);
+                run = PyObject_CallMethodObjArgs(pm, s_special, ev, base, r ? r : Py_None, pr ? pr : Py_None, atobj,
+                                                 sibs_arg, rep, NULL);
+                Py_DECREF(base);
+                Py_DECREF(atobj);
+                if (run == NULL) goto stored_fail;
+                if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != HDR + n) {
+                    PyErr_SetString(PyExc_TypeError, "_special returned no chain");
+                    goto stored_fail;
+                }
+                PyObject *m = PyTuple_GET_ITEM(run, MARK);
+                if (m != Py_None) {
+                    if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2) {
+                        PyErr_SetString(PyExc_TypeError, "a chain's mark");
+                        goto stored_fail;
+                    }
+                    PyObject *kind = PyTuple_GET_ITEM(m, 0);
+                    int is_tier = PyUnicode_Check(kind) && PyUnicode_Compare(kind, u_tier) == 0;
+                    PyObject *place = PyDict_GetItemWithError(AT, is_tier ? u_tier : PyTuple_GET_ITEM(m, 1));
+                    if (place == NULL) {
+                        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "a mark's reason");
+                        goto stored_fail;
+                    }
+                    ri = PyLong_AsLong(place);
+                    q = PyLong_AsLong(PyTuple_GET_ITEM(m, PyTuple_GET_SIZE(m) - 1));
+                    if (PyErr_Occurred()) goto stored_fail;
+                }
+            }
+            /* count it: its session's counts now (`_count_later` when it has none yet) */
+            {
+                PyObject *sc = PyDict_GetItemWithError(sessions, user);
+                if (sc == NULL && PyErr_Occurred()) goto stored_fail;
+                if (sc != NULL && (!PyList_CheckExact(sc) || PyList_GET_SIZE(sc) != 2 * NC)) {
+                    PyErr_SetString(PyExc_TypeError, "a session's counts");
+                    goto stored_fail;
+                }
+                if (sc == NULL) {
+                    PyObject *t = Py_BuildValue("(Olnnl)", user, ri, (Py_ssize_t)(ri >= 0 ? q : 0), n, size);
+                    if (t == NULL || PyList_Append(later, t) < 0) { Py_XDECREF(t); goto stored_fail; }
+                    Py_DECREF(t);
+                } else if (ri < 0) {
+                    if (bump(sc, R_COLD, (long)n) < 0 || bump(sc, R_COLD + NC, (long)n * size) < 0) goto stored_fail;
+                    tally[R_COLD] += n;
+                    tally[R_COLD + NC] += n * size;
+                } else {
+                    long t = q * size;
+                    if (bump(sc, ri, q) < 0 || bump(sc, ri + NC, t) < 0) goto stored_fail;
+                    tally[ri] += q;
+                    tally[ri + NC] += t;
+                    if (q < n) {
+                        if (bump(sc, R_COLD, (long)n - q) < 0 || bump(sc, R_COLD + NC, ((long)n - q) * size) < 0)
+                            goto stored_fail;
+                        tally[R_COLD] += n - q;
+                        tally[R_COLD + NC] += (n - q) * size;
+                    }
+                }
+            }
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (PyDict_SetItem(run_of, PyList_GET_ITEM(hs, i), run) < 0) goto stored_fail;
+            held_keys += n;
+            if (pk != Py_None) {
+                if (PyDict_SetItem(heads, pk, run) < 0) goto stored_fail;
+            } else if (ntok) {
+                if (PyDict_SetItem(roots, PyList_GET_ITEM(toks, 0), run) < 0) goto stored_fail;
+            }
+            if (tracking) {
+                PyObject *t = PyObject_CallMethodObjArgs(pm, s_track, ev, hs, pk, toks, szo, NULL);
+                if (t == NULL) goto stored_fail;
+                Py_DECREF(t);
+            }
+            ok = 1;
+        stored_done:
+        stored_fail:
+            Py_XDECREF(hs); Py_XDECREF(pk); Py_XDECREF(user); Py_XDECREF(toks); Py_XDECREF(extras);
+            Py_XDECREF(pr); Py_XDECREF(sibs); Py_XDECREF(depth); Py_XDECREF(r); Py_XDECREF(run);
+            Py_XDECREF(mark); Py_XDECREF(ik); Py_XDECREF(gi); Py_XDECREF(szo);
+            if (!ok) goto fail;
+        } else if (cls == Hit) {
+            continue;
+        } else if (cls == Removed) {
+            PyObject *hs = fget(ev, F_BLOCK_HASHES), *cr = NULL;
+            if (hs == NULL) goto fail;
+            Py_ssize_t nh = PyObject_Length(hs);
+            if (nh < 0) { Py_DECREF(hs); goto fail; }
+            if (!nh) { Py_DECREF(hs); continue; }
+            int usual = 0;
+            if (usual_rm) {
+                if ((cr = fget(ev, F_CREATORS)) == NULL) { Py_DECREF(hs); goto fail; }
+                Py_ssize_t nc = PyObject_Length(cr);
+                PyObject *gi = NULL, *why = NULL, *by = NULL, *ts = NULL;
+                if (nc == nh && (gi = fget(ev, F_GROUP_IDX)) && (why = fget(ev, F_REASON)) &&
+                    (by = fget(ev, F_BY_USER)) && (ts = fget(ev, F_TS))) {
+                    int g = PyObject_IsTrue(gi), b = PyObject_IsTrue(by);
+                    int rs = PyUnicode_Check(why) && PyUnicode_Compare(why, u_evicted) == 0;
+                    int same = g == 0 && b == 0 && rs ? PyObject_RichCompareBool(ts, bts, Py_EQ) : 0;
+                    usual = same == 1;
+                }
+                Py_XDECREF(gi); Py_XDECREF(why); Py_XDECREF(by); Py_XDECREF(ts);
+                if (PyErr_Occurred()) { Py_DECREF(hs); Py_DECREF(cr); goto fail; }
+            }
+            if (usual) {  /* the usual eviction: into the RemovedLog, one Removal for the batch's */
+                PyObject *fh = PySequence_Fast(hs, "block_hashes"), *fc = PySequence_Fast(cr, "creators");
+                int bad = fh == NULL || fc == NULL || PySequence_Fast_GET_SIZE(fh) != nh ||
+                          PySequence_Fast_GET_SIZE(fc) != nh;
+                if (!bad && usual_removal == NULL) {
+                    usual_removal = PyObject_CallFunctionObjArgs(RemovalCls, u_evicted, bts, NULL);
+                    bad = usual_removal == NULL || !PyTuple_Check(usual_removal);
+                    if (!bad) untrack(usual_removal);  /* (a namedtuple: the collector never untracks it) */
+                }
+                for (Py_ssize_t i = 0; i < nh && !bad; i++) {
+                    PyObject *k = PySequence_Fast_GET_ITEM(fh, i), *ik;
+                    if (PyLong_CheckExact(k)) {
+                        ik = k;
+                        Py_INCREF(ik);
+                    } else {
+                        Py_hash_t h = PyObject_Hash(k);
+                        ik = h == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(h);
+                    }
+                    bad = ik == NULL || PyDict_SetItem(recent, ik, usual_removal) < 0 ||
+                          PyList_Append(whose, PySequence_Fast_GET_ITEM(fc, i)) < 0;
+                    Py_XDECREF(ik);
+                }
+                gone += nh;
+                Py_XDECREF(fh);
+                Py_XDECREF(fc);
+                Py_DECREF(hs);
+                Py_DECREF(cr);
+                if (!bad && PyDict_GET_SIZE(recent) >= rec_cap) {
+                    PyObject *t = flush(NULL, removed);
+                    bad = t == NULL;
+                    Py_XDECREF(t);
+                    blooms_load(&bs, blooms);
+                }
+                if (bad) {
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a removal changed size");
+                    goto fail;
+                }
+            } else {
+                Py_DECREF(hs);
+                Py_XDECREF(cr);
+                PyObject *t = PyObject_CallMethodObjArgs(pm, s_removed_m, ev, pod, NULL);
+                if (t == NULL) goto fail;
+                int b = PyObject_IsTrue(t);
+                Py_DECREF(t);
+                if (b < 0) goto fail;
+                evicted |= b;
+                blooms_load(&bs, blooms);  /* (it may have moved removals into the filters) */
+            }
+        } else if (cls == Tier) {
+            PyObject *t = PyObject_CallMethodObjArgs(pm, s_tier_m, ev, pod, rep, NULL);
+            if (t == NULL) goto fail;
+            Py_DECREF(t);
+        } else if (cls == Cleared) {
+            PyDict_Clear(heads);
+            PyDict_Clear(roots);
+            if (PyList_SetSlice(marked, 0, PyList_GET_SIZE(marked), NULL) < 0) goto fail;
+        }
+    }
+    /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end), counted by
+     * creator object first (a batch evicts few creators' blocks many times), then added in the
+     * order each first came */
+    if (PyList_GET_SIZE(whose)) {
+        PyObject *ev_from = NULL;
+        GET(ev_from, pm, s_evicted_from);
+        int rc = count_whose(ev_from, whose, max_sessions);
+        Py_DECREF(ev_from);
+        if (rc < 0) goto fail;
+        if (PyList_SetSlice(whose, 0, PyList_GET_SIZE(whose), NULL) < 0) goto fail;
+    }
+    {
+        PyObject *tl;
+        if (PyList_GET_SIZE(later) == 0) {  /* counted here (PodMisses._tally) */
+            if (add_tally(pm, rep, tally) < 0) goto fail;
+            tl = Py_None;
+            Py_INCREF(tl);
+        } else {
+            if ((tl = PyList_New(2 * NC)) == NULL) goto fail;
+            for (int i = 0; i < 2 * NC; i++) {
+                PyObject *v = PyLong_FromLong(tally[i]);
+                if (v == NULL) { Py_DECREF(tl); goto fail; }
+                PyList_SET_ITEM(tl, i, v);
+            }
+        }
+        result = Py_BuildValue("(NOOOOnl)", tl, later, fill, whose, evicted ? Py_True : Py_False, gone,
+                               held_keys);
+    }
+fail:
+#undef GET
+    blooms_release(&bs);
+    Py_XDECREF(usual_removal);
+    Py_XDECREF(run_of); Py_XDECREF(heads); Py_XDECREF(roots); Py_XDECREF(held); Py_XDECREF(marked);
+    Py_XDECREF(sessions); Py_XDECREF(mirror); Py_XDECREF(cached); Py_XDECREF(tokens_obj); Py_XDECREF(tv);
+    Py_XDECREF(removed); Py_XDECREF(recent); Py_XDECREF(blooms); Py_XDECREF(later); Py_XDECREF(fill);
+    Py_XDECREF(whose);
+    return result;
+}
+
+/* setup(BlockStored, BlockRemoved, BlockHit, TierBlocks, AllBlocksCleared, Removal, AT) */
+static PyObject *setup(PyObject *self, PyObject *args) {
+    PyObject *a[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOO!", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &PyDict_Type, &a[6]))
+        return NULL;
+    PyObject **slots[7] = {&Stored, &Removed, &Hit, &Tier, &Cleared, &RemovalCls, &AT};
+    PyObject *names[NC] = {NULL};
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(a[6], &pos, &k, &v)) {
+        long i = PyLong_AsLong(v);
+        if (i < 0 || i >= NC || !PyUnicode_Check(k)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "places: each reason's place in 0..6");
+            return NULL;
+        }
+        names[i] = k;
+    }
+    for (int i = 0; i < NC; i++)
+        if (names[i] == NULL) {
+            PyErr_SetString(PyExc_ValueError, "places: a place without a reason");
+            return NULL;
+        }
+    for (int i = 0; i < NC; i++) {
+        Py_INCREF(names[i]);
+        Py_XSETREF(reason_names[i], names[i]);
+    }
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(a[i]);
+        Py_XSETREF(*slots[i], a[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, "PodMisses._scan, compiled."},
+    {"flush", flush, METH_O, "RemovedLog.flush, compiled."},
+    {"setup", setup, METH_VARARGS, "The event classes, Removal and the reasons' places."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvplay_miss_chains", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
+    struct { PyObject **p; const char *s; } names[] = {
+        {&s_block_hashes, "block_hashes"}, {&s_parent_block_hash, "parent_block_hash"}, {&s_user, "user"},
+        {&s_block_size, "block_size"}, {&s_token_ids, "token_ids"}, {&s_extra_keys, "extra_keys"},
+        {&s_group_idx, "group_idx"}, {&s_creators, "creators"}, {&s_reason, "reason"}, {&s_by_user, "by_user"},
+        {&s_ts, "ts"}, {&s_run_of, "run_of"}, {&s_heads, "heads"}, {&s_roots, "roots"}, {&s_tier_of, "tier_of"},
+        {&s_marked, "marked"}, {&s_sessions, "sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
+        {&s_tokens, "tokens"}, {&s_v, "v"}, {&s_removed, "removed"}, {&s_recent, "recent"}, {&s_blooms, "blooms"},
+        {&s_n, "_n"}, {&s_n_prev, "_n_prev"}, {&s_m, "m"}, {&s_probes, "probes"}, {&s_cur, "_cur"},
+        {&s_prev, "_prev"}, {&s_filtered, "filtered"}, {&s_keys, "_keys"}, {&s_special, "_special"},
+        {&s_removed_m, "_removed"}, {&s_tier_m, "_tier"}, {&s_track, "_track"}, {&s_capacity, "capacity"},
+        {&s_rotate, "rotate"}, {&s_recent_capacity, "recent_capacity"}, {&s_flush_every, "_flush_every"},
+        {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "evicted_from"}, {&s_counts, "counts"},
+        {&u_others, "others"}, {&u_blocks, "blocks"}, {&u_tokens, "tokens"}, {&u_branch, "branch"},
+        {&u_diverged, "diverged"}, {&u_isolated, "isolated"}, {&u_config, "config"}, {&u_evicted, "evicted"},
+        {&u_tier, "tier"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
+    PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
+                            s_group_idx, s_creators, s_reason, s_by_user, s_ts};
+    memcpy(field_names, f, sizeof f);
+    return PyModule_Create(&module);
+}
