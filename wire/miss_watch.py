@@ -182,8 +182,8 @@ class PodMisses:
         return rep
 
     def _scan(self, events, pod, rep, usual_rm: bool, tracking: bool, bts: float) -> tuple:
-        """A batch's events, in order: each new chain's reason (a cold chain here, everything
-        else through `_special`), counted for its session; removals entered in the RemovedLog
+        """A batch's events, in order: each new chain's reason (a cold one and a branch from a
+        cached block inline, as `_branch` finds it; the rest through `_special`), counted for its session; removals entered in the RemovedLog
         (the usual ones — evictions that name no evicting session, at the batch's time — with
         one Removal for all); tiers and clears. Returns (its blocks by reason (COUNTED's order)
         then tokens, the chains of sessions not counted yet (session, reason's place or -1, its
@@ -194,6 +194,9 @@ class PodMisses:
         run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
         run_get, heads_get, roots_get = run_of.get, heads.get, roots.get
         cached = self.mirror.key_slot
+        slot_of = cached.get
+        tv = self.mirror.tokens.v  # slot -> its tokens (the mirror's list)
+        marked = self.marked
         removed = self.removed
         recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
         Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
@@ -248,7 +251,55 @@ class PodMisses:
                 salted = bool(extras) and extras[0] is not None
                 run = (depth, pk, user, salted, None, *hs)
                 ri = -1  # the place of its reason in COUNTED (-1: cold), and how many blocks have it
-                if r is not None or sibs or (held and k0 in held):
+                if r is None and sibs and size and len(toks) == n * size and not (held and k0 in held):
+                    # a branch (`_branch`, inline): the rest of the parent's chain, then the newest
+                    # chain under the parent (at the root: with the same first token), if cached
+                    tt = tuple(toks)
+                    mine = tt[:size]
+                    best, sr, si = -1, None, 0
+                    if sibs is True:
+                        theirs = tv[cached[pr[at + 1]]] or ()
+                        best = size if mine == theirs else common_prefix(mine, theirs)
+                        sr, si = pr, at + 1
+                        sibs = heads_get(pk)
+                    if sibs is not None and sibs is not pr:
+                        k = sibs[HDR]
+                        s = slot_of(k)
+                        if s is not None and run_get(k) is sibs:
+                            theirs = tv[s] or ()
+                            c = size if mine == theirs else common_prefix(mine, theirs)
+                            if c > best:
+                                best, sr, si = c, sibs, HDR
+                    if sr is not None:  # (else no cached sibling: cold)
+                        who = sr[USER]
+                        if best == size:  # the same tokens under another hash: other keys
+                            reason = "isolated" if salted or (si == HDR and sr[SALTED]) else "config"
+                            k, o = 1, size
+                            for key in sr[si + 1:si + n]:  # how many blocks after it are the same
+                                s = slot_of(key)
+                                if s is None or run_get(key) is not sr or tv[s] != tt[o:o + size]:
+                                    break
+                                k += 1
+                                o += size
+                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+                                rep["branches"].append({"session": user, "reason": reason, "blocks": k,
+                                                        "tokens": k * size, "from": who})
+                            mark = ("branch", reason, None, None, who, k)
+                        else:
+                            reason = "diverged"
+                            pos = None if depth is None else depth * size + best
+                            if rep is not None and len(rep["branches"]) < MAX_DETAILS:
+                                d = {"session": user, "reason": "diverged", "at": pos, "within_block": best,
+                                     "blocks": n, "tokens": n * size, "from": who}
+                                text = self._excerpt(pr, at, toks, size, self._tokens(sr[si]), best)
+                                if text is not None:
+                                    d["text"] = {"prompt": text[0], "cached": text[1]}
+                                rep["branches"].append(d)
+                            mark = ("branch", "diverged", pos, best, who, n)
+                        run = (depth, pk, user, salted, mark, *hs)
+                        marked.append(run)
+                        ri, q = _AT[reason], mark[-1]
+                elif r is not None or sibs or (held and k0 in held):
                     run = self._special(ev, run, r, pr, at, sibs, rep)
                     mark = run[MARK]
                     if mark is not None:
