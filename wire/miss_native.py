@@ -34,10 +34,15 @@ _lock = threading.Lock()
 _state: dict = {}  # "mod": the compiled module or None, once tried; "why": why not
 
 
+def has_headers() -> bool:
+    """Whether this Python's headers (Python.h) are installed: an extension is built against them."""
+    return os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+
+
 def _load(places: dict):
     if os.environ.get("KVPLAY_NATIVE", "1") == "0":
         return None, "KVPLAY_NATIVE=0"
-    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+    if not has_headers():
         return None, "no Python headers (Python.h)"
     target, why = cbuild.built(NAME, [SOURCE], [], FLAGS, suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so",
                                extra=sys.version)
