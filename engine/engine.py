@@ -29,6 +29,7 @@ from .config import RESTART_FIELDS, EngineConfig
 from .errors import EngineError
 from .events import EngineBatch, EventQueue, RequestQueued, SettingsChanged, UserGroupChanged
 from .eviction import make_policy
+from .heap import keep_freed_memory
 from .kv_manager import KVManager
 from .model import LoadedModel, load_model
 from .observe import Observer
@@ -86,6 +87,7 @@ class Engine:
         self.users = UserRegistry()
         self._observer = Observer(self)  # the published stats (engine/observe.py)
         self.failure: str | None = None
+        keep_freed_memory()  # a step's activations stay in the heap for the next (heap.py)
         on_fresh_thread(self._build)
 
     # --- construction -------------------------------------------------------------------------
