@@ -7,9 +7,10 @@ far), and trims the top of a heap once 128 KB are free there: so step after step
 activations' pages in again, zero-filled by the kernel. vLLM's CPU backend avoids it with the
 tcmalloc it preloads. Measured on the 2-core EPYC (2026-12-06, SmolLM2-135M, float32): a
 540-row forward after a first one, one thread, 9-16 thousand page faults and 20-30 ms of system
-time (581 ms in all), against none and 550 ms with the thresholds below; the cold TTFT of
-alice's 540-token prompt (examples/shared-system.toml) in an engine warmed up as the bench warms
-it, 774 -> 585-605 ms at one thread and 502 -> 322-336 ms at two.
+time (581 ms in all), against none and 550 ms with the thresholds below. What a fault costs
+varies with the machine's state (this one is a VM): the cold TTFT of alice's 540-token prompt
+(examples/shared-system.toml) in an engine warmed up as the bench warms it measured 774 -> ~590
+ms at one thread and 502 -> ~330 ms at two in one session, and ~620 -> ~600 ms an hour later.
 
 `keep_freed_memory()` sets malloc's mmap threshold to its largest value (32 MB on 64-bit: a
 step's tensors come from the heap) and its trim threshold to 1 GB (a step's freed memory stays
