@@ -230,9 +230,9 @@ class Engine:
 
     def _warm_up(self) -> None:
         """The engine thread's first work: one forward of a full first prompt chunk (the prefill
-        budget's tokens) into the blocks the pool hands out first (runner.warm_up), on this
-        thread, whose malloc arena and OpenMP pool every later step uses. Commands wait behind
-        it: ~1.2 s at one thread for the embedded model. The bench's cold TTFT of alice's
+        budget's tokens, in the engine's mode) into the blocks the pool hands out first
+        (runner.warm_up), on this thread, whose malloc arena and OpenMP pool every later step
+        uses. Commands wait behind it: ~1.2 s at one thread for the embedded model. The bench's cold TTFT of alice's
         540-token prompt, median of 3 at one thread: 602 -> 574 ms (2026-12-06, 2-core EPYC).
         `KVPLAY_WARM_UP=0` skips it."""
         if os.environ.get("KVPLAY_WARM_UP", "1") == "0":
@@ -241,7 +241,7 @@ class Engine:
         with self._lock:
             blocks = self.pool.free_ids()[:-(-rows // self.config.block_size)]
             try:
-                self.warmed_up = self.runner.warm_up(blocks, rows)
+                self.warmed_up = self.runner.warm_up(blocks, rows, self.config.deterministic)
             except Exception as exc:  # noqa: BLE001 - steps report their own failures; this one only costs time
                 log.warning("start-up forward failed: %s: %s", type(exc).__name__, exc)
 

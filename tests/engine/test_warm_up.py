@@ -43,3 +43,21 @@ def test_a_pool_smaller_than_the_budget_is_warmed_up_to_its_size(tiny_llama, mon
         eng.call(lambda: None)  # queued behind the start-up forward
         assert eng.warmed_up == 4 * 16
         assert eng.stats()["forwards"] == 0
+
+
+def test_a_deterministic_engine_warms_up_in_its_mode(tiny_llama, monkeypatch):
+    """Its start-up forward runs the calibrated tiles (invariance.py): the calibration is done
+    before the first request, which gets the same bits as without the warm-up."""
+    got = {}
+    for warm in (False, True):
+        monkeypatch.setenv("KVPLAY_WARM_UP", "1" if warm else "0")
+        with Engine(EngineConfig(model="tiny:llama", num_blocks=64, deterministic=True), tiny_llama) as eng:
+            eng.call(lambda: None)
+            calibrated = eng.runner.linear_plan is not None and len(eng.runner.linear_plan.shapes)
+            ids, _ = eng.encode(PROMPT)
+            h = eng.submit("alice", prompt_ids=ids, sampling=SamplingParams(max_tokens=4), trace_logits=True)
+            h.result(60)
+            got[warm] = (calibrated, h.request.logits_trace)
+    assert not got[False][0] and got[True][0]
+    for a, b in zip(got[False][1], got[True][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
