@@ -140,6 +140,24 @@ class ModelRunner:
         positions = torch.cat(pos).view(1, -1).to(dev)
         return input_ids, positions, plan
 
+    def warm_up(self, blocks: list[int], tokens: int, deterministic: bool = False) -> int:
+        """One throwaway forward of a `tokens`-token prompt, its K/V written into `blocks` —
+        free blocks, which hold nothing anyone reads — so the first real prompt of that size
+        does not pay what a first forward costs: the step's activations faulted into the heap
+        (heap.py keeps them there afterwards), the pool pages of the blocks the first requests
+        get (the pool hands out never-used blocks first), oneDNN's first calls at that row
+        count (in deterministic mode: its GEMM calibration, invariance.py). vLLM's CPU worker
+        runs a dummy forward of its step budget at start too. Not counted in `forwards`.
+        Returns the prompt's length (0: nothing run)."""
+        n = min(tokens, len(blocks) * self.block_size, self.max_positions)
+        if n < 2:
+            return 0
+        vocab = max(1, min(64, getattr(_text_config(self.model.config), "vocab_size", 64) or 64))
+        counts = self.forwards, self.native_rows, self.prefill_rows
+        self.forward([Row(blocks, 0, [i % vocab for i in range(n)])], deterministic)
+        self.forwards, self.native_rows, self.prefill_rows = counts
+        return n
+
     @torch.inference_mode()
     def forward(self, rows: list[Row], deterministic: bool = False) -> torch.Tensor:
         """Run one step; return float32 logits [len(rows), vocab] of each row's last new token."""

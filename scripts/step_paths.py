@@ -36,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvplay.engine import native
+from kvplay.engine.heap import keep_freed_memory
 from kvplay.engine.model import ensure_converted, load_model
 from kvplay.engine.runner import ModelRunner, Row
 
@@ -201,6 +202,7 @@ def main() -> int:
         print("step_paths: --threads, --reps and --budget take positive integers", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as an Engine does: a step's freed activations stay in the heap (heap.py)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     loaded = load_model(str(ensure_converted()))
     run = runners(loaded)
