@@ -93,6 +93,7 @@ class Engine:
         self._observer = Observer(self)  # the published stats (engine/observe.py)
         self.failure: str | None = None
         self.warmed_up = 0  # tokens of the engine thread's start-up forward (_warm_up)
+        self._warm = threading.Event()  # set once the start-up forward is done (start() waits for it)
         keep_freed_memory()  # a step's activations stay in the heap for the next (heap.py)
         on_fresh_thread(self._build)
 
@@ -149,9 +150,14 @@ class Engine:
 
     # --- thread -------------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Start the engine thread and return once it is ready: after its start-up forward
+        (`_warm_up`), so a first request's TTFT is its own, not the warm-up's too."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvplay-engine", daemon=True)
             self._thread.start()
+        thread = self._thread
+        while not self._warm.wait(0.05) and thread.is_alive():
+            pass
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -205,7 +211,10 @@ class Engine:
     def _loop(self) -> None:
         set_cpu_threads(self.config.threads)  # libgomp reads the count per thread
         try:
-            self._warm_up()
+            try:
+                self._warm_up()
+            finally:
+                self._warm.set()
             while not self._stop.is_set():
                 # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
                 idle = not self.scheduler.has_work()
@@ -232,8 +241,9 @@ class Engine:
         """The engine thread's first work: one forward of a full first prompt chunk (the prefill
         budget's tokens, in the engine's mode) into the blocks the pool hands out first
         (runner.warm_up), on this thread, whose malloc arena and OpenMP pool every later step
-        uses. Commands wait behind it: ~1.2 s at one thread for the embedded model. The bench's cold TTFT of alice's
-        540-token prompt, median of 3 at one thread: 602 -> 574 ms (2026-12-06, 2-core EPYC).
+        uses. `start()` returns once it is done (~1.2 s at one thread for the embedded model), so
+        no request's TTFT holds it. The bench's cold TTFT of alice's 540-token prompt, median of 3
+        at one thread: 602 -> 574 ms (2026-12-06, 2-core EPYC).
         `KVPLAY_WARM_UP=0` skips it."""
         if os.environ.get("KVPLAY_WARM_UP", "1") == "0":
             return
