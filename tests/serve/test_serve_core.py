@@ -56,9 +56,13 @@ def _stream(client, url, body, headers=None):
     return chunks
 
 
-def test_replies_through_the_core_match_the_in_process_engine(core_serve, serve):
+def test_replies_through_the_core_match_the_in_process_engine(core_serve, serve, monkeypatch):
     """Greedy replies, streamed and not, with n = 2 and logprobs: token for token what the
-    same engine gives in the HTTP process."""
+    same engine gives in the HTTP process. Bit for bit across two processes only when neither
+    runs the start-up forward: with it, the two processes' first forwards met differently
+    warmed heaps and 3 of 5 runs differed in the last bits of a logprob (0 of 5 without; within
+    one process the logits are the same with and without it, tests/engine/test_warm_up.py)."""
+    monkeypatch.setenv("KVPLAY_WARM_UP", "0")  # both engines: the core process inherits it
     c_srv, _, side = core_serve()
     l_srv, _ = serve(device="cpu", dtype="float32", threads=1)
     assert side.proc.pid != os.getpid() and side.alive
