@@ -39,7 +39,7 @@ def has_headers() -> bool:
     return os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
 
 
-def _load(places: dict):
+def _load():
     if os.environ.get("KVPLAY_NATIVE", "1") == "0":
         return None, "KVPLAY_NATIVE=0"
     if not has_headers():
@@ -53,7 +53,7 @@ def _load(places: dict):
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         mod.setup(ev_.BlockStored, ev_.BlockRemoved, ev_.BlockHit, ev_.TierBlocks, ev_.AllBlocksCleared,
-                  Removal, places)
+                  Removal, PLACES)
     except (ImportError, OSError, AttributeError, TypeError) as e:
         target.unlink(missing_ok=True)  # a damaged cache entry: the next start builds it again
         return None, f"load failed: {e}"
@@ -66,7 +66,7 @@ def module():
     if "mod" not in _state:
         with _lock:
             if "mod" not in _state:
-                mod, why = _load(PLACES)
+                mod, why = _load()
                 if why is not None and why != "KVPLAY_NATIVE=0":
                     log.warning("compiled miss attribution unavailable (%s); using Python", why)
                 _state["why"] = why

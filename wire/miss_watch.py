@@ -164,9 +164,7 @@ class PodMisses:
         if fill:
             self.last_top = max(fill, key=fill.get)
             if later:
-                cold, cold_t = self._count_later(later, tally, 0, 0)
-                tally[_COLD] += cold
-                tally[_COLD_T] += cold_t
+                self._count_later(later, tally)
             if tally is not None:  # (None: the compiled loop counted them)
                 self._tally(tally, rep)
         if whose:
@@ -420,11 +418,11 @@ class PodMisses:
         """Who evicted a remembered removal (None: not known)."""
         return r.by or self.by_at.get(r.ts)
 
-    def _count_later(self, later: list, tally: list, cold: int, cold_t: int) -> tuple[int, int]:
+    def _count_later(self, later: list, tally: list) -> None:
         """Count the chains of the sessions that had no counts when the batch came: first what is
         not cold, in order, then each session's cold blocks, in the order the sessions first
-        stored in the batch (so the first `MAX_SESSIONS` sessions are named, in that order).
-        Returns the batch's cold blocks and tokens."""
+        stored in the batch (so the first `MAX_SESSIONS` sessions are named, in that order);
+        the batch's counts (`tally`) too."""
         sget = self.sessions.get
         colds: dict = {}
         for user, ri, q, n, size in later:
@@ -442,9 +440,8 @@ class PodMisses:
                 sc = sget(user) or self._session(user)
                 sc[_COLD] += n
                 sc[_COLD_T] += t
-                cold += n
-                cold_t += t
-        return cold, cold_t
+                tally[_COLD] += n
+                tally[_COLD_T] += t
 
     def _tally(self, tally: list, rep) -> None:
         """Add a batch's counts (blocks by reason, then tokens) to the pod's and to `rep`'s."""

@@ -211,6 +211,7 @@ static int bump(PyObject *lst, Py_ssize_t i, long d) {
     return 0;
 }
 
+/* d[key] += x for a dict of ints (a missing key counts 0). */
 static int dict_add_long(PyObject *d, PyObject *key, long x) {
     PyObject *old = PyDict_GetItemWithError(d, key);
     long v = 0;
@@ -425,11 +426,6 @@ out:
     return result;
 }
 
-/* d[key] += x for a dict of ints (a missing key counts 0). */
-static int dict_add(PyObject *d, PyObject *key, long x) {
-    return dict_add_long(d, key, x);
-}
-
 /* PodMisses._whose(whose): each creator's evicted blocks into `ev_from` (a Counter), the ones
  * not counted by name yet as OTHERS once `max_sessions` are. */
 #define WHOSE_CACHE 32
@@ -443,7 +439,7 @@ static int count_whose(PyObject *ev_from, PyObject *whose, Py_ssize_t max_sessio
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *c = PyList_GET_ITEM(whose, i);
             int in = PyDict_Contains(ev_from, c);
-            if (in < 0 || dict_add(ev_from, in ? c : u_others, 1) < 0) return -1;
+            if (in < 0 || dict_add_long(ev_from, in ? c : u_others, 1) < 0) return -1;
         }
         return 0;
     }
@@ -460,16 +456,16 @@ static int count_whose(PyObject *ev_from, PyObject *whose, Py_ssize_t max_sessio
         }
         if (k == WHOSE_CACHE) {  /* many creators: the rest one by one (after those held, in order) */
             for (j = 0; j < k; j++)
-                if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+                if (dict_add_long(ev_from, who[j], count[j]) < 0) return -1;
             for (; i < n; i++)
-                if (dict_add(ev_from, PyList_GET_ITEM(whose, i), 1) < 0) return -1;
+                if (dict_add_long(ev_from, PyList_GET_ITEM(whose, i), 1) < 0) return -1;
             return 0;
         }
         who[k] = c;
         count[k++] = 1;
     }
     for (int j = 0; j < k; j++)
-        if (dict_add(ev_from, who[j], count[j]) < 0) return -1;
+        if (dict_add_long(ev_from, who[j], count[j]) < 0) return -1;
     return 0;
 }
 
@@ -491,8 +487,8 @@ static int add_tally(PyObject *pm, PyObject *rep, const long *tally) {
             rc = -1;
         }
         for (int i = 0; i < NC && !rc; i++)
-            if (tally[i] && (dict_add(blocks, reason_names[i], tally[i]) < 0 ||
-                             dict_add(tokens, reason_names[i], tally[i + NC]) < 0))
+            if (tally[i] && (dict_add_long(blocks, reason_names[i], tally[i]) < 0 ||
+                             dict_add_long(tokens, reason_names[i], tally[i + NC]) < 0))
                 rc = -1;
         Py_XDECREF(blocks);
         Py_XDECREF(tokens);
