@@ -70,7 +70,7 @@ MAX_TIERS = 16          # tiers counted by name
 MAX_SESSIONS = 4096     # sessions counted by name
 OTHERS = "others"
 MAX_DETAILS = 64        # recomputed / branch entries listed per batch
-SWEEP_SLACK = 1 << 16   # chain entries beyond twice the cached blocks before a sweep
+SWEEP_SLACK = 1 << 16   # roots and marked chains beyond twice the cached blocks before a sweep
 DETOKENIZE_PER_S = 16   # /detokenize calls a pod's branch texts may make per second
 COMPARED = 4            # sibling blocks compared token by token at a branch (the likeliest first)
 BY_AT = 16896           # batches whose evicting session is remembered (as many as the RemovedLog's details)
@@ -92,6 +92,24 @@ def _ikey(key) -> int:
 
 def _ikeys(keys) -> list:
     return keys if keys and keys[0].__class__ is int else list(map(hash, keys))
+
+
+def _find(chain: tuple | None, key) -> tuple:
+    """(chain, the index of `key` in it), or (None, -1) when it holds no such key."""
+    if chain is not None:
+        try:
+            return chain, chain.index(key, HDR)
+        except ValueError:
+            pass
+    return None, -1
+
+
+def _head(heads_at: list, ps: int | None, pk):
+    """The newest chain stored under the cached parent `pk` in slot `ps` (None)."""
+    if ps is None:
+        return None
+    h = heads_at[ps]
+    return h if h is not None and (h[PARENT] is pk or h[PARENT] == pk) else None
 
 
 def common_prefix(a, b) -> int:
@@ -122,8 +140,8 @@ class PodMisses:
         self.removed = RemovedLog(flusher=miss_native.flusher())
         self.tracker = MissTracker(1, removed=self.removed) if explain else None
         self.detokenize = detokenize
-        self.run_of: dict = {}   # cached key -> its chain
-        self.heads: dict = {}    # parent key -> the newest chain stored under it
+        self.chain_at: list = []  # mirror slot -> the chain that last stored a block in it (None)
+        self.heads_at: list = []  # mirror slot -> the newest chain stored under the block in it
         self.roots: dict = {}    # first token -> the newest chain with no parent that starts with it
         self.marked: list = []   # chains with a mark (cleaned in sweeps)
         self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
@@ -134,7 +152,6 @@ class PodMisses:
         self.last_top: str | None = None  # who stored the most in the last batch that stored
         self.by_at: dict = {}  # a batch's time -> who stored the most in it (evicted its removals)
         self._unnamed: list = []  # the tracker's evictions of this batch that named no evicting session
-        self._held = 0  # keys the chains hold (swept when it outgrows the cached blocks)
         self._detok_budget = (0.0, 0)
 
     # --- the batch -------------------------------------------------------------------------
@@ -151,16 +168,19 @@ class PodMisses:
             rep = _new_counts()
             rep["recomputed"], rep["branches"], rep["tiers"] = [], [], {}
         pod = batch.pod
+        if len(self.chain_at) < self.mirror.hw:  # a slot for each of the mirror's
+            grow = [None] * (self.mirror.hw - len(self.chain_at))
+            self.chain_at += grow
+            self.heads_at += grow
         tracking = self.tracker is not None
         usual_rm = pod is None and not tracking
         scan = self._compiled if self.native else None
         if scan is not None:
-            tally, later, fill, whose, evicted, gone, held_keys = scan(self, batch.events, pod, rep, usual_rm,
-                                                                       tracking, batch.ts, MAX_SESSIONS)
+            tally, later, fill, whose, evicted, gone = scan(self, batch.events, pod, rep, usual_rm, tracking,
+                                                            batch.ts, MAX_SESSIONS)
         else:
-            tally, later, fill, whose, evicted, gone, held_keys = self._scan(batch.events, pod, rep, usual_rm,
-                                                                             tracking, batch.ts)
-        self._held += held_keys
+            tally, later, fill, whose, evicted, gone = self._scan(batch.events, pod, rep, usual_rm, tracking,
+                                                                  batch.ts)
         if fill:
             self.last_top = max(fill, key=fill.get)
             if later:
@@ -171,7 +191,7 @@ class PodMisses:
             self._whose(whose)
         if evicted or gone:
             self._evicted_by(batch.ts)
-        if self._held > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
+        if len(self.marked) + len(self.roots) > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
             self._sweep()
         if rep is None or (not any(rep["blocks"].values()) and not rep["tiers"]):
             return None
@@ -187,12 +207,18 @@ class PodMisses:
         then tokens, the chains of sessions not counted yet (session, reason's place or -1, its
         blocks, the chain's blocks, block size), {session: blocks stored}, whose blocks the usual
         evictions were, whether another eviction needs its evicting session, how many usual
-        evictions, the keys the new chains hold). csrc/miss_chains.c is this loop compiled: keep the two the same (the tests run
-        both)."""
-        run_of, heads, roots, held = self.run_of, self.heads, self.roots, self.tier_of
-        run_get, heads_get, roots_get = run_of.get, heads.get, roots.get
+        evictions). csrc/miss_chains.c is this loop compiled: keep the two the same (the tests run
+        both).
+
+        A chain is found through the mirror: a cached key's slot (`key_slot`), then the chain
+        that last stored a block in that slot (`chain_at`); the newest chain under a cached
+        parent is `heads_at` at the parent's slot (when its parent is that key)."""
+        chain_at, heads_at, roots, held = self.chain_at, self.heads_at, self.roots, self.tier_of
+        roots_get = roots.get
         cached = self.mirror.key_slot
         slot_of = cached.get
+        off = self.mirror.offset
+        nslots = len(chain_at)
         tv = self.mirror.tokens.v  # slot -> its tokens (the mirror's list)
         marked = self.marked
         removed = self.removed
@@ -206,7 +232,6 @@ class PodMisses:
         gone = 0
         whose: list = []
         usual = None  # Removal("evicted", bts), made on the batch's first usual eviction
-        held_keys = 0
         for ev in events:
             cls = ev.__class__
             if cls is Stored:
@@ -221,24 +246,26 @@ class PodMisses:
                 user, size = ev.user, ev.block_size
                 fill[user] = fill.get(user, 0) + n
                 toks = ev.token_ids
+                ps = None  # the parent's slot
                 if pk is None:
                     pr, at, depth = None, -1, 0
                     sibs = roots_get(toks[0]) if toks else None
                 else:
-                    pr = run_get(pk)  # the parent's chain, and the parent's index in it
+                    ps = slot_of(pk)
+                    pr, at = _find(chain_at[ps], pk) if ps is not None else (None, -1)  # the parent's chain, its index there
                     if pr is None:
-                        at, depth = -1, None
-                        sibs = heads_get(pk)
+                        depth = None
+                        sibs = _head(heads_at, ps, pk)
                     else:
-                        at = pr.index(pk, HDR)
                         depth = pr[DEPTH]
                         if depth is not None:
                             depth += at - HDR + 1
                         nxt = at + 1
-                        if nxt < len(pr) and pr[nxt] in cached and run_get(pr[nxt]) is pr:
+                        s = slot_of(pr[nxt]) if nxt < len(pr) else None
+                        if s is not None and chain_at[s] is pr:
                             sibs = True  # the parent's own chain goes on
                         else:
-                            sibs = heads_get(pk)
+                            sibs = _head(heads_at, ps, pk)
                 k0 = hs[0]
                 ik = k0 if k0.__class__ is int else hash(k0)
                 r = recent_get(ik)
@@ -259,11 +286,11 @@ class PodMisses:
                         theirs = tv[cached[pr[at + 1]]] or ()
                         best = size if mine == theirs else common_prefix(mine, theirs)
                         sr, si = pr, at + 1
-                        sibs = heads_get(pk)
+                        sibs = _head(heads_at, ps, pk)
                     if sibs is not None and sibs is not pr:
                         k = sibs[HDR]
                         s = slot_of(k)
-                        if s is not None and run_get(k) is sibs:
+                        if s is not None and chain_at[s] is sibs:
                             theirs = tv[s] or ()
                             c = size if mine == theirs else common_prefix(mine, theirs)
                             if c > best:
@@ -275,7 +302,7 @@ class PodMisses:
                             k, o = 1, size
                             for key in sr[si + 1:si + n]:  # how many blocks after it are the same
                                 s = slot_of(key)
-                                if s is None or run_get(key) is not sr or tv[s] != tt[o:o + size]:
+                                if s is None or chain_at[s] is not sr or tv[s] != tt[o:o + size]:
                                     break
                                 k += 1
                                 o += size
@@ -321,12 +348,13 @@ class PodMisses:
                         sc[_COLD_T] += (n - q) * size
                         tally[_COLD] += n - q
                         tally[_COLD_T] += (n - q) * size
-                for k in hs:  # (a loop: dict.update(zip(...)) makes a tuple a key)
-                    run_of[k] = run
-                held_keys += n
-                if pk is not None:
-                    heads[pk] = run
-                elif toks:
+                for b in ev.block_ids[:n]:  # (the mirror's slots of its blocks)
+                    b -= off
+                    if 0 <= b < nslots:
+                        chain_at[b] = run
+                if ps is not None:
+                    heads_at[ps] = run
+                elif pk is None and toks:
                     roots[toks[0]] = run
                 if tracking:
                     self._track(ev, hs, pk, toks, size)
@@ -347,10 +375,14 @@ class PodMisses:
             elif cls is ev_.TierBlocks:
                 self._tier(ev, pod, rep)
             elif cls is ev_.AllBlocksCleared:
-                heads.clear()
-                roots.clear()
-                self.marked.clear()
-        return tally, later, fill, whose, evicted, gone, held_keys
+                self._cleared()
+        return tally, later, fill, whose, evicted, gone
+
+    def _cleared(self) -> None:
+        """An AllBlocksCleared: no cached block has children, or is a root, any more."""
+        self.heads_at[:] = repeat(None, len(self.heads_at))
+        self.roots.clear()
+        self.marked.clear()
 
     @staticmethod
     def _keys(ev, pod) -> tuple[list, object]:
@@ -558,7 +590,13 @@ class PodMisses:
     def _live(self, r: tuple, i: int) -> bool:
         """The block at index i of chain `r` is cached (and was last stored in that chain)."""
         k = r[i]
-        return k in self.mirror.key_slot and self.run_of.get(k) is r
+        s = self.mirror.key_slot.get(k)
+        return s is not None and s < len(self.chain_at) and self.chain_at[s] is r
+
+    def chain_of(self, key) -> tuple:
+        """(the chain that holds cached `key`, its index there), or (None, -1)."""
+        s = self.mirror.key_slot.get(key)
+        return _find(self.chain_at[s], key) if s is not None and s < len(self.chain_at) else (None, -1)
 
     def _siblings(self, pr: tuple | None, at: int, pk, first_token) -> list:
         """The cached chains whose first block sits where a new chain under `pk` starts, as
@@ -569,7 +607,11 @@ class PodMisses:
         out = []
         if pr is not None and at + 1 < len(pr) and live(pr, at + 1):
             out.append((pr, at + 1))
-        r = self.roots.get(first_token) if pk is None else self.heads.get(pk)
+        if pk is None:
+            r = self.roots.get(first_token)
+        else:
+            ps = self.mirror.key_slot.get(pk)
+            r = _head(self.heads_at, ps, pk) if ps is not None and ps < len(self.heads_at) else None
         if r is not None and r is not pr and live(r, HDR):
             out.append((r, HDR))
         return out
@@ -641,46 +683,11 @@ class PodMisses:
 
     # --- memory -----------------------------------------------------------------------------
     def _sweep(self) -> None:
-        """Forget the blocks that are no longer cached, cut the chains down to their cached blocks
-        (each run of consecutive cached blocks a chain of its own), and drop the remembered
-        chains that hold none: memory follows the pool."""
-        run_of, cached = self.run_of, self.mirror.key_slot
-        for k in [k for k in run_of if k not in cached]:
-            del run_of[k]
-        live: dict = {}
-        for r in run_of.values():
-            live[id(r)] = r
-        held = 0
-        for r in live.values():
-            seg = None
-            for i in range(HDR, len(r)):
-                if run_of.get(r[i]) is r:
-                    if seg is None:
-                        seg = i
-                elif seg is not None:
-                    held += self._split(r, seg, i)
-                    seg = None
-            if seg == HDR:
-                held += len(r) - HDR  # whole: kept as it is
-            elif seg is not None:
-                held += self._split(r, seg, len(r))
-        self._held = held
-        for index in (self.heads, self.roots):
-            for key in [k for k, r in index.items() if not self._live(r, HDR)]:
-                del index[key]
-        self.marked = [r for r in self.marked if self._live(r, HDR)]
-
-    def _split(self, r: tuple, lo: int, hi: int) -> int:
-        """Blocks [lo, hi) (tuple indexes) of chain `r`, all cached, as a chain of their own."""
-        first = lo == HDR
-        part = (None if r[DEPTH] is None else r[DEPTH] + lo - HDR, r[PARENT] if first else r[lo - 1], r[USER],
-                r[SALTED] and first, r[MARK] if first else None, *r[lo:hi])
-        self.run_of.update(zip(r[lo:hi], repeat(part)))
-        if not first:
-            self.heads[part[PARENT]] = part
-        if part[MARK] is not None and part[MARK][0] != "tier":  # (a tier hit is no mark of the tree)
-            self.marked.append(part)
-        return hi - lo
+        """Drop the roots and marked chains whose first block is no longer cached (or was stored
+        again by another chain): with the slots' chains, memory follows the pool."""
+        live = self._live
+        self.roots = {t: r for t, r in self.roots.items() if live(r, HDR)}
+        self.marked = [r for r in self.marked if live(r, HDR)]
 
     # --- what views read ----------------------------------------------------------------------
     def marks(self) -> dict:
@@ -715,7 +722,8 @@ class PodMisses:
                 "tiers": {t: dict(v) for t, v in sorted(self.tiers.items())},
                 "memory": {"removed_recent": len(self.removed.recent), "removed_filter_bytes": self.removed.nbytes,
                            "false_positive_bound": self.removed.false_positive_bound,
-                           "chains": self._held, "tier_keys": len(self.tier_of)}}
+                           "chain_slots": len(self.chain_at), "roots": len(self.roots), "marked": len(self.marked),
+                           "tier_keys": len(self.tier_of)}}
 
     # --- attach: a whole prompt --------------------------------------------------------------
     def _track(self, ev, keys: list, pk, tokens: list, size: int) -> None:
@@ -852,8 +860,8 @@ class _Children:
             return default
         pm = p.misses
         out = set()
-        pr = pm.run_of.get(key)
-        for r, i in pm._siblings(pr, -1 if pr is None else pr.index(key, HDR), key, None):
+        pr, at = pm.chain_of(key)
+        for r, i in pm._siblings(pr, at, key, None):
             s = m.key_slot.get(r[i])
             if s is not None and s + m.offset not in p.own:
                 out.add(s + m.offset)

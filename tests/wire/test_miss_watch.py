@@ -79,7 +79,8 @@ def agree(*pods) -> None:
         assert pm.summary() == first.summary()
         assert pm.marks() == first.marks()
         assert list(pm.removed.recent.items()) == list(first.removed.recent.items())
-        assert pm.run_of.keys() == first.run_of.keys() and pm._held == first._held
+        assert [None if r is None else r[mw.HDR:] for r in pm.chain_at] == \
+            [None if r is None else r[mw.HDR:] for r in first.chain_at]
 
 
 @pytest.mark.skipif(cbuild.compiler() is None or not miss_native.has_headers(),
@@ -291,15 +292,17 @@ def test_memory_follows_the_pool_through_churn(monkeypatch):
     monkeypatch.setattr(mw, "SWEEP_SLACK", 64)
     p = Pod()
     h = 1
-    for i in range(400):  # long chains, all but their first block evicted: the chains are cut down
+    for i in range(400):  # long chains, all but their first block evicted
         chain = list(range(h, h + 16))
         h += 16
         p(st(chain, None, [i % 7] * (16 * BS), "u"))
         p(*rm(*chain[1:]))
     pm = p.misses
-    assert len(pm.run_of) <= 2 * len(p.mirror.key_slot) + 64 + 16
-    assert pm._held <= 2 * len(p.mirror.key_slot) + 64 + 16
-    assert len(pm.heads) <= len(p.mirror.key_slot) + 16
+    # a chain per mirror slot at most (a chain lives while a slot names it), and the roots and
+    # marked chains swept down to the cached ones once they outgrow twice the cached blocks
+    assert len(pm.chain_at) == len(pm.heads_at) == p.mirror.hw
+    assert len({id(r) for r in pm.chain_at if r is not None}) <= p.mirror.hw
+    assert len(pm.roots) + len(pm.marked) <= 2 * len(p.mirror.key_slot) + 64 + 1
     # what was removed is still remembered: the chains' tails come back as recomputed
     got = p(st(list(range(h - 15, h)), h - 16, [6] * (15 * BS), "u"))
     assert got["blocks"] == {"evicted": 15}
@@ -311,8 +314,8 @@ def test_a_sweep_keeps_tier_hits_out_of_the_tree_marks(monkeypatch):
     p(st([1, 2], None, A + B, "alice"))
     p(st([1, 2], None, A + B, "alice", medium="CPU"), *rm(2, 1))  # offloaded, then evicted
     assert p(st([1, 2, 3, 4, 5], None, A + B + C + D + A, "bob"))["blocks"] == {"tier": 2, "cold": 3}
-    p(*rm(3, 4, 5))  # the sweep cuts bob's chain down to its cached blocks, the tier hit's among them
-    assert len(p.misses.run_of) == 2
+    p(*rm(3, 4, 5))  # a sweep after each batch: bob's chain keeps its two cached blocks, the tier hit's
+    assert [p.misses.chain_of(k)[1] - mw.HDR for k in (1, 2, 3)] == [0, 1, -1 - mw.HDR]
     assert p.misses.marks() == {}  # a tier hit is counted, but it is no mark of the prefix tree
 
 

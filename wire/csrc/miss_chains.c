@@ -30,7 +30,7 @@ enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, N
 static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
 static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
 static PyObject *s_block_hashes, *s_parent_block_hash, *s_user, *s_block_size, *s_token_ids, *s_extra_keys,
-    *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_run_of, *s_heads, *s_roots, *s_tier_of,
+    *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_block_ids, *s_chain_at, *s_heads_at, *s_offset, *s_cleared_m, *s_roots, *s_tier_of,
     *s_marked, *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
     *s_n, *s_n_prev, *s_m, *s_probes, *s_cur, *s_prev, *s_filtered, *s_keys, *s_special, *s_removed_m,
     *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier;
@@ -53,7 +53,7 @@ typedef struct {
  * fields are member descriptors), else through getattr. New reference; NULL with an exception
  * set where getattr raises. Each (type, field) offset is looked up once. */
 enum { F_BLOCK_HASHES, F_PARENT, F_USER, F_BLOCK_SIZE, F_TOKEN_IDS, F_EXTRA_KEYS, F_GROUP_IDX, F_CREATORS,
-       F_REASON, F_BY_USER, F_TS, NFIELDS };
+       F_REASON, F_BY_USER, F_TS, F_BLOCK_IDS, NFIELDS };
 #define MAX_TYPES 8
 static struct { PyTypeObject *type; Py_ssize_t offset[NFIELDS]; } types[MAX_TYPES];
 static int ntypes;
@@ -269,10 +269,54 @@ static PyObject *make_run(PyObject *depth, PyObject *pk, PyObject *user, int sal
     return run;
 }
 
-/* The run_of lookup `run_of.get(key) is run`. */
-static int owns(PyObject *run_of, PyObject *key, PyObject *run) {
-    PyObject *r = PyDict_GetItemWithError(run_of, key);
-    return r == run;
+/* A mirror slot (a key_slot value) as an index into a list of `n` items; -1 when it is none. */
+static Py_ssize_t slot_index(PyObject *slot, Py_ssize_t n) {
+    if (slot == NULL || !PyLong_CheckExact(slot)) return -1;
+    Py_ssize_t s = PyLong_AsSsize_t(slot);
+    if (s == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    return s >= 0 && s < n ? s : -1;
+}
+
+/* The slot of cached `key` (-1: not cached); -2 with an exception set. */
+static Py_ssize_t slot_of(PyObject *cached, PyObject *key, Py_ssize_t n) {
+    PyObject *slot = PyDict_GetItemWithError(cached, key);
+    if (slot == NULL) return PyErr_Occurred() ? -2 : -1;
+    return slot_index(slot, n);
+}
+
+/* `chain_at[slot_of(key)] is run`: 1, 0, or -1 with an exception set (PodMisses._live). */
+static int owns(PyObject *cached, PyObject *chain_at, PyObject *key, PyObject *run) {
+    Py_ssize_t s = slot_of(cached, key, PyList_GET_SIZE(chain_at));
+    if (s == -2) return -1;
+    return s >= 0 && PyList_GET_ITEM(chain_at, s) == run;
+}
+
+/* The index of `key` in chain `c` from HDR on (tuple.index), -1 when it is not there, -2 with an
+ * exception set. */
+static Py_ssize_t find(PyObject *c, PyObject *key) {
+    if (!PyTuple_Check(c)) return -1;
+    Py_ssize_t len = PyTuple_GET_SIZE(c);
+    for (Py_ssize_t i = HDR; i < len; i++) {
+        PyObject *x = PyTuple_GET_ITEM(c, i);
+        if (x == key) return i;
+        int eq = PyObject_RichCompareBool(x, key, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) return i;
+    }
+    return -1;
+}
+
+/* `_head(heads_at, ps, pk)`: the newest chain under the cached parent `pk` in slot `ps` (a new
+ * reference; NULL when none, with an exception set on error). */
+static PyObject *head(PyObject *heads_at, Py_ssize_t ps, PyObject *pk) {
+    if (ps < 0 || ps >= PyList_GET_SIZE(heads_at)) return NULL;
+    PyObject *h = PyList_GET_ITEM(heads_at, ps);
+    if (h == Py_None || !PyTuple_Check(h) || PyTuple_GET_SIZE(h) <= PARENT) return NULL;
+    PyObject *p = PyTuple_GET_ITEM(h, PARENT);
+    int eq = p == pk ? 1 : PyObject_RichCompareBool(p, pk, Py_EQ);
+    if (eq <= 0) return NULL;
+    Py_INCREF(h);
+    return h;
 }
 
 /* Add `keys[0..n)` (ints, taken modulo 2^64) to a RotatingBloom: RotatingBloom.add_many, bit for
@@ -497,6 +541,74 @@ static int add_tally(PyObject *pm, PyObject *rep, const long *tally) {
     return rc;
 }
 
+/* A batch's sessions, counted in C and entered at its end (what `fill[user] += n` and the
+ * session's counts would get event by event; a sum is a sum): the first USERS sessions of a
+ * batch, the rest event by event. */
+#define USERS 32
+typedef struct {
+    PyObject *user;  /* (a reference held) */
+    PyObject *sc;    /* its counts in `sessions` (a reference held), NULL when it has none yet */
+    long fill;
+    long add[2 * NC];
+} User;
+
+typedef struct {
+    User u[USERS];
+    int n;
+} Users;
+
+/* The entry of `user` (made on its first chain: its `fill` entry made then, so `fill` keeps the
+ * order in which the sessions first stored); -1 when the table is full, -2 with an exception. */
+static int user_entry(Users *t, PyObject *fill, PyObject *sessions, PyObject *user) {
+    for (int i = 0; i < t->n; i++)
+        if (t->u[i].user == user) return i;
+    int str = PyUnicode_CheckExact(user);
+    Py_hash_t h = str ? PyObject_Hash(user) : 0;
+    if (h == -1) return -2;
+    for (int i = 0; i < t->n; i++) {
+        PyObject *o = t->u[i].user;
+        if (str && PyUnicode_CheckExact(o) && PyObject_Hash(o) != h) continue;  /* (a str caches its hash) */
+        int eq = PyObject_RichCompareBool(o, user, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) return i;
+    }
+    if (t->n == USERS) return -1;
+    PyObject *sc = PyDict_GetItemWithError(sessions, user);
+    if (sc == NULL && PyErr_Occurred()) return -2;
+    if (sc != NULL && (!PyList_CheckExact(sc) || PyList_GET_SIZE(sc) != 2 * NC)) {
+        PyErr_SetString(PyExc_TypeError, "a session's counts");
+        return -2;
+    }
+    if (dict_add_long(fill, user, 0) < 0) return -2;
+    User *u = &t->u[t->n];
+    memset(u, 0, sizeof *u);
+    Py_INCREF(user);
+    Py_XINCREF(sc);
+    u->user = user;
+    u->sc = sc;
+    return t->n++;
+}
+
+static void users_release(Users *t) {
+    for (int i = 0; i < t->n; i++) {
+        Py_DECREF(t->u[i].user);
+        Py_XDECREF(t->u[i].sc);
+    }
+    t->n = 0;
+}
+
+/* The table's counts into `fill` and the sessions' counts. */
+static int users_enter(Users *t, PyObject *fill) {
+    for (int i = 0; i < t->n; i++) {
+        User *u = &t->u[i];
+        if (u->fill && dict_add_long(fill, u->user, u->fill) < 0) return -1;
+        if (u->sc != NULL)
+            for (int j = 0; j < 2 * NC; j++)
+                if (bump(u->sc, j, u->add[j]) < 0) return -1;
+    }
+    return 0;
+}
+
 /* scan(pm, events, pod, rep, usual_rm, tracking, bts, max_sessions) -> (tally, later, fill, whose, evicted, gone, held)
  * `tally`: the batch's blocks by reason (COUNTED's order), then tokens (cold ones included);
  * `later`: (session, reason's place or -1, its blocks, the chain's blocks, block size) of the chains
@@ -518,7 +630,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "events must be a list or tuple");
         return NULL;
     }
-    PyObject *run_of = NULL, *heads = NULL, *roots = NULL, *held = NULL, *marked = NULL, *sessions = NULL,
+    PyObject *chain_at = NULL, *heads_at = NULL, *roots = NULL, *held = NULL, *marked = NULL, *sessions = NULL,
              *mirror = NULL, *cached = NULL, *tokens_obj = NULL, *tv = NULL, *removed = NULL, *recent = NULL,
              *blooms = NULL, *later = NULL, *fill = NULL, *whose = NULL, *result = NULL;
     PyObject *usual_removal = NULL;  /* Removal("evicted", bts): the batch's usual evictions' */
@@ -527,13 +639,15 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     bs.count = 0;
     bs.ok = 1;
     long tally[2 * NC] = {0};
-    long held_keys = 0;
+    Users users;
+    users.n = 0;
+    Py_ssize_t off = 0, nslots = 0;
     int evicted = 0;
     int pod_none = pod == Py_None;
 
 #define GET(var, obj, name) if (((var) = PyObject_GetAttr((obj), (name))) == NULL) goto fail
-    GET(run_of, pm, s_run_of);
-    GET(heads, pm, s_heads);
+    GET(chain_at, pm, s_chain_at);
+    GET(heads_at, pm, s_heads_at);
     GET(roots, pm, s_roots);
     GET(held, pm, s_tier_of);
     GET(marked, pm, s_marked);
@@ -545,7 +659,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     GET(removed, pm, s_removed);
     GET(recent, removed, s_recent);
     GET(blooms, removed, s_blooms);
-    if (!PyDict_CheckExact(run_of) || !PyDict_CheckExact(heads) || !PyDict_CheckExact(roots) ||
+    if (!PyList_CheckExact(chain_at) || !PyList_CheckExact(heads_at) || !PyDict_CheckExact(roots) ||
         !PyDict_CheckExact(held) || !PyList_CheckExact(marked) || !PyDict_CheckExact(sessions) ||
         !PyDict_CheckExact(cached) || !PyList_CheckExact(tv) || !PyDict_CheckExact(recent) ||
         !PyDict_CheckExact(blooms)) {
@@ -558,7 +672,13 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     {
         int err = 0;
         rec_cap = attr_ssize(removed, s_recent_capacity, &err) + attr_ssize(removed, s_flush_every, &err);
+        off = attr_ssize(mirror, s_offset, &err);
         if (err) goto fail;
+        nslots = PyList_GET_SIZE(chain_at);
+        if (PyList_GET_SIZE(heads_at) != nslots) {
+            PyErr_SetString(PyExc_TypeError, "miss_chains: the slots' lists differ in length");
+            goto fail;
+        }
     }
     if (PyDict_GET_SIZE(blooms)) blooms_load(&bs, blooms);
 
@@ -571,7 +691,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             PyObject *hs = NULL, *pk = NULL, *user = NULL, *toks = NULL, *extras = NULL, *pr = NULL, *sibs = NULL,
                      *depth = NULL, *r = NULL, *run = NULL, *mark = NULL, *ik = NULL, *gi = NULL, *szo = NULL;
             int sibs_true = 0, ok = 0;
-            Py_ssize_t at = -1;
+            Py_ssize_t at = -1, ps = -1;
             long ri = -1, q = 0, size;
             if ((hs = fget(ev, F_BLOCK_HASHES)) == NULL) goto fail;
             if (!PyList_Check(hs)) {  /* (a Struct's list; anything else: the Python way) */
@@ -600,7 +720,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if ((szo = fget(ev, F_BLOCK_SIZE)) == NULL) goto stored_fail;
             size = PyLong_AsLong(szo);
             if (size == -1 && PyErr_Occurred()) goto stored_fail;
-            if (dict_add_long(fill, user, (long)n) < 0) goto stored_fail;
+            int ue = user_entry(&users, fill, sessions, user);
+            if (ue == -2) goto stored_fail;
+            if (ue >= 0) users.u[ue].fill += n;
+            else if (dict_add_long(fill, user, (long)n) < 0) goto stored_fail;
             if ((toks = fget(ev, F_TOKEN_IDS)) == NULL) goto stored_fail;
             if (!PyList_Check(toks)) {
                 Py_SETREF(toks, PySequence_List(toks));
@@ -616,28 +739,27 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     Py_XINCREF(sibs);
                 }
             } else {
-                pr = PyDict_GetItemWithError(run_of, pk);
-                if (pr == NULL && PyErr_Occurred()) goto stored_fail;
-                Py_XINCREF(pr);
+                /* the parent's chain (the chain that last stored its slot, if it holds it), and
+                 * the parent's index in it */
+                ps = slot_of(cached, pk, nslots);
+                if (ps == -2) goto stored_fail;
+                if (ps >= 0) {
+                    PyObject *c = PyList_GET_ITEM(chain_at, ps);
+                    at = c == Py_None ? -1 : find(c, pk);
+                    if (at == -2) goto stored_fail;
+                    if (at >= 0) {
+                        pr = c;
+                        Py_INCREF(pr);
+                    }
+                }
                 if (pr == NULL) {
+                    at = -1;
                     depth = Py_None;
                     Py_INCREF(depth);
-                    sibs = PyDict_GetItemWithError(heads, pk);
+                    sibs = head(heads_at, ps, pk);
                     if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
-                    Py_XINCREF(sibs);
                 } else {
                     Py_ssize_t len = PyTuple_GET_SIZE(pr);
-                    for (at = HDR; at < len; at++) {
-                        PyObject *x = PyTuple_GET_ITEM(pr, at);
-                        if (x == pk) break;
-                        int eq = PyObject_RichCompareBool(x, pk, Py_EQ);
-                        if (eq < 0) goto stored_fail;
-                        if (eq) break;
-                    }
-                    if (at >= len) {  /* (tuple.index raises: a chain that lost its parent) */
-                        PyErr_SetString(PyExc_ValueError, "tuple.index(x): x not in tuple");
-                        goto stored_fail;
-                    }
                     PyObject *d = PyTuple_GET_ITEM(pr, DEPTH);
                     if (d == Py_None) {
                         depth = Py_None;
@@ -650,17 +772,13 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     Py_ssize_t nxt = at + 1;
                     int cont = 0;
                     if (nxt < len) {
-                        PyObject *kn = PyTuple_GET_ITEM(pr, nxt);
-                        int in = PyDict_Contains(cached, kn);
-                        if (in < 0) goto stored_fail;
-                        if (in && owns(run_of, kn, pr)) cont = 1;
-                        if (PyErr_Occurred()) goto stored_fail;
+                        cont = owns(cached, chain_at, PyTuple_GET_ITEM(pr, nxt), pr);
+                        if (cont < 0) goto stored_fail;
                     }
                     if (cont) sibs_true = 1;
                     else {
-                        sibs = PyDict_GetItemWithError(heads, pk);
+                        sibs = head(heads_at, ps, pk);
                         if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
-                        Py_XINCREF(sibs);
                     }
                 }
             }
@@ -727,15 +845,15 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     if (err) goto stored_fail;
                     sr = pr;
                     si = at + 1;
-                    sibs = PyDict_GetItemWithError(heads, pk);
+                    sibs = head(heads_at, ps, pk);
                     if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
-                    Py_XINCREF(sibs);
                 }
                 if (sibs != NULL && sibs != pr && PyTuple_Check(sibs) && PyTuple_GET_SIZE(sibs) > HDR) {
                     PyObject *k = PyTuple_GET_ITEM(sibs, HDR);
                     PyObject *slot = PyDict_GetItemWithError(cached, k);
                     if (slot == NULL && PyErr_Occurred()) goto stored_fail;
-                    if (slot != NULL && owns(run_of, k, sibs)) {
+                    Py_ssize_t s = slot_index(slot, nslots);
+                    if (s >= 0 && PyList_GET_ITEM(chain_at, s) == sibs) {
                         PyObject *theirs = slot_tokens(tv, slot);
                         Py_ssize_t c = common(toks, 0, size, theirs == Py_None ? NULL : theirs, &err);
                         if (err) goto stored_fail;
@@ -762,10 +880,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                                 if (PyErr_Occurred()) goto stored_fail;
                                 break;
                             }
-                            if (!owns(run_of, key, sr)) {
-                                if (PyErr_Occurred()) goto stored_fail;
-                                break;
-                            }
+                            Py_ssize_t s = slot_index(slot, nslots);
+                            if (s < 0 || PyList_GET_ITEM(chain_at, s) != sr) break;
                             PyObject *theirs = slot_tokens(tv, slot);
                             if (!PyTuple_Check(theirs) || PyTuple_GET_SIZE(theirs) != size) break;
                             if (common(toks, o, size, theirs, &err) != size || err) {
@@ -840,9 +956,29 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     if (PyErr_Occurred()) goto stored_fail;
                 }
             }
-            /* count it: its session's counts now (`_count_later` when it has none yet) */
-            {
-                PyObject *sc = PyDict_GetItemWithError(sessions, user);
+            /* count it: its session's counts (at the batch's end), `_count_later` when it has none yet */
+            if (ue >= 0 && users.u[ue].sc != NULL) {
+                long *a = users.u[ue].add;
+                if (ri < 0) {
+                    a[R_COLD] += n;
+                    a[R_COLD + NC] += n * size;
+                    tally[R_COLD] += n;
+                    tally[R_COLD + NC] += n * size;
+                } else {
+                    long t = q * size;
+                    a[ri] += q;
+                    a[ri + NC] += t;
+                    tally[ri] += q;
+                    tally[ri + NC] += t;
+                    if (q < n) {
+                        a[R_COLD] += n - q;
+                        a[R_COLD + NC] += (n - q) * size;
+                        tally[R_COLD] += n - q;
+                        tally[R_COLD + NC] += (n - q) * size;
+                    }
+                }
+            } else {
+                PyObject *sc = ue >= 0 ? NULL : PyDict_GetItemWithError(sessions, user);
                 if (sc == NULL && PyErr_Occurred()) goto stored_fail;
                 if (sc != NULL && (!PyList_CheckExact(sc) || PyList_GET_SIZE(sc) != 2 * NC)) {
                     PyErr_SetString(PyExc_TypeError, "a session's counts");
@@ -869,12 +1005,35 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     }
                 }
             }
-            for (Py_ssize_t i = 0; i < n; i++)
-                if (PyDict_SetItem(run_of, PyList_GET_ITEM(hs, i), run) < 0) goto stored_fail;
-            held_keys += n;
-            if (pk != Py_None) {
-                if (PyDict_SetItem(heads, pk, run) < 0) goto stored_fail;
-            } else if (ntok) {
+            /* the chain of each of its blocks' slots, and of its parent's children */
+            {
+                PyObject *ids = fget(ev, F_BLOCK_IDS);
+                if (ids == NULL) goto stored_fail;
+                PyObject *fi = PySequence_Fast(ids, "block_ids");
+                Py_DECREF(ids);
+                if (fi == NULL) goto stored_fail;
+                Py_ssize_t ni = PySequence_Fast_GET_SIZE(fi);
+                PyObject **it = PySequence_Fast_ITEMS(fi);
+                int bad = 0;
+                for (Py_ssize_t i = 0; i < ni && i < n; i++) {
+                    Py_ssize_t b = PyLong_AsSsize_t(it[i]);
+                    if (b == -1 && PyErr_Occurred()) { bad = 1; break; }
+                    b -= off;
+                    if (b < 0 || b >= nslots) continue;
+                    PyObject *old = PyList_GET_ITEM(chain_at, b);
+                    Py_INCREF(run);
+                    PyList_SET_ITEM(chain_at, b, run);
+                    Py_DECREF(old);
+                }
+                Py_DECREF(fi);
+                if (bad) goto stored_fail;
+            }
+            if (ps >= 0) {
+                PyObject *old = PyList_GET_ITEM(heads_at, ps);
+                Py_INCREF(run);
+                PyList_SET_ITEM(heads_at, ps, run);
+                Py_DECREF(old);
+            } else if (pk == Py_None && ntok) {
                 if (PyDict_SetItem(roots, PyList_GET_ITEM(toks, 0), run) < 0) goto stored_fail;
             }
             if (tracking) {
@@ -965,11 +1124,12 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (t == NULL) goto fail;
             Py_DECREF(t);
         } else if (cls == Cleared) {
-            PyDict_Clear(heads);
-            PyDict_Clear(roots);
-            if (PyList_SetSlice(marked, 0, PyList_GET_SIZE(marked), NULL) < 0) goto fail;
+            PyObject *t = PyObject_CallMethodNoArgs(pm, s_cleared_m);
+            if (t == NULL) goto fail;
+            Py_DECREF(t);
         }
     }
+    if (users_enter(&users, fill) < 0) goto fail;
     /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end), counted by
      * creator object first (a batch evicts few creators' blocks many times), then added in the
      * order each first came */
@@ -995,14 +1155,14 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 PyList_SET_ITEM(tl, i, v);
             }
         }
-        result = Py_BuildValue("(NOOOOnl)", tl, later, fill, whose, evicted ? Py_True : Py_False, gone,
-                               held_keys);
+        result = Py_BuildValue("(NOOOOn)", tl, later, fill, whose, evicted ? Py_True : Py_False, gone);
     }
 fail:
 #undef GET
+    users_release(&users);
     blooms_release(&bs);
     Py_XDECREF(usual_removal);
-    Py_XDECREF(run_of); Py_XDECREF(heads); Py_XDECREF(roots); Py_XDECREF(held); Py_XDECREF(marked);
+    Py_XDECREF(chain_at); Py_XDECREF(heads_at); Py_XDECREF(roots); Py_XDECREF(held); Py_XDECREF(marked);
     Py_XDECREF(sessions); Py_XDECREF(mirror); Py_XDECREF(cached); Py_XDECREF(tokens_obj); Py_XDECREF(tv);
     Py_XDECREF(removed); Py_XDECREF(recent); Py_XDECREF(blooms); Py_XDECREF(later); Py_XDECREF(fill);
     Py_XDECREF(whose);
@@ -1057,7 +1217,8 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_block_hashes, "block_hashes"}, {&s_parent_block_hash, "parent_block_hash"}, {&s_user, "user"},
         {&s_block_size, "block_size"}, {&s_token_ids, "token_ids"}, {&s_extra_keys, "extra_keys"},
         {&s_group_idx, "group_idx"}, {&s_creators, "creators"}, {&s_reason, "reason"}, {&s_by_user, "by_user"},
-        {&s_ts, "ts"}, {&s_run_of, "run_of"}, {&s_heads, "heads"}, {&s_roots, "roots"}, {&s_tier_of, "tier_of"},
+        {&s_ts, "ts"}, {&s_block_ids, "block_ids"}, {&s_chain_at, "chain_at"}, {&s_heads_at, "heads_at"},
+        {&s_offset, "offset"}, {&s_cleared_m, "_cleared"}, {&s_roots, "roots"}, {&s_tier_of, "tier_of"},
         {&s_marked, "marked"}, {&s_sessions, "sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
         {&s_tokens, "tokens"}, {&s_v, "v"}, {&s_removed, "removed"}, {&s_recent, "recent"}, {&s_blooms, "blooms"},
         {&s_n, "_n"}, {&s_n_prev, "_n_prev"}, {&s_m, "m"}, {&s_probes, "probes"}, {&s_cur, "_cur"},
@@ -1072,7 +1233,7 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
     PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
-                            s_group_idx, s_creators, s_reason, s_by_user, s_ts};
+                            s_group_idx, s_creators, s_reason, s_by_user, s_ts, s_block_ids};
     memcpy(field_names, f, sizeof f);
     return PyModule_Create(&module);
 }
