@@ -685,9 +685,10 @@ class PodMisses:
     def _sweep(self) -> None:
         """Drop the roots and marked chains whose first block is no longer cached (or was stored
         again by another chain): with the slots' chains, memory follows the pool."""
-        live = self._live
-        self.roots = {t: r for t, r in self.roots.items() if live(r, HDR)}
-        self.marked = [r for r in self.marked if live(r, HDR)]
+        live = self._live  # (in place: a new container would be young, and each young collection walks it)
+        for t in [t for t, r in self.roots.items() if not live(r, HDR)]:
+            del self.roots[t]
+        self.marked[:] = [r for r in self.marked if live(r, HDR)]
 
     # --- what views read ----------------------------------------------------------------------
     def marks(self) -> dict:
