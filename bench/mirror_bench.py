@@ -12,12 +12,13 @@ does) and evicts old blocks one `BlockRemoved` per block, as vLLM does; the pool
 
 `--misses` measures the miss attribution `kvplay watch` runs on each applied batch
 (wire/miss_watch.py) too: decode + translate + apply with it and without it, alternating in one
-process, best CPU time of three each.
+process, best CPU time of five each.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ from kvplay.wire.subscriber import PodSource, Subscriber
 from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
+MISSES_RUNS = 5  # off and on runs, alternating, with --misses
 
 
 def synthetic_stream(n_events: int, pool_blocks: int = 100_000, sessions: int = 16, seed: int = 0,
@@ -95,7 +97,14 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
     """(seconds, this thread's CPU seconds) to decode and apply every payload into a fresh
     mirror (after `warm`); with `misses`, each applied batch also goes through the miss
     attribution (wire/miss_watch.py), as `kvplay watch` does. On a shared machine the CPU time
-    says what the code costs; the wall time also holds what the other processes took."""
+    says what the code costs; the wall time also holds what the other processes took.
+
+    Each run pays for its own garbage: it starts after a full collection and ends with a
+    collection of the young generation, timed. (The mirror's stores and removals balance the
+    collector's allocation count, so its young generation grows without a collection for as long
+    as nothing else allocates: 100,000+ objects in a 200,000-event run. Whichever run allocates a
+    little more then pays for that whole generation in one 40-80 ms collection, and the other run
+    leaves it uncounted.)"""
     fleet = Fleet()
     m = fleet.pod("bench")
     w = fleet.from_wire("bench")
@@ -106,6 +115,7 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
         if attribute is not None:
             attribute(b)
     base = len(warm or [])
+    gc.collect()
     t0, c0 = time.perf_counter(), time.thread_time()
     if attribute is None:
         for seq, p in enumerate(payloads, base):
@@ -115,6 +125,7 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
             b = w(decode_batch(p), seq)
             m.apply(b)
             attribute(b)
+    gc.collect(0)
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -356,7 +367,7 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
     events, blocks = count_events(payloads)
     runs, on = [], []
-    for _ in range(3 if misses else 2):  # with misses: off and on alternate, in this one process
+    for _ in range(MISSES_RUNS if misses else 2):  # with misses: off and on alternate, in this one process
         runs.append(measure_apply(payloads, warm))
         if misses:
             on.append(measure_apply(payloads, warm, misses=True))
@@ -366,8 +377,10 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
            "apply_cpu_s": round(cpu, 4), "events_per_cpu_s": round(events / cpu), "load": os.getloadavg()[0]}
     if misses:
         on_dt, on_cpu = min(r[0] for r in on), min(r[1] for r in on)
+        pairs = sorted(b[1] / a[1] for a, b in zip(runs, on))  # each on run over the off run before it
         out.update(misses_apply_s=round(on_dt, 4), misses_events_per_s=round(events / on_dt),
-                   misses_events_per_cpu_s=round(events / on_cpu), misses_ratio=round(on_cpu / cpu, 3))
+                   misses_events_per_cpu_s=round(events / on_cpu), misses_ratio=round(on_cpu / cpu, 3),
+                   misses_ratio_pairs=[round(x, 3) for x in pairs], misses_runs=len(pairs))
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
@@ -422,9 +435,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['events_per_cpu_s']:,} events per CPU second of the thread; load average {r['load']:.2f}, "
               f"{time.strftime('%H:%M UTC', time.gmtime())}")
         if "misses_ratio" in r:
+            pairs = r["misses_ratio_pairs"]
             print(f"with the miss attribution: {r['misses_events_per_s']:,} events/s, "
                   f"{r['misses_events_per_cpu_s']:,} events per CPU second: {r['misses_ratio']:.2f}x the CPU time "
-                  f"(off and on alternating, best of 3 each)")
+                  f"(off and on alternating, best of {r['misses_runs']} each; each pair "
+                  f"{pairs[len(pairs) // 2]:.2f}x median, {pairs[0]:.2f}-{pairs[-1]:.2f})")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:

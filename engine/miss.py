@@ -206,9 +206,11 @@ class RemovedLog:
     oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason."""
 
     def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 20,
-                 probes: int = 14, flush_every: int = 512, flusher: Callable | None = None):
+                 probes: int = 14, flush_every: int = 512, flusher: Callable | None = None,
+                 filterer: Callable | None = None):
         self.recent_capacity = recent
         self._flusher = flusher  # flush compiled (wire/miss_native.py): flusher(self), the same result
+        self._filterer = filterer  # `filtered` compiled: filterer(self, key), the same result
         self._bloom_args = (bloom_capacity, bits_per_item, probes)
         self.recent: dict[int, Removal] = {}  # insertion-ordered: the oldest first
         self._flush_every = max(1, flush_every)
@@ -270,6 +272,8 @@ class RemovedLog:
 
     def filtered(self, key: int) -> Removal | None:
         """`get` for a key that is not in the recent map: what the filters say (the reason only)."""
+        if self._filterer is not None:
+            return self._filterer(self, key)
         filters = self._filters
         if len(filters) != len(self.blooms):
             filters = self._filters = [(r, self.blooms[r]) for r in _REMOVAL_KINDS if r in self.blooms]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvplay.engine import cbuild
 from kvplay.engine import events as ev_
+from kvplay.engine import miss
 from kvplay.engine.miss import Removal
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,14 @@ def flusher():
     """The compiled `RemovedLog.flush` (None where there is none)."""
     mod = module()
     return None if mod is None else mod.flush
+
+
+def filterer():
+    """The compiled `RemovedLog.filtered` (None where there is none)."""
+    mod = module()
+    if mod is None or miss._REMOVAL_KINDS != ("evicted", "cleared", "config"):  # (the order it checks them in)
+        return None
+    return mod.filtered
 
 
 def why_not() -> str | None:

@@ -70,7 +70,7 @@ MAX_TIERS = 16          # tiers counted by name
 MAX_SESSIONS = 4096     # sessions counted by name
 OTHERS = "others"
 MAX_DETAILS = 64        # recomputed / branch entries listed per batch
-SWEEP_SLACK = 1 << 16   # roots and marked chains beyond twice the cached blocks before a sweep
+SWEEP_SLACK = 1 << 16   # roots beyond twice the cached blocks before a sweep
 DETOKENIZE_PER_S = 16   # /detokenize calls a pod's branch texts may make per second
 COMPARED = 4            # sibling blocks compared token by token at a branch (the likeliest first)
 BY_AT = 16896           # batches whose evicting session is remembered (as many as the RemovedLog's details)
@@ -137,13 +137,12 @@ class PodMisses:
         self.mirror = mirror
         self._compiled = miss_native.scan(_AT)  # the compiled `_scan`, or None
         self.native = True  # False: the Python `_scan` (what the compiled one is checked against)
-        self.removed = RemovedLog(flusher=miss_native.flusher())
+        self.removed = RemovedLog(flusher=miss_native.flusher(), filterer=miss_native.filterer())
         self.tracker = MissTracker(1, removed=self.removed) if explain else None
         self.detokenize = detokenize
         self.chain_at: list = []  # mirror slot -> the chain that last stored a block in it (None)
         self.heads_at: list = []  # mirror slot -> the newest chain stored under the block in it
         self.roots: dict = {}    # first token -> the newest chain with no parent that starts with it
-        self.marked: list = []   # chains with a mark (cleaned in sweeps)
         self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
         self.tiers: dict = {}    # tier -> {"stored", "removed", "hits"} blocks
         self.sessions: dict = {}  # session -> [blocks by reason (COUNTED's order)..., then tokens]
@@ -191,7 +190,7 @@ class PodMisses:
             self._whose(whose)
         if evicted or gone:
             self._evicted_by(batch.ts)
-        if len(self.marked) + len(self.roots) > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
+        if len(self.roots) > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
             self._sweep()
         if rep is None or (not any(rep["blocks"].values()) and not rep["tiers"]):
             return None
@@ -220,7 +219,6 @@ class PodMisses:
         off = self.mirror.offset
         nslots = len(chain_at)
         tv = self.mirror.tokens.v  # slot -> its tokens (the mirror's list)
-        marked = self.marked
         removed = self.removed
         recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
         Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
@@ -322,7 +320,6 @@ class PodMisses:
                                 rep["branches"].append(d)
                             mark = ("branch", "diverged", pos, best, who, n)
                         run = (depth, pk, user, salted, mark, *hs)
-                        marked.append(run)
                         ri, q = _AT[reason], mark[-1]
                 elif r is not None or sibs or (held and k0 in held):
                     run = self._special(ev, run, r, pr, at, sibs, rep)
@@ -382,7 +379,6 @@ class PodMisses:
         """An AllBlocksCleared: no cached block has children, or is a root, any more."""
         self.heads_at[:] = repeat(None, len(self.heads_at))
         self.roots.clear()
-        self.marked.clear()
 
     @staticmethod
     def _keys(ev, pod) -> tuple[list, object]:
@@ -539,10 +535,7 @@ class PodMisses:
             mark = self._branch(run, pr, at, toks, size, rep)
         if mark is None:
             return run
-        run = (*run[:MARK], mark, *run[HDR:])
-        if mark[0] != "tier":
-            self.marked.append(run)
-        return run
+        return (*run[:MARK], mark, *run[HDR:])
 
     def _tier_hit(self, keys: tuple, held: dict, rep) -> tuple:
         """The first blocks of a new chain that another tier holds: loaded from it."""
@@ -683,12 +676,11 @@ class PodMisses:
 
     # --- memory -----------------------------------------------------------------------------
     def _sweep(self) -> None:
-        """Drop the roots and marked chains whose first block is no longer cached (or was stored
-        again by another chain): with the slots' chains, memory follows the pool."""
-        live = self._live  # (in place: a new container would be young, and each young collection walks it)
+        """Drop the roots whose first block is no longer cached (or was stored again by another
+        chain): with the slots' chains, memory follows the pool."""
+        live = self._live  # (in place: a new dict would be young, and each young collection walks it)
         for t in [t for t, r in self.roots.items() if not live(r, HDR)]:
             del self.roots[t]
-        self.marked[:] = [r for r in self.marked if live(r, HDR)]
 
     # --- what views read ----------------------------------------------------------------------
     def marks(self) -> dict:
@@ -697,12 +689,14 @@ class PodMisses:
         differing token, None when the chain's depth is not known), `{"kind": "isolated" |
         "config", "from", "blocks"}` (the same tokens as a sibling, under other keys), or
         `{"kind": "recomputed", "reason": "evicted" | "cleared" | "config", "removed_at",
-        "evicted_by", "blocks"}` (stored, removed, and stored again)."""
+        "evicted_by", "blocks"}` (stored, removed, and stored again). Read off the slots' chains:
+        a chain's mark is its first block's while that block is cached (a tier hit is none)."""
         out = {}
-        live = self._live
-        for r in self.marked:
-            if not live(r, HDR):
-                continue
+        slot_of = self.mirror.key_slot.get
+        chain_at = self.chain_at
+        for s, r in enumerate(chain_at):
+            if r is None or r[MARK] is None or r[MARK][0] == "tier" or slot_of(r[HDR]) != s:
+                continue  # (each chain once: at its first block's slot, while it holds it)
             m = r[MARK]
             if m[0] == "recomputed":
                 d = {"kind": "recomputed", "reason": m[1], "removed_at": m[2], "evicted_by": m[3], "blocks": m[4]}
@@ -723,7 +717,7 @@ class PodMisses:
                 "tiers": {t: dict(v) for t, v in sorted(self.tiers.items())},
                 "memory": {"removed_recent": len(self.removed.recent), "removed_filter_bytes": self.removed.nbytes,
                            "false_positive_bound": self.removed.false_positive_bound,
-                           "chain_slots": len(self.chain_at), "roots": len(self.roots), "marked": len(self.marked),
+                           "chain_slots": len(self.chain_at), "roots": len(self.roots),
                            "tier_keys": len(self.tier_of)}}
 
     # --- attach: a whole prompt --------------------------------------------------------------

@@ -180,6 +180,26 @@ def test_the_compiled_flush_fills_the_filters_bit_for_bit():
     assert [a.get(k) for k in probes] == [b.get(k) for k in probes]
 
 
+def test_the_compiled_filter_check_answers_as_the_python_one():
+    """RemovedLog.filtered compiled (wire/miss_native.py): the same reason as the Python probes for
+    every key, added or not, big, negative, over full and rotated filters of every reason."""
+    if miss_native.filterer() is None:
+        pytest.skip(f"no compiled filter check here ({miss_native.why_not()})")
+    rng = random.Random(11)
+    log = RemovedLog(recent=50, bloom_capacity=200, bits_per_item=6, probes=3, flush_every=8)  # (a high FP rate)
+    added = []
+    for i in range(2500):
+        key = rng.choice([rng.getrandbits(64), rng.randrange(5000), -rng.getrandbits(70), (1 << 80) + i])
+        added.append(key)
+        log.add(key, Removal(rng.choice(["evicted", "cleared", "config"]), float(i)))
+    compiled = miss_native.filterer()
+    keys = added + [rng.getrandbits(64) for _ in range(3000)] + [-rng.getrandbits(64) for _ in range(500)]
+    python = [log.filtered(k) for k in keys]
+    assert [compiled(log, k) for k in keys] == python
+    assert 0 < sum(r is not None for r in python[len(added):]) < len(keys) - len(added)  # both answers made
+    assert {r.reason for r in python if r is not None} == {"evicted", "cleared", "config"}
+
+
 def test_recomputed_after_eviction_with_when_and_the_stores_around_it():
     p = Pod()
     assert p(st([1, 2, 3], None, A + B + C, "alice"))["blocks"] == {"cold": 3}
@@ -298,11 +318,11 @@ def test_memory_follows_the_pool_through_churn(monkeypatch):
         p(st(chain, None, [i % 7] * (16 * BS), "u"))
         p(*rm(*chain[1:]))
     pm = p.misses
-    # a chain per mirror slot at most (a chain lives while a slot names it), and the roots and
-    # marked chains swept down to the cached ones once they outgrow twice the cached blocks
+    # a chain per mirror slot at most (a chain lives while a slot names it), and the roots swept
+    # down to the cached ones once they outgrow twice the cached blocks
     assert len(pm.chain_at) == len(pm.heads_at) == p.mirror.hw
     assert len({id(r) for r in pm.chain_at if r is not None}) <= p.mirror.hw
-    assert len(pm.roots) + len(pm.marked) <= 2 * len(p.mirror.key_slot) + 64 + 1
+    assert len(pm.roots) <= 2 * len(p.mirror.key_slot) + 64 + 1
     # what was removed is still remembered: the chains' tails come back as recomputed
     got = p(st(list(range(h - 15, h)), h - 16, [6] * (15 * BS), "u"))
     assert got["blocks"] == {"evicted": 15}

@@ -31,9 +31,9 @@ static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
 static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
 static PyObject *s_block_hashes, *s_parent_block_hash, *s_user, *s_block_size, *s_token_ids, *s_extra_keys,
     *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_block_ids, *s_chain_at, *s_heads_at, *s_offset, *s_cleared_m, *s_roots, *s_tier_of,
-    *s_marked, *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
+    *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
     *s_n, *s_n_prev, *s_m, *s_probes, *s_cur, *s_prev, *s_filtered, *s_keys, *s_special, *s_removed_m,
-    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier;
+    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier, *u_recomputed, *s_by_at;
 
 typedef struct {
     Py_buffer cur, prev;
@@ -45,9 +45,27 @@ typedef struct {
 
 typedef struct {
     Bloom b[MAX_BLOOMS];
+    PyObject *reason[MAX_BLOOMS];  /* each filter's reason (borrowed), in the removal kinds' order */
     int count;
     int ok;  /* 0: could not be read (then every check asks Python's RemovedLog.filtered) */
 } Blooms;
+
+static PyObject *kinds[3];  /* engine/miss.py's _REMOVAL_KINDS (checked by wire/miss_native.py) */
+static PyObject *kind_removal[3];  /* Removal(kind) of each, made once (a filter knows the reason only) */
+
+/* Removal(reason) of the kind `reason` is (a new reference; made on first use). */
+static PyObject *removal_of(PyObject *reason) {
+    for (int r = 0; r < 3; r++) {
+        if (kinds[r] != reason) continue;
+        if (kind_removal[r] == NULL) {
+            PyObject *x = PyObject_CallOneArg(RemovalCls, reason);
+            if (x == NULL) return NULL;
+            kind_removal[r] = x;  /* (kept for the process: a Removal is immutable) */
+        }
+        return Py_NewRef(kind_removal[r]);
+    }
+    return PyObject_CallOneArg(RemovalCls, reason);
+}
 
 /* An event's field: read from its slot where the event's type keeps it in one (a msgspec Struct's
  * fields are member descriptors), else through getattr. New reference; NULL with an exception
@@ -89,11 +107,10 @@ static PyObject *fget(PyObject *ev, int f) {
     return PyObject_GetAttr(ev, field_names[f]);
 }
 
+static void bloom_release(Bloom *b);
+
 static void blooms_release(Blooms *bs) {
-    for (int i = 0; i < bs->count; i++) {
-        if (bs->b[i].has_cur) PyBuffer_Release(&bs->b[i].cur);
-        if (bs->b[i].has_prev) PyBuffer_Release(&bs->b[i].prev);
-    }
+    for (int i = 0; i < bs->count; i++) bloom_release(&bs->b[i]);
     bs->count = 0;
 }
 
@@ -106,39 +123,56 @@ static Py_ssize_t attr_ssize(PyObject *o, PyObject *name, int *err) {
     return x;
 }
 
-/* The filters of `blooms` (the RemovedLog's dict: reason -> RotatingBloom), read in place. */
+/* One RotatingBloom `f`, read in place into `b` (its buffers held: release them); 0, or -1 when
+ * it cannot be read (no exception left set). */
+static int bloom_load(Bloom *b, PyObject *f) {
+    int err = 0;
+    b->has_cur = b->has_prev = 0;
+    b->n = attr_ssize(f, s_n, &err);
+    b->n_prev = attr_ssize(f, s_n_prev, &err);
+    Py_ssize_t m = attr_ssize(f, s_m, &err);
+    b->probes = (long)attr_ssize(f, s_probes, &err);
+    if (err || m <= 0 || b->probes < 1) { PyErr_Clear(); return -1; }
+    b->m = (uint64_t)m;
+    PyObject *cur = PyObject_GetAttr(f, s_cur), *prev = PyObject_GetAttr(f, s_prev);
+    int got = cur && prev && PyObject_GetBuffer(cur, &b->cur, PyBUF_SIMPLE) == 0;
+    if (got) {
+        b->has_cur = 1;
+        got = PyObject_GetBuffer(prev, &b->prev, PyBUF_SIMPLE) == 0;
+        if (got) b->has_prev = 1;
+    }
+    Py_XDECREF(cur);
+    Py_XDECREF(prev);
+    if (!got || (uint64_t)b->cur.len * 8 < b->m || (uint64_t)b->prev.len * 8 < b->m) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+static void bloom_release(Bloom *b) {
+    if (b->has_cur) PyBuffer_Release(&b->cur);
+    if (b->has_prev) PyBuffer_Release(&b->prev);
+    b->has_cur = b->has_prev = 0;
+}
+
+/* The filters of `blooms` (the RemovedLog's dict: reason -> RotatingBloom), read in place, in
+ * the removal kinds' order (a filter of another reason: not read, every check asks Python). */
 static void blooms_load(Blooms *bs, PyObject *blooms) {
     blooms_release(bs);
     bs->ok = 1;
-    Py_ssize_t pos = 0;
-    PyObject *k, *f;
-    while (PyDict_Next(blooms, &pos, &k, &f)) {
-        if (bs->count >= MAX_BLOOMS) { bs->ok = 0; return; }
-        Bloom *b = &bs->b[bs->count];
-        int err = 0;
-        b->has_cur = b->has_prev = 0;
-        b->n = attr_ssize(f, s_n, &err);
-        b->n_prev = attr_ssize(f, s_n_prev, &err);
-        Py_ssize_t m = attr_ssize(f, s_m, &err);
-        b->probes = (long)attr_ssize(f, s_probes, &err);
-        if (err || m <= 0 || b->probes < 1) { PyErr_Clear(); bs->ok = 0; return; }
-        b->m = (uint64_t)m;
-        PyObject *cur = PyObject_GetAttr(f, s_cur), *prev = PyObject_GetAttr(f, s_prev);
-        int got = cur && prev && PyObject_GetBuffer(cur, &b->cur, PyBUF_SIMPLE) == 0;
-        if (got) {
-            b->has_cur = 1;
-            got = PyObject_GetBuffer(prev, &b->prev, PyBUF_SIMPLE) == 0;
-            if (got) b->has_prev = 1;
+    for (int r = 0; r < 3; r++) {
+        PyObject *f = PyDict_GetItemWithError(blooms, kinds[r]);
+        if (f == NULL) {
+            if (PyErr_Occurred()) { PyErr_Clear(); bs->ok = 0; return; }
+            continue;
         }
-        Py_XDECREF(cur);
-        Py_XDECREF(prev);
-        bs->count++;
-        if (!got || (uint64_t)b->cur.len * 8 < b->m || (uint64_t)b->prev.len * 8 < b->m) {
-            PyErr_Clear();
-            bs->ok = 0;
-            return;
-        }
+        bs->reason[bs->count] = kinds[r];
+        int bad = bloom_load(&bs->b[bs->count], f) < 0;
+        bs->count++;  /* (released with the rest, whatever it holds) */
+        if (bad) { bs->ok = 0; return; }
     }
+    if (PyDict_GET_SIZE(blooms) != bs->count) bs->ok = 0;
 }
 
 /* Probes 1 .. probes - 1 of a key whose first probe is bit `b` (= h1 mod m), `step` = h2 mod m:
@@ -152,17 +186,97 @@ static int bloom_rest(const unsigned char *v, uint64_t m, long probes, uint64_t 
     return 1;
 }
 
-/* Whether any filter may hold `key` (RotatingBloom.has over RemovedLog's filters). */
-static int blooms_any(const Blooms *bs, uint64_t x) {
+/* RotatingBloom.has: whether one filter may hold the key of probe hashes h1, h2. */
+static int bloom_has(const Bloom *b, uint64_t h1, uint64_t h2) {
+    uint64_t bit = h1 % b->m, step = h2 % b->m;
+    const unsigned char *c = b->cur.buf, *p = b->prev.buf;
+    if (b->n && (c[bit >> 3] >> (bit & 7) & 1) && bloom_rest(c, b->m, b->probes, bit, step)) return 1;
+    return b->n_prev && (p[bit >> 3] >> (bit & 7) & 1) && bloom_rest(p, b->m, b->probes, bit, step);
+}
+
+/* The reason of the first filter (in the removal kinds' order) that may hold `key` (borrowed),
+ * NULL when none does (RemovedLog.filtered). */
+static PyObject *blooms_reason(const Blooms *bs, uint64_t x) {
     uint64_t h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
-    for (int i = 0; i < bs->count; i++) {
-        const Bloom *b = &bs->b[i];
-        uint64_t bit = h1 % b->m, step = h2 % b->m;
-        const unsigned char *c = b->cur.buf, *p = b->prev.buf;
-        if (b->n && (c[bit >> 3] >> (bit & 7) & 1) && bloom_rest(c, b->m, b->probes, bit, step)) return 1;
-        if (b->n_prev && (p[bit >> 3] >> (bit & 7) & 1) && bloom_rest(p, b->m, b->probes, bit, step)) return 1;
+    for (int i = 0; i < bs->count; i++)
+        if (bloom_has(&bs->b[i], h1, h2)) return bs->reason[i];
+    return NULL;
+}
+
+/* RemovedLog.get(ik) (a new reference; NULL: not removed, or an error when *err is set): the
+ * recent map, then the filters (read in `bs`; Python's `filtered` where they could not be). */
+static PyObject *removed_get(PyObject *recent, const Blooms *bs, PyObject *blooms, PyObject *removed, PyObject *ik,
+                             int *err) {
+    PyObject *r = PyDict_GetItemWithError(recent, ik);
+    if (r != NULL) return Py_NewRef(r);
+    if (PyErr_Occurred() || !PyDict_GET_SIZE(blooms)) {
+        *err = PyErr_Occurred() != NULL;
+        return NULL;
     }
-    return 0;
+    if (bs->ok) {
+        uint64_t x = PyLong_AsUnsignedLongLongMask(ik);
+        if (x == (uint64_t)-1 && PyErr_Occurred()) { *err = 1; return NULL; }
+        PyObject *reason = blooms_reason(bs, x);
+        if (reason == NULL) return NULL;
+        r = removal_of(reason);
+    } else {
+        r = PyObject_CallMethodObjArgs(removed, s_filtered, ik, NULL);
+        if (r == Py_None) Py_CLEAR(r);
+        else if (r == NULL) *err = 1;
+        return r;
+    }
+    if (r == NULL) *err = 1;
+    return r;
+}
+
+/* PodMisses.by_of(r): who evicted a remembered removal (a new reference; None when not known). */
+static PyObject *by_of(PyObject *by_at, PyObject *r) {
+    PyObject *b = PyTuple_GET_ITEM(r, 3);
+    int t = PyObject_IsTrue(b);
+    if (t < 0) return NULL;
+    if (t) return Py_NewRef(b);
+    PyObject *x = PyDict_GetItemWithError(by_at, PyTuple_GET_ITEM(r, 1));
+    if (x == NULL && PyErr_Occurred()) return NULL;
+    return Py_NewRef(x != NULL ? x : Py_None);
+}
+
+/* filtered(removed_log, key): RemovedLog.filtered, compiled: Removal(reason) of the first filter
+ * (in the removal kinds' order) that may hold the key, or None. */
+static PyObject *filtered(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "filtered(removed_log, key)");
+        return NULL;
+    }
+    uint64_t x = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (x == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    PyObject *blooms = PyObject_GetAttr(args[0], s_blooms);
+    if (blooms == NULL) return NULL;
+    if (!PyDict_Check(blooms)) {
+        Py_DECREF(blooms);
+        PyErr_SetString(PyExc_TypeError, "the filters");
+        return NULL;
+    }
+    uint64_t h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
+    PyObject *found = NULL;
+    for (int r = 0; r < 3 && found == NULL; r++) {
+        PyObject *f = PyDict_GetItemWithError(blooms, kinds[r]);
+        if (f == NULL) {
+            if (PyErr_Occurred()) { Py_DECREF(blooms); return NULL; }
+            continue;
+        }
+        Bloom b;
+        if (bloom_load(&b, f) < 0) {
+            bloom_release(&b);
+            Py_DECREF(blooms);
+            PyErr_SetString(PyExc_TypeError, "a Bloom filter that cannot be read");
+            return NULL;
+        }
+        if (bloom_has(&b, h1, h2)) found = kinds[r];
+        bloom_release(&b);
+    }
+    Py_DECREF(blooms);
+    if (found == NULL) Py_RETURN_NONE;
+    return removal_of(found);
 }
 
 /* How many leading items of list `toks` from `off` (at most `size`) equal those of `theirs` (a
@@ -630,7 +744,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "events must be a list or tuple");
         return NULL;
     }
-    PyObject *chain_at = NULL, *heads_at = NULL, *roots = NULL, *held = NULL, *marked = NULL, *sessions = NULL,
+    PyObject *by_at = NULL, *chain_at = NULL, *heads_at = NULL, *roots = NULL, *held = NULL, *sessions = NULL,
              *mirror = NULL, *cached = NULL, *tokens_obj = NULL, *tv = NULL, *removed = NULL, *recent = NULL,
              *blooms = NULL, *later = NULL, *fill = NULL, *whose = NULL, *result = NULL;
     PyObject *usual_removal = NULL;  /* Removal("evicted", bts): the batch's usual evictions' */
@@ -646,11 +760,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int pod_none = pod == Py_None;
 
 #define GET(var, obj, name) if (((var) = PyObject_GetAttr((obj), (name))) == NULL) goto fail
+    GET(by_at, pm, s_by_at);
     GET(chain_at, pm, s_chain_at);
     GET(heads_at, pm, s_heads_at);
     GET(roots, pm, s_roots);
     GET(held, pm, s_tier_of);
-    GET(marked, pm, s_marked);
     GET(sessions, pm, s_sessions);
     GET(mirror, pm, s_mirror);
     GET(cached, mirror, s_key_slot);
@@ -659,8 +773,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     GET(removed, pm, s_removed);
     GET(recent, removed, s_recent);
     GET(blooms, removed, s_blooms);
-    if (!PyList_CheckExact(chain_at) || !PyList_CheckExact(heads_at) || !PyDict_CheckExact(roots) ||
-        !PyDict_CheckExact(held) || !PyList_CheckExact(marked) || !PyDict_CheckExact(sessions) ||
+    if (!PyDict_CheckExact(by_at) || !PyList_CheckExact(chain_at) || !PyList_CheckExact(heads_at) || !PyDict_CheckExact(roots) ||
+        !PyDict_CheckExact(held) || !PyDict_CheckExact(sessions) ||
         !PyDict_CheckExact(cached) || !PyList_CheckExact(tv) || !PyDict_CheckExact(recent) ||
         !PyDict_CheckExact(blooms)) {
         PyErr_SetString(PyExc_TypeError, "miss_chains: unexpected state types");
@@ -791,20 +905,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 if (h == -1 && PyErr_Occurred()) goto stored_fail;
                 if ((ik = PyLong_FromSsize_t(h)) == NULL) goto stored_fail;
             }
-            r = PyDict_GetItemWithError(recent, ik);
-            if (r == NULL && PyErr_Occurred()) goto stored_fail;
-            Py_XINCREF(r);
-            if (r == NULL) {
-                if (PyDict_GET_SIZE(blooms)) {
-                    int maybe = 1;
-                    if (bs.ok) maybe = blooms_any(&bs, PyLong_AsUnsignedLongLongMask(ik));
-                    if (PyErr_Occurred()) goto stored_fail;
-                    if (maybe) {
-                        r = PyObject_CallMethodObjArgs(removed, s_filtered, ik, NULL);
-                        if (r == NULL) goto stored_fail;
-                        if (r == Py_None) Py_CLEAR(r);
-                    }
-                }
+            {
+                int e = 0;
+                r = removed_get(recent, &bs, blooms, removed, ik, &e);
+                if (e) goto stored_fail;
             }
             if ((extras = fget(ev, F_EXTRA_KEYS)) == NULL) goto stored_fail;
             int salted = 0;
@@ -920,8 +1024,66 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     if (mark == NULL) goto stored_fail;
                     untrack(mark);
                     if ((run = make_run(depth, pk, user, salted, mark, hs)) == NULL) goto stored_fail;
-                    if (PyList_Append(marked, run) < 0) goto stored_fail;
                 }
+            } else if (r != NULL && !in_tier && rep == Py_None && PyTuple_Check(r) && PyTuple_GET_SIZE(r) >= 5) {
+                /* stored and removed before (`_recomputed`, inline): how many of its blocks, from its
+                 * first on, were removed for the same reason; the latest removal among them, and
+                 * who evicted it */
+                PyObject *reason = PyTuple_GET_ITEM(r, 0), *when = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+                PyObject *by = by_of(by_at, r), *kk = NULL;
+                long k = 1;
+                int bad = by == NULL;
+                for (; k < (long)n && !bad; k++) {
+                    PyObject *key = PyList_GET_ITEM(hs, k), *ikk;
+                    if (PyLong_CheckExact(key)) ikk = Py_NewRef(key);
+                    else {
+                        Py_hash_t h = PyObject_Hash(key);
+                        ikk = h == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(h);
+                    }
+                    int e = ikk == NULL;
+                    PyObject *rk = e ? NULL : removed_get(recent, &bs, blooms, removed, ikk, &e);
+                    Py_XDECREF(ikk);
+                    if (e) { bad = 1; break; }
+                    if (rk == NULL) break;
+                    int ne = !PyTuple_Check(rk) || PyTuple_GET_SIZE(rk) < 5 ? -2
+                             : PyObject_RichCompareBool(PyTuple_GET_ITEM(rk, 0), reason, Py_NE);
+                    if (ne == -2) PyErr_SetString(PyExc_TypeError, "a removal");
+                    if (ne) {
+                        bad = ne < 0;
+                        Py_DECREF(rk);
+                        break;
+                    }
+                    PyObject *ts = PyTuple_GET_ITEM(rk, 1);
+                    if (ts != Py_None) {
+                        int later = when == Py_None ? 1 : PyObject_RichCompareBool(ts, when, Py_GT);
+                        if (later < 0) bad = 1;
+                        else if (later) {
+                            Py_SETREF(when, Py_NewRef(ts));
+                            Py_SETREF(by, by_of(by_at, rk));
+                            bad = by == NULL;
+                        }
+                    }
+                    Py_DECREF(rk);
+                }
+                if (!bad) {
+                    int evicted_ = PyObject_RichCompareBool(reason, u_evicted, Py_EQ);
+                    if (evicted_ < 0) bad = 1;
+                    else if (!evicted_) Py_SETREF(by, Py_NewRef(Py_None));
+                }
+                PyObject *place = bad ? NULL : PyDict_GetItemWithError(AT, reason);
+                if (!bad && place == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, reason);
+                if (place != NULL && (kk = PyLong_FromLong(k)) != NULL) {
+                    PyObject *items[5] = {u_recomputed, reason, when, by, kk};
+                    mark = tuple_of(items, 5);
+                    ri = PyLong_AsLong(place);
+                    q = k;
+                }
+                Py_DECREF(when);
+                Py_XDECREF(by);
+                Py_XDECREF(kk);
+                if (mark == NULL || PyErr_Occurred()) goto stored_fail;
+                untrack(mark);
+                if ((run = make_run(depth, pk, user, salted, mark, hs)) == NULL) goto stored_fail;
             } else special = 1;
             if (special) {
                 PyObject *base = make_run(depth, pk, user, salted, Py_None, hs);
@@ -1162,7 +1324,7 @@ fail:
     users_release(&users);
     blooms_release(&bs);
     Py_XDECREF(usual_removal);
-    Py_XDECREF(chain_at); Py_XDECREF(heads_at); Py_XDECREF(roots); Py_XDECREF(held); Py_XDECREF(marked);
+    Py_XDECREF(by_at); Py_XDECREF(chain_at); Py_XDECREF(heads_at); Py_XDECREF(roots); Py_XDECREF(held);
     Py_XDECREF(sessions); Py_XDECREF(mirror); Py_XDECREF(cached); Py_XDECREF(tokens_obj); Py_XDECREF(tv);
     Py_XDECREF(removed); Py_XDECREF(recent); Py_XDECREF(blooms); Py_XDECREF(later); Py_XDECREF(fill);
     Py_XDECREF(whose);
@@ -1200,12 +1362,14 @@ static PyObject *setup(PyObject *self, PyObject *args) {
         Py_INCREF(a[i]);
         Py_XSETREF(*slots[i], a[i]);
     }
+    for (int r = 0; r < 3; r++) Py_CLEAR(kind_removal[r]);  /* (made again of this Removal) */
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, "PodMisses._scan, compiled."},
     {"flush", flush, METH_O, "RemovedLog.flush, compiled."},
+    {"filtered", (PyCFunction)(void (*)(void))filtered, METH_FASTCALL, "RemovedLog.filtered, compiled."},
     {"setup", setup, METH_VARARGS, "The event classes, Removal and the reasons' places."},
     {NULL, NULL, 0, NULL},
 };
@@ -1219,7 +1383,7 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_group_idx, "group_idx"}, {&s_creators, "creators"}, {&s_reason, "reason"}, {&s_by_user, "by_user"},
         {&s_ts, "ts"}, {&s_block_ids, "block_ids"}, {&s_chain_at, "chain_at"}, {&s_heads_at, "heads_at"},
         {&s_offset, "offset"}, {&s_cleared_m, "_cleared"}, {&s_roots, "roots"}, {&s_tier_of, "tier_of"},
-        {&s_marked, "marked"}, {&s_sessions, "sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
+        {&s_sessions, "sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
         {&s_tokens, "tokens"}, {&s_v, "v"}, {&s_removed, "removed"}, {&s_recent, "recent"}, {&s_blooms, "blooms"},
         {&s_n, "_n"}, {&s_n_prev, "_n_prev"}, {&s_m, "m"}, {&s_probes, "probes"}, {&s_cur, "_cur"},
         {&s_prev, "_prev"}, {&s_filtered, "filtered"}, {&s_keys, "_keys"}, {&s_special, "_special"},
@@ -1228,10 +1392,13 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "evicted_from"}, {&s_counts, "counts"},
         {&u_others, "others"}, {&u_blocks, "blocks"}, {&u_tokens, "tokens"}, {&u_branch, "branch"},
         {&u_diverged, "diverged"}, {&u_isolated, "isolated"}, {&u_config, "config"}, {&u_evicted, "evicted"},
-        {&u_tier, "tier"},
+        {&u_tier, "tier"}, {&u_recomputed, "recomputed"}, {&s_by_at, "by_at"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
+    if ((kinds[1] = PyUnicode_InternFromString("cleared")) == NULL) return NULL;
+    kinds[0] = u_evicted;
+    kinds[2] = u_config;
     PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
                             s_group_idx, s_creators, s_reason, s_by_user, s_ts, s_block_ids};
     memcpy(field_names, f, sizeof f);
