@@ -71,37 +71,67 @@ _MASK = (1 << 64) - 1
 
 # --- the bounded memory of removed blocks --------------------------------------------------------
 _C1, _C2 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # odd 64-bit multipliers (golden ratio; xxHash's)
-_U_C1, _U_C2, _U_32, _U_1 = np.uint64(_C1), np.uint64(_C2), np.uint64(32), np.uint64(1)
+_U_C1, _U_32 = np.uint64(_C1), np.uint64(32)
 
 
-def _probe_hashes(key: int) -> tuple[int, int]:
-    """A key's two probe hashes (h1, h2): the high 32 bits of key x C1 and of key x C2 modulo
-    2^64 (multiply-shift hashing; h2 odd)."""
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finalizer
+_U_M1, _U_M2, _U_C2 = np.uint64(_M1), np.uint64(_M2), np.uint64(_C2)
+MAX_PROBES = 14  # 9 bits each from two 64-bit hashes
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finalizer: every bit of the result depends on every bit of z."""
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def _probe_hashes(key: int) -> tuple[int, int, int]:
+    """A key's probe hashes (h, u, v): h the high 32 bits of key x C1 modulo 2^64 (its block),
+    u and v two mixed 64-bit hashes of the key (its bits in the block, 9 bits each)."""
     x = key & _MASK
-    return ((x * _C1) & _MASK) >> 32, (((x * _C2) & _MASK) >> 32) | 1
+    return ((x * _C1) & _MASK) >> 32, _mix(x), _mix(x ^ _C2)
+
+
+def _np_mix(z: np.ndarray) -> np.ndarray:
+    z = z ^ (z >> np.uint64(30))
+    z *= _U_M1
+    z ^= z >> np.uint64(27)
+    z *= _U_M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+BLOCK_BITS = 512  # a key's probes all fall in one block of this many bits: one 64-byte cache line
 
 
 class RotatingBloom:
     """A Bloom filter in two generations: items go into the current one; once it holds
     `capacity` items it becomes the previous one and the old previous one is forgotten. So it
     remembers at least the last `capacity` items (at most 2x), in 2 x `capacity` x
-    `bits_per_item` bits, with a false positive rate of at most `false_positive_bound`.
+    `bits_per_item` bits (rounded up to whole blocks), with a false positive rate of at most
+    `false_positive_bound`.
 
-    Probe i of a key is bit (h1 + i * h2) mod m: double hashing with two multiply-shift hashes
-    of the key (`_probe_hashes`). Keys are ints, taken modulo 2^64."""
+    Blocked: all probes of a key fall in one block of `BLOCK_BITS` bits (a cache line, so adding
+    or checking a key touches one line per generation, not one per probe). With the key's probe
+    hashes (h, u, v) (`_probe_hashes`), its block is h mod blocks, and probe i is the bit of the
+    block that bits 9i.. of u name (i < 7), then those of v (at most `MAX_PROBES`). Keys are ints,
+    taken modulo 2^64."""
 
-    def __init__(self, capacity: int = 1 << 17, bits_per_item: int = 20, probes: int = 14):
+    def __init__(self, capacity: int = 1 << 17, bits_per_item: int = 24, probes: int = 12):
         if capacity < 1 or bits_per_item < 1 or probes < 1:
             raise ValueError("capacity, bits_per_item and probes must be positive")
+        if probes > MAX_PROBES:
+            raise ValueError(f"at most {MAX_PROBES} probes")
         self.capacity, self.probes = capacity, probes
-        self.m = -(-capacity * bits_per_item // 8) * 8  # bits per generation
+        self.blocks = -(-capacity * bits_per_item // BLOCK_BITS)
+        self.m = self.blocks * BLOCK_BITS  # bits per generation
         self._cur = np.zeros(self.m // 8, dtype=np.uint8)
         self._prev = np.zeros(self.m // 8, dtype=np.uint8)
         self._vcur, self._vprev = memoryview(self._cur), memoryview(self._prev)  # bytes read as ints
         self._n = 0  # items in the current generation
         self._n_prev = 0
-        self._steps = np.arange(probes, dtype=np.int64)
-        self._rest_range = range(probes - 1)  # the probes after the first
+        self._shifts = [(i // 7, 9 * (i % 7)) for i in range(probes)]  # (u or v, bit) of each probe
 
     @property
     def nbytes(self) -> int:
@@ -113,8 +143,23 @@ class RotatingBloom:
 
     @staticmethod
     def filter_rate(n: int, m: int, k: int) -> float:
-        """The classic estimate (1 - e^(-kn/m))^k for one filter of m bits, k probes, n items."""
-        return (1.0 - math.exp(-k * n / m)) ** k
+        """The false positive rate of one blocked filter of m bits holding n items with k probes:
+        a block holds j items with the Poisson probability of mean n x 512 / m, and each of
+        their k probes leaves a given bit of it clear with probability 1 - 1/512; a never-added
+        key is reported when its k bits are all set: the sum over j of P(j) (1 - (1 - 1/512)^kj)^k."""
+        lam = n * BLOCK_BITS / m
+        p = math.exp(-lam)
+        total, j = 0.0, 0
+        while j < lam + 12 * math.sqrt(lam) + 20:
+            total += p * (1.0 - (1.0 - 1.0 / BLOCK_BITS) ** (k * j)) ** k
+            j += 1
+            p *= lam / j
+        return total
+
+    @staticmethod
+    def size(capacity: int, bits_per_item: int) -> int:
+        """Bits per generation of a filter of `capacity` items of `bits_per_item` bits."""
+        return -(-capacity * bits_per_item // BLOCK_BITS) * BLOCK_BITS
 
     @property
     def false_positive_bound(self) -> float:
@@ -126,14 +171,15 @@ class RotatingBloom:
             x = np.array(keys, dtype=np.uint64)
         except (OverflowError, TypeError, ValueError):
             x = np.fromiter(map(_MASK.__and__, keys), dtype=np.uint64, count=len(keys))
-        h1 = x * _U_C1  # uint64 arithmetic wraps: mod 2^64
-        h1 >>= _U_32
-        h2 = x * _U_C2
-        h2 >>= _U_32
-        h2 |= _U_1
-        pos = np.multiply.outer(h2.view(np.int64), self._steps)  # below 2^36: no overflow
-        pos += h1.view(np.int64)[:, None]
-        pos %= self.m
+        h = x * _U_C1  # uint64 arithmetic wraps: mod 2^64
+        h >>= _U_32
+        base = (h.view(np.int64) % self.blocks) * BLOCK_BITS  # (h below 2^32)
+        uv = (_np_mix(x), _np_mix(x ^ _U_C2))
+        mask = np.uint64(BLOCK_BITS - 1)
+        pos = np.empty((len(x), self.probes), dtype=np.int64)
+        for i, (w, shift) in enumerate(self._shifts):
+            pos[:, i] = ((uv[w] >> np.uint64(shift)) & mask).view(np.int64)
+        pos += base[:, None]
         return pos.ravel()
 
     def add_many(self, keys: list[int]) -> None:
@@ -159,24 +205,20 @@ class RotatingBloom:
         self._cur[:] = 0
         self._n_prev, self._n = self._n, 0
 
-    def has(self, h1: int, h2: int) -> bool:
-        """Whether a key whose probe hashes are (h1, h2) (`_probe_hashes`) was added (or is a
-        false positive). The first probe is the same bit in both generations: a never-added key
-        usually fails it in each generation that holds items."""
-        b = h1 % self.m
-        i, bit = b >> 3, 1 << (b & 7)
-        return bool(self._n and self._vcur[i] & bit and self._rest(self._vcur, h1, h2)
-                    or self._n_prev and self._vprev[i] & bit and self._rest(self._vprev, h1, h2))
+    def has(self, h: int, u: int, v: int) -> bool:
+        """Whether a key whose probe hashes are (h, u, v) (`_probe_hashes`) was added (or is a
+        false positive)."""
+        base = (h % self.blocks) * BLOCK_BITS
+        uv = (u, v)
+        bits = [base + ((uv[w] >> shift) & (BLOCK_BITS - 1)) for w, shift in self._shifts]
+        return (bool(self._n) and self._all(self._vcur, bits)) or (bool(self._n_prev) and self._all(self._vprev, bits))
 
-    def _rest(self, v, h1: int, h2: int) -> bool:
-        """Probes 1 .. probes - 1 of a key in one generation's bytes `v` (its first one is set)."""
-        m = self.m
-        p = h1 + h2
-        for _ in self._rest_range:
-            b = p % m
-            if not v[b >> 3] >> (b & 7) & 1:
+    @staticmethod
+    def _all(v, bits: list) -> bool:
+        """Whether all of `bits` are set in one generation's bytes `v`."""
+        for p in bits:
+            if not v[p >> 3] >> (p & 7) & 1:
                 return False
-            p += h2
         return True
 
     def __contains__(self, key: int) -> bool:
@@ -205,8 +247,8 @@ class RemovedLog:
     least the last `recent` with their details in a map (at most `recent` + `flush_every`: the
     oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason."""
 
-    def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 20,
-                 probes: int = 14, flush_every: int = 512, flusher: Callable | None = None,
+    def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 24,
+                 probes: int = 12, flush_every: int = 4096, flusher: Callable | None = None,
                  filterer: Callable | None = None):
         self.recent_capacity = recent
         self._flusher = flusher  # flush compiled (wire/miss_native.py): flusher(self), the same result
@@ -277,10 +319,9 @@ class RemovedLog:
         filters = self._filters
         if len(filters) != len(self.blooms):
             filters = self._filters = [(r, self.blooms[r]) for r in _REMOVAL_KINDS if r in self.blooms]
-        x = key & _MASK
-        h1, h2 = ((x * _C1) & _MASK) >> 32, (((x * _C2) & _MASK) >> 32) | 1
+        h = _probe_hashes(key)
         for reason, bloom in filters:
-            if bloom.has(h1, h2):
+            if bloom.has(*h):
                 return Removal(reason)
         return None
 
@@ -294,8 +335,7 @@ class RemovedLog:
     def false_positive_bound(self) -> float:
         """At most this share of never-removed keys is reported removed (every filter full)."""
         cap, bits, k = self._bloom_args
-        m = -(-cap * bits // 8) * 8
-        return 3 * 2 * RotatingBloom.filter_rate(cap, m, k)
+        return 3 * 2 * RotatingBloom.filter_rate(cap, RotatingBloom.size(cap, bits), k)
 
 
 # --- the miss object -------------------------------------------------------------------------

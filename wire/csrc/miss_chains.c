@@ -23,9 +23,12 @@
 enum { DEPTH, PARENT, USER, SALTED, MARK, HDR };
 enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, NC };
 #define MAX_BLOOMS 8
-#define MAX_PROBES 32
+#define BLOCK_BITS 512  /* engine/miss.py's: a key's probes all in one block (a cache line) */
 #define C1 0x9E3779B97F4A7C15ULL
 #define C2 0xC2B2AE3D27D4EB4FULL
+#define M1 0xBF58476D1CE4E5B9ULL
+#define M2 0x94D049BB133111EBULL
+#define MAX_PROBES 14  /* engine/miss.py's: 9 bits each from two 64-bit hashes */
 
 static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
 static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
@@ -132,7 +135,10 @@ static int bloom_load(Bloom *b, PyObject *f) {
     b->n_prev = attr_ssize(f, s_n_prev, &err);
     Py_ssize_t m = attr_ssize(f, s_m, &err);
     b->probes = (long)attr_ssize(f, s_probes, &err);
-    if (err || m <= 0 || b->probes < 1) { PyErr_Clear(); return -1; }
+    if (err || m < BLOCK_BITS || m % BLOCK_BITS || b->probes < 1 || b->probes > MAX_PROBES) {
+        PyErr_Clear();
+        return -1;
+    }
     b->m = (uint64_t)m;
     PyObject *cur = PyObject_GetAttr(f, s_cur), *prev = PyObject_GetAttr(f, s_prev);
     int got = cur && prev && PyObject_GetBuffer(cur, &b->cur, PyBUF_SIMPLE) == 0;
@@ -175,31 +181,47 @@ static void blooms_load(Blooms *bs, PyObject *blooms) {
     if (PyDict_GET_SIZE(blooms) != bs->count) bs->ok = 0;
 }
 
-/* Probes 1 .. probes - 1 of a key whose first probe is bit `b` (= h1 mod m), `step` = h2 mod m:
- * bit (h1 + i h2) mod m, each from the one before without a division. */
-static int bloom_rest(const unsigned char *v, uint64_t m, long probes, uint64_t b, uint64_t step) {
-    for (long i = 1; i < probes; i++) {
-        b += step;
-        if (b >= m) b -= m;
-        if (!((v[b >> 3] >> (b & 7)) & 1)) return 0;
+/* A key's probe hashes (engine/miss.py's _probe_hashes): h picks its block, u and v (mixed: every
+ * bit depends on every bit of the key) its bits in the block, 9 bits each. */
+typedef struct { uint64_t h, u, v; } Hashes;
+
+static uint64_t mix(uint64_t z) {  /* splitmix64's finalizer */
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    return z ^ (z >> 31);
+}
+
+static Hashes hashes_of(uint64_t x) {
+    Hashes k = {(x * C1) >> 32, mix(x), mix(x ^ C2)};
+    return k;
+}
+
+/* Bit i of a key's probes in its block (i < 14). */
+static inline unsigned probe_bit(const Hashes *k, long i) {
+    return (unsigned)(((i < 7 ? k->u : k->v) >> (9 * (i % 7))) & (BLOCK_BITS - 1));
+}
+
+/* Whether all `probes` bits of a key are set in one generation's bytes `v` (m bits). */
+static int block_has(const unsigned char *v, uint64_t m, const Hashes *k, long probes) {
+    const unsigned char *line = v + ((k->h % (m / BLOCK_BITS)) * BLOCK_BITS >> 3);
+    for (long i = 0; i < probes; i++) {
+        unsigned bit = probe_bit(k, i);
+        if (!((line[bit >> 3] >> (bit & 7)) & 1)) return 0;
     }
     return 1;
 }
 
-/* RotatingBloom.has: whether one filter may hold the key of probe hashes h1, h2. */
-static int bloom_has(const Bloom *b, uint64_t h1, uint64_t h2) {
-    uint64_t bit = h1 % b->m, step = h2 % b->m;
-    const unsigned char *c = b->cur.buf, *p = b->prev.buf;
-    if (b->n && (c[bit >> 3] >> (bit & 7) & 1) && bloom_rest(c, b->m, b->probes, bit, step)) return 1;
-    return b->n_prev && (p[bit >> 3] >> (bit & 7) & 1) && bloom_rest(p, b->m, b->probes, bit, step);
+/* RotatingBloom.has: whether one filter may hold the key of probe hashes `k`. */
+static int bloom_has(const Bloom *b, const Hashes *k) {
+    return (b->n && block_has(b->cur.buf, b->m, k, b->probes)) || (b->n_prev && block_has(b->prev.buf, b->m, k, b->probes));
 }
 
 /* The reason of the first filter (in the removal kinds' order) that may hold `key` (borrowed),
  * NULL when none does (RemovedLog.filtered). */
 static PyObject *blooms_reason(const Blooms *bs, uint64_t x) {
-    uint64_t h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
+    Hashes k = hashes_of(x);
     for (int i = 0; i < bs->count; i++)
-        if (bloom_has(&bs->b[i], h1, h2)) return bs->reason[i];
+        if (bloom_has(&bs->b[i], &k)) return bs->reason[i];
     return NULL;
 }
 
@@ -256,7 +278,7 @@ static PyObject *filtered(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "the filters");
         return NULL;
     }
-    uint64_t h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
+    Hashes k = hashes_of(x);
     PyObject *found = NULL;
     for (int r = 0; r < 3 && found == NULL; r++) {
         PyObject *f = PyDict_GetItemWithError(blooms, kinds[r]);
@@ -271,7 +293,7 @@ static PyObject *filtered(PyObject *self, PyObject *const *args, Py_ssize_t narg
             PyErr_SetString(PyExc_TypeError, "a Bloom filter that cannot be read");
             return NULL;
         }
-        if (bloom_has(&b, h1, h2)) found = kinds[r];
+        if (bloom_has(&b, &k)) found = kinds[r];
         bloom_release(&b);
     }
     Py_DECREF(blooms);
@@ -434,13 +456,13 @@ static PyObject *head(PyObject *heads_at, Py_ssize_t ps, PyObject *pk) {
 }
 
 /* Add `keys[0..n)` (ints, taken modulo 2^64) to a RotatingBloom: RotatingBloom.add_many, bit for
- * bit (probe i of a key is bit (h1 + i h2) mod m; the generations rotate through its `rotate()`). */
+ * bit (a key's probes in its block: `hashes_of`; the generations rotate through its `rotate()`). */
 static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
     int err = 0;
     Py_ssize_t cap = attr_ssize(bloom, s_capacity, &err), n = attr_ssize(bloom, s_n, &err);
     Py_ssize_t m = attr_ssize(bloom, s_m, &err), probes = attr_ssize(bloom, s_probes, &err);
     if (err) return -1;
-    if (cap < 1 || m < 8 || probes < 1) {
+    if (cap < 1 || m < BLOCK_BITS || m % BLOCK_BITS || probes < 1 || probes > MAX_PROBES) {
         PyErr_SetString(PyExc_ValueError, "a Bloom filter's shape");
         return -1;
     }
@@ -475,22 +497,11 @@ static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
         }
         uint64_t x = PyLong_AsUnsignedLongLongMask(keys[i]);
         if (x == (uint64_t)-1 && PyErr_Occurred()) goto out;
-        uint64_t um = (uint64_t)m, h1 = (x * C1) >> 32, h2 = ((x * C2) >> 32) | 1;
-        uint64_t bit = h1 % um, step = h2 % um;  /* probe j: (h1 + j h2) mod m, without a division each */
-        unsigned char *v = view.buf;
-        uint64_t at[MAX_PROBES];
-        Py_ssize_t k = probes < MAX_PROBES ? probes : MAX_PROBES;
-        for (Py_ssize_t j = 0; j < k; j++) {  /* the probes' bytes fetched at once, then set */
-            at[j] = bit;
-            __builtin_prefetch(v + (bit >> 3), 1);
-            bit += step;
-            if (bit >= um) bit -= um;
-        }
-        for (Py_ssize_t j = 0; j < k; j++) v[at[j] >> 3] |= (unsigned char)(1u << (at[j] & 7));
-        for (Py_ssize_t j = k; j < probes; j++) {
-            v[bit >> 3] |= (unsigned char)(1u << (bit & 7));
-            bit += step;
-            if (bit >= um) bit -= um;
+        Hashes k = hashes_of(x);
+        unsigned char *line = (unsigned char *)view.buf + ((k.h % ((uint64_t)m / BLOCK_BITS)) * BLOCK_BITS >> 3);
+        for (Py_ssize_t j = 0; j < probes; j++) {  /* (one cache line) */
+            unsigned bit = probe_bit(&k, (long)j);
+            line[bit >> 3] |= (unsigned char)(1u << (bit & 7));
         }
         n++;
     }
