@@ -362,8 +362,10 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
 
 
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
-        misses: bool = False) -> dict:
-    warm = synthetic_stream(pool_blocks // 4, pool_blocks, seed=1)  # a pool already filling up
+        misses: bool = False, warm_events: int | None = None) -> dict:
+    # a pool already filling up (by default); its hashes count from 1 as the measured stream's do,
+    # so a warm-up longer than the pool makes a window that stores again what was evicted
+    warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1)
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
     events, blocks = count_events(payloads)
     runs, on = [], []
@@ -402,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvplay.bench.mirror_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--pool-blocks", type=int, default=100_000)
+    ap.add_argument("--warm", type=int, default=None, metavar="N",
+                    help="events before the measured ones (default: a quarter of --pool-blocks); with more than the "
+                         "pool holds, the measured events store again what was evicted (recomputed chains)")
     ap.add_argument("--no-socket", action="store_true")
     ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
     ap.add_argument("--misses", action="store_true",
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
                   f"max {r['lag_ms_max']} ms")
         return 0
-    r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses)
+    r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
+            warm_events=args.warm)
     if args.json:
         print(json.dumps(r))
     else:
