@@ -30,14 +30,14 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
   (a caught hash collision; with ``--no-verify`` the engine would have served it).
 
 **Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of at
-least the last ``recent`` removals with their details (16,384 by default, at most 512 more: about
-4 MiB at most, less where removals share their details), and behind it, per reason, a rotating pair of Bloom filters that
-remember at least the next
-``bloom_capacity`` (131,072) removals without details (then ``evicted_by`` says "?"). Each
-filter has 20 bits per item and 14 probes: a false positive rate of at most 6.7e-5 per filter
-when full, so a never-stored block is reported as removed with probability at most 4.0e-4
-(two generations, three reasons; ``RemovedLog.false_positive_bound``); the filters cost 1.9 MiB
-when all six exist (each is made on its first use). The content index behind ``isolated``,
+least the last ``recent`` removals with their details (16,384 by default, at most 4,096 more:
+about 5 MiB at most, less where removals share their details), and behind it, per reason, a
+rotating pair of blocked Bloom filters that remember at least the next ``bloom_capacity``
+(131,072) removals without details (then ``evicted_by`` says "?"). Each filter has 24 bits per
+item and 12 probes, all in one 64-byte block: a false positive rate of about 5.1e-5 per filter
+when full, so a never-stored block is reported as removed with probability about 3.1e-4 (two
+generations, three reasons; ``RemovedLog.false_positive_bound``; tests measure it on random and
+sequential keys); the filters cost 2.25 MiB when all six exist (each is made on its first use). The content index behind ``isolated``,
 ``diverged`` and ``config`` holds only blocks that are cached now (bounded by the pool).
 
 **Cost.** An admission looks at O(1) blocks in the common cases: the store/removal checks and

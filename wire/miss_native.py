@@ -2,10 +2,10 @@
 CPython extension built on first use with the host's C compiler (engine/cbuild.py, cached by a
 hash of the source, the flags and the Python it is built for), then imported from the cache.
 
-`scan()` and `flusher()` are None where it cannot be built or loaded (no compiler, no Python
-headers, a failed build) or where `KVPLAY_NATIVE=0`: PodMisses then runs its Python loop, which
-gives the same results at about 1.7x the mirror's CPU time, against 1.3x compiled (`python -m
-kvplay.bench.mirror_bench --no-socket --misses`, docs/miss.md).
+`scan()`, `flusher()` and `filterer()` are None where it cannot be built or loaded (no compiler,
+no Python headers, a failed build) or where `KVPLAY_NATIVE=0`: PodMisses then runs its Python
+loop, which gives the same results at a higher cost (`python -m kvplay.bench.mirror_bench
+--no-socket --misses`, docs/miss.md).
 """
 from __future__ import annotations
 

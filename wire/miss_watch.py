@@ -33,18 +33,24 @@ branch point; attach, which knows each turn's prompt, explains it whole (`explai
 engine/miss.py's attribution over the Mirror through `MirrorPool`).
 
 **Compiled.** The per-event loop runs in C where it can be built (csrc/miss_chains.c through
-wire/miss_native.py: the same loop over the same objects, the usual chains inline), with this
-module's Python loop (`PodMisses._scan`) as its reference and fallback; the tests run both on
-every batch. On `python -m kvplay.bench.mirror_bench --no-socket --misses` it costs 1.2-1.4x the
-mirror's CPU time (the Python loop: 1.6x): what remains is a dict entry per stored block, a
-chain tuple per stored event and the Bloom filters' bits per removed block (docs/miss.md).
+wire/miss_native.py: the same loop over the same objects, the usual chains inline: a cold one,
+a branch from a cached block, a chain recomputed after a removal), with this module's Python
+loop (`PodMisses._scan`) as its reference and fallback; the tests run both on every batch. What
+it costs the mirror: docs/miss.md ("Cost", `python -m kvplay.bench.mirror_bench --no-socket
+--misses`).
 
-**Bounded.** Per pod: the `RemovedLog` (at most 16,896 recent removals with details, then
-Bloom filters: 0.6 MiB a reason, a false positive rate of at most 4.0e-4 over all three); the
-chains of cached blocks (a map of the cached keys to their chain, swept when the chains hold
-more than twice the cached blocks: bounded by the pool); the newest chain per parent;
-`TIER_KEYS` hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted
-by name (the rest as "others").
+**Found through the mirror.** A chain is one tuple per stored event. The mirror slot of each
+of its blocks names it (`chain_at`), and the slot of a cached parent names the newest chain
+stored under it (`heads_at`): a cached key's chain is `chain_at[key_slot[key]]`, and a chain
+lives while a slot names it. So there is no map of every stored key to sweep: what is held
+follows the pool by construction.
+
+**Bounded.** Per pod: the `RemovedLog` (at most 20,480 recent removals with details, then
+blocked Bloom filters: 0.75 MiB a reason, a false positive rate of about 3.1e-4 over all
+three); a chain and a parent's newest chain per mirror slot; the newest root chain per first
+token (swept to the cached ones when they outnumber twice the cached blocks); `TIER_KEYS`
+hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted by name (the
+rest as "others").
 """
 from __future__ import annotations
 
@@ -73,7 +79,7 @@ MAX_DETAILS = 64        # recomputed / branch entries listed per batch
 SWEEP_SLACK = 1 << 16   # roots beyond twice the cached blocks before a sweep
 DETOKENIZE_PER_S = 16   # /detokenize calls a pod's branch texts may make per second
 COMPARED = 4            # sibling blocks compared token by token at a branch (the likeliest first)
-BY_AT = 16896           # batches whose evicting session is remembered (as many as the RemovedLog's details)
+BY_AT = 16384 + 4096    # batches whose evicting session is remembered (as many as the RemovedLog's details)
 
 # A chain of blocks stored in one event is one tuple (immutable, so the garbage collector soon
 # stops tracking it): the depth of its first block in blocks (None: unknown, its parent's chain
