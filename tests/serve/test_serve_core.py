@@ -4,6 +4,7 @@ HTTP front end. Real processes, a real socketpair, real ZMQ and SQLite on loopba
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -56,12 +57,23 @@ def _stream(client, url, body, headers=None):
     return chunks
 
 
+def _same(a, b) -> bool:
+    """Equal, floats within 1e-4 (logprobs across two processes)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=0, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_replies_through_the_core_match_the_in_process_engine(core_serve, serve, monkeypatch):
     """Greedy replies, streamed and not, with n = 2 and logprobs: token for token what the
-    same engine gives in the HTTP process. Bit for bit across two processes only when neither
-    runs the start-up forward: with it, the two processes' first forwards met differently
-    warmed heaps and 3 of 5 runs differed in the last bits of a logprob (0 of 5 without; within
-    one process the logits are the same with and without it, tests/engine/test_warm_up.py)."""
+    same engine gives in the HTTP process, every logprob within 1e-4. Not bit for bit: across two
+    processes a logprob's last bits can differ (with the start-up forward 3 of 5 runs did, the two
+    processes' heaps warmed differently; without it a full CI run still showed one); within one
+    process the logits are the same with and without it (tests/engine/test_warm_up.py)."""
     monkeypatch.setenv("KVPLAY_WARM_UP", "0")  # both engines: the core process inherits it
     c_srv, _, side = core_serve()
     l_srv, _ = serve(device="cpu", dtype="float32", threads=1)
@@ -83,7 +95,7 @@ def test_replies_through_the_core_match_the_in_process_engine(core_serve, serve,
             got[name] = (body["choices"], comp.json()["choices"], "".join(
                 c["choices"][0]["text"] for c in chunks if c.get("choices")), chunks[-1]["usage"])
     core, local = got["core"], got["local"]
-    assert core[0] == local[0] and core[1] == local[1]  # texts, finish reasons and every logprob
+    assert _same(core[0], local[0]) and _same(core[1], local[1])  # texts, finish reasons, every logprob
     assert core[0][0]["logprobs"]["content"][0]["top_logprobs"]
     assert core[2] == local[2] and core[3]["completion_tokens"] == local[3]["completion_tokens"] == 5
 

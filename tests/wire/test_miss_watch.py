@@ -430,7 +430,12 @@ def test_watch_of_kvplay_serve_agrees_with_the_engines_reasons(free_port, serve,
         complete("carol", [4 + (i * 37 + k * 11) % 99 for k in range(69)])
     alice2 = complete("alice", rng)
     pub = state.side.events.publisher
-    got = w.until(lambda d: d.get("seq") == pub.next_seq - 1, timeout=30)
+
+    def alice_back(d):  # the batch of alice's second turn: its blocks recomputed after eviction
+        return any(r.get("session") == "alice" for r in (d.get("miss") or {}).get("recomputed", []))
+
+    # (the reply can come before the step's events are published: wait for those, then for the rest)
+    got = w.until(alice_back, timeout=30)
     while pub.next_seq - 1 > max(d.get("seq", -1) for d in got):
         got += w.until(lambda d: d.get("seq") == pub.next_seq - 1, timeout=30)
     rest = w.stop()
