@@ -8,16 +8,19 @@ extension).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .model_spec import cache_root
 
 BUILD_TIMEOUT_S = 120
+OFF = "KVPLAY_NATIVE=0"  # why nothing is loaded when the user turned it off (not logged)
 
 
 def cpu_id() -> str:
@@ -79,3 +82,18 @@ def built(stem: str, sources: list[Path], headers: list[Path], flags: list[str],
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             return None, f"build failed: {e}"
     return target, None
+
+
+def load_once(state: dict, lock, load: Callable[[], tuple], log: logging.Logger, unavailable: str):
+    """What `load()` -> (value or None, why not) gives, called once per process under `lock` and
+    kept in `state` ("value", "why"); a reason other than `OFF` is logged once as `unavailable`
+    (a format with one %s)."""
+    if "value" not in state:
+        with lock:
+            if "value" not in state:
+                value, why = load()
+                if why is not None and why != OFF:
+                    log.warning(unavailable, why)
+                state["why"] = why
+                state["value"] = value
+    return state["value"]

@@ -124,8 +124,8 @@ class RotatingBloom:
         if probes > MAX_PROBES:
             raise ValueError(f"at most {MAX_PROBES} probes")
         self.capacity, self.probes = capacity, probes
-        self.blocks = -(-capacity * bits_per_item // BLOCK_BITS)
-        self.m = self.blocks * BLOCK_BITS  # bits per generation
+        self.m = self.size(capacity, bits_per_item)  # bits per generation
+        self.blocks = self.m // BLOCK_BITS
         self._cur = np.zeros(self.m // 8, dtype=np.uint8)
         self._prev = np.zeros(self.m // 8, dtype=np.uint8)
         self._vcur, self._vprev = memoryview(self._cur), memoryview(self._prev)  # bytes read as ints

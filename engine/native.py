@@ -39,7 +39,7 @@ HEADERS = [CSRC / "vexp.h"]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
-_state: dict = {}  # "fn": the loaded function or None, once tried; "why": why not
+_state: dict = {}  # cbuild.load_once's: "value" (the kernels or None, once tried), "why" (why not)
 
 
 def library_path() -> Path:
@@ -48,7 +48,7 @@ def library_path() -> Path:
 
 def _load():
     if os.environ.get("KVPLAY_NATIVE", "1") == "0":
-        return None, "KVPLAY_NATIVE=0"
+        return None, cbuild.OFF
     target, why = cbuild.built("kvplay_kernels", SOURCES, HEADERS, FLAGS)
     if target is None:
         return None, why
@@ -89,15 +89,7 @@ class Kernels:
 def kernel() -> Kernels | None:
     """The compiled kernels, built and loaded once per process; None where they cannot be
     (`why_not()` says why, logged once)."""
-    if "fn" not in _state:
-        with _lock:
-            if "fn" not in _state:
-                fn, why = _load()
-                if why is not None and why != "KVPLAY_NATIVE=0":
-                    log.warning("compiled kernels unavailable (%s); using torch ops", why)
-                _state["why"] = why
-                _state["fn"] = fn
-    return _state["fn"]
+    return cbuild.load_once(_state, _lock, _load, log, "compiled kernels unavailable (%s); using torch ops")
 
 
 def why_not() -> str | None:

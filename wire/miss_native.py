@@ -32,7 +32,7 @@ SOURCE = Path(__file__).parent / "csrc" / "miss_chains.c"
 FLAGS = ["-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-I" + sysconfig.get_paths()["include"]]
 
 _lock = threading.Lock()
-_state: dict = {}  # "mod": the compiled module or None, once tried; "why": why not
+_state: dict = {}  # cbuild.load_once's: "value" (the module or None, once tried), "why" (why not)
 
 
 def has_headers() -> bool:
@@ -42,7 +42,7 @@ def has_headers() -> bool:
 
 def _load():
     if os.environ.get("KVPLAY_NATIVE", "1") == "0":
-        return None, "KVPLAY_NATIVE=0"
+        return None, cbuild.OFF
     if not has_headers():
         return None, "no Python headers (Python.h)"
     target, why = cbuild.built(NAME, [SOURCE], [], FLAGS, suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so",
@@ -64,15 +64,7 @@ def _load():
 def module():
     """The compiled module (`scan`, `flush`), built and loaded once per process; None where it
     cannot be (`why_not()` says why, logged once)."""
-    if "mod" not in _state:
-        with _lock:
-            if "mod" not in _state:
-                mod, why = _load()
-                if why is not None and why != "KVPLAY_NATIVE=0":
-                    log.warning("compiled miss attribution unavailable (%s); using Python", why)
-                _state["why"] = why
-                _state["mod"] = mod
-    return _state["mod"]
+    return cbuild.load_once(_state, _lock, _load, log, "compiled miss attribution unavailable (%s); using Python")
 
 
 def scan(places: dict):
