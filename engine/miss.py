@@ -245,17 +245,22 @@ _reason_of = itemgetter(0)  # a Removal's reason
 class RemovedLog:
     """Keys (block hashes, or content keys; ints) that were stored and removed, with why: at
     least the last `recent` with their details in a map (at most `recent` + `flush_every`: the
-    oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason."""
+    oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason.
+
+    The map is a dict, or what `recent_map(capacity)` makes: the watch side's compiled one
+    (wire/csrc/recent_map.h: a dict's behaviour for int keys, in a ring and an index, where a
+    dict of that churn costs ~5 cache misses a removal)."""
 
     def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 24,
                  probes: int = 12, flush_every: int = 4096, flusher: Callable | None = None,
-                 filterer: Callable | None = None):
+                 filterer: Callable | None = None, recent_map: Callable | None = None):
         self.recent_capacity = recent
         self._flusher = flusher  # flush compiled (wire/miss_native.py): flusher(self), the same result
         self._filterer = filterer  # `filtered` compiled: filterer(self, key), the same result
         self._bloom_args = (bloom_capacity, bits_per_item, probes)
-        self.recent: dict[int, Removal] = {}  # insertion-ordered: the oldest first
         self._flush_every = max(1, flush_every)
+        # key -> Removal, insertion-ordered: the oldest first
+        self.recent = {} if recent_map is None else recent_map(recent + self._flush_every)
         self.blooms: dict[str, RotatingBloom] = {}  # reason -> filter, made on first use
         self._filters: list = []  # (reason, filter) of the filters made, in _REMOVAL_KINDS' order
 

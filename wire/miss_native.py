@@ -2,7 +2,7 @@
 CPython extension built on first use with the host's C compiler (engine/cbuild.py, cached by a
 hash of the source, the flags and the Python it is built for), then imported from the cache.
 
-`scan()`, `flusher()` and `filterer()` are None where it cannot be built or loaded (no compiler,
+`scan()`, `flusher()`, `filterer()` and `recent_map()` are None where it cannot be built or loaded (no compiler,
 no Python headers, a failed build) or where `KVPLAY_NATIVE=0`: PodMisses then runs its Python
 loop, which gives the same results at a higher cost (`python -m kvplay.bench.mirror_bench
 --no-socket --misses`, docs/miss.md).
@@ -29,6 +29,7 @@ PLACES = {"tier": 0, "evicted": 1, "cleared": 2, "config": 3, "isolated": 4, "di
 
 NAME = "kvplay_miss_chains"
 SOURCE = Path(__file__).parent / "csrc" / "miss_chains.c"
+HEADERS = [Path(__file__).parent / "csrc" / "recent_map.h"]
 FLAGS = ["-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-I" + sysconfig.get_paths()["include"]]
 
 _lock = threading.Lock()
@@ -45,7 +46,7 @@ def _load():
         return None, cbuild.OFF
     if not has_headers():
         return None, "no Python headers (Python.h)"
-    target, why = cbuild.built(NAME, [SOURCE], [], FLAGS, suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so",
+    target, why = cbuild.built(NAME, [SOURCE], HEADERS, FLAGS, suffix=sysconfig.get_config_var("EXT_SUFFIX") or ".so",
                                extra=sys.version)
     if target is None:
         return None, why
@@ -78,8 +79,16 @@ def scan(places: dict):
     return mod.scan
 
 
+def recent_map():
+    """The compiled RemovedLog recent map's type, `RecentMap(capacity)` (csrc/recent_map.h; None
+    where there is none)."""
+    mod = module()
+    return None if mod is None else mod.RecentMap
+
+
 def flusher():
-    """The compiled `RemovedLog.flush` (None where there is none)."""
+    """The compiled `RemovedLog.flush`, for a log whose recent map is a `RecentMap` (None where
+    there is none)."""
     mod = module()
     return None if mod is None else mod.flush
 

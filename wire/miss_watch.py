@@ -143,7 +143,8 @@ class PodMisses:
         self.mirror = mirror
         self._compiled = miss_native.scan(_AT)  # the compiled `_scan`, or None
         self.native = True  # False: the Python `_scan` (what the compiled one is checked against)
-        self.removed = RemovedLog(flusher=miss_native.flusher(), filterer=miss_native.filterer())
+        self.removed = RemovedLog(flusher=miss_native.flusher(), filterer=miss_native.filterer(),
+                                  recent_map=miss_native.recent_map())
         self.tracker = MissTracker(1, removed=self.removed) if explain else None
         self.detokenize = detokenize
         self.chain_at: list = []  # mirror slot -> the chain that last stored a block in it (None)

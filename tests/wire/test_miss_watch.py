@@ -154,13 +154,15 @@ def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monk
 
 
 def test_the_compiled_flush_fills_the_filters_bit_for_bit():
-    """RemovedLog.flush compiled (wire/miss_native.py) and in numpy: the same recent map, the same
-    Bloom bits and counts in both generations, through rotations."""
+    """RemovedLog.flush compiled over the compiled recent map (wire/miss_native.py) and in Python
+    over a dict: the same recent map, the same Bloom bits and counts in both generations, through
+    rotations."""
     rng = random.Random(7)
     if miss_native.flusher() is None:
         pytest.skip(f"no compiled flush here ({miss_native.why_not()})")
-    logs = [RemovedLog(recent=100, bloom_capacity=300, flush_every=16, flusher=f)
-            for f in (None, miss_native.flusher())]
+    logs = [RemovedLog(recent=100, bloom_capacity=300, flush_every=16),
+            RemovedLog(recent=100, bloom_capacity=300, flush_every=16, flusher=miss_native.flusher(),
+                       recent_map=miss_native.recent_map())]
     for i in range(3000):
         key = rng.choice([rng.getrandbits(64), rng.randrange(1000), -rng.getrandbits(70), 1 << 80])
         r = Removal(rng.choice(["evicted", "evicted", "cleared", "config"]), float(i))
@@ -178,6 +180,52 @@ def test_the_compiled_flush_fills_the_filters_bit_for_bit():
         assert fa._cur.tobytes() == fb._cur.tobytes() and fa._prev.tobytes() == fb._prev.tobytes()
     probes = [rng.getrandbits(64) for _ in range(2000)]
     assert [a.get(k) for k in probes] == [b.get(k) for k in probes]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_compiled_recent_map_behaves_as_a_dict(seed):
+    """RecentMap (csrc/recent_map.h) against a dict under the same random operations: setting
+    (a key that is there keeps its place), deleting, popping the oldest, updating, clearing;
+    keys of 64 bits, negative, and bigger ints; a small capacity, so its ring squeezes and grows."""
+    kind = miss_native.recent_map()
+    if kind is None:
+        pytest.skip(f"no compiled recent map here ({miss_native.why_not()})")
+    rng = random.Random(seed)
+    m, d = kind(rng.choice([1, 5, 16, 100])), {}
+
+    def key():
+        return rng.choice([rng.randrange(50), rng.getrandbits(64), -rng.getrandbits(63), -(1 << 63), (1 << 64) - 1,
+                           (1 << 64) + rng.randrange(3), -(1 << 70) - rng.randrange(3), rng.randrange(50) - 25])
+
+    for i in range(3000):
+        op, k = rng.random(), key()
+        if op < 0.5:
+            m[k] = d[k] = ("set", i)
+        elif op < 0.65:
+            assert m.pop(k, None) == d.pop(k, None)
+        elif op < 0.75:
+            assert m.get(k) == d.get(k) and (k in m) == (k in d)
+        elif op < 0.8 and d:
+            k = next(iter(d))
+            del m[k], d[k]
+        elif op < 0.85:
+            pairs = [(key(), ("update", i, j)) for j in range(rng.randrange(5))]
+            m.update(pairs)
+            d.update(pairs)
+        elif op < 0.86:
+            m.clear()
+            d.clear()
+        elif op < 0.9:
+            for k in list(d)[:rng.randrange(4)]:  # the oldest leave first, as a flush takes them
+                assert m.pop(k) == d.pop(k)
+        assert len(m) == len(d)
+        if i % 97 == 0:
+            assert m.items() == list(d.items()) and list(m) == list(d) and m.values() == list(d.values())
+    assert m.items() == list(d.items())
+    with pytest.raises(KeyError):
+        m[-12345678901234567890123]
+    with pytest.raises(TypeError):
+        m["a str"] = 1
 
 
 def test_the_compiled_filter_check_answers_as_the_python_one():

@@ -196,16 +196,28 @@ static Hashes hashes_of(uint64_t x) {
     return k;
 }
 
-/* Bit i of a key's probes in its block (i < 14). */
-static inline unsigned probe_bit(const Hashes *k, long i) {
-    return (unsigned)(((i < 7 ? k->u : k->v) >> (9 * (i % 7))) & (BLOCK_BITS - 1));
+#include "recent_map.h"
+
+/* A mirror key as the RemovedLog's (wire/miss_watch.py `_ikey`): an int as it is, anything else
+ * by its hash; 0, or -1 with an exception. */
+static int rkey_of_key(PyObject *k, RKey *out) {
+    if (PyLong_CheckExact(k)) return rkey_of(k, out);
+    Py_hash_t h = PyObject_Hash(k);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    out->bits = (uint64_t)h;
+    out->tag = h < 0;
+    out->big = NULL;
+    return 0;
 }
 
-/* Whether all `probes` bits of a key are set in one generation's bytes `v` (m bits). */
+/* Whether all `probes` bits of a key are set in one generation's bytes `v` (m bits): its probes
+ * are bits 0-8, 9-17, ... of u (the first 7), then of v. */
 static int block_has(const unsigned char *v, uint64_t m, const Hashes *k, long probes) {
     const unsigned char *line = v + ((k->h % (m / BLOCK_BITS)) * BLOCK_BITS >> 3);
-    for (long i = 0; i < probes; i++) {
-        unsigned bit = probe_bit(k, i);
+    uint64_t w = k->u;
+    for (long i = 0; i < probes; i++, w >>= 9) {
+        if (i == 7) w = k->v;
+        unsigned bit = (unsigned)(w & (BLOCK_BITS - 1));
         if (!((line[bit >> 3] >> (bit & 7)) & 1)) return 0;
     }
     return 1;
@@ -225,24 +237,21 @@ static PyObject *blooms_reason(const Blooms *bs, uint64_t x) {
     return NULL;
 }
 
-/* RemovedLog.get(ik) (a new reference; NULL: not removed, or an error when *err is set): the
+/* RemovedLog.get(key) (a new reference; NULL: not removed, or an error when *err is set): the
  * recent map, then the filters (read in `bs`; Python's `filtered` where they could not be). */
-static PyObject *removed_get(PyObject *recent, const Blooms *bs, PyObject *blooms, PyObject *removed, PyObject *ik,
+static PyObject *removed_get(const RecentMap *recent, const Blooms *bs, PyObject *blooms, PyObject *removed, RKey k,
                              int *err) {
-    PyObject *r = PyDict_GetItemWithError(recent, ik);
+    PyObject *r = rm_get(recent, k);
     if (r != NULL) return Py_NewRef(r);
-    if (PyErr_Occurred() || !PyDict_GET_SIZE(blooms)) {
-        *err = PyErr_Occurred() != NULL;
-        return NULL;
-    }
+    if (!PyDict_GET_SIZE(blooms)) return NULL;
     if (bs->ok) {
-        uint64_t x = PyLong_AsUnsignedLongLongMask(ik);
-        if (x == (uint64_t)-1 && PyErr_Occurred()) { *err = 1; return NULL; }
-        PyObject *reason = blooms_reason(bs, x);
+        PyObject *reason = blooms_reason(bs, k.bits);
         if (reason == NULL) return NULL;
         r = removal_of(reason);
     } else {
-        r = PyObject_CallMethodObjArgs(removed, s_filtered, ik, NULL);
+        PyObject *ik = k.tag == 0 ? PyLong_FromUnsignedLongLong(k.bits) : PyLong_FromLongLong((long long)k.bits);
+        r = ik == NULL ? NULL : PyObject_CallMethodObjArgs(removed, s_filtered, ik, NULL);
+        Py_XDECREF(ik);
         if (r == Py_None) Py_CLEAR(r);
         else if (r == NULL) *err = 1;
         return r;
@@ -457,7 +466,7 @@ static PyObject *head(PyObject *heads_at, Py_ssize_t ps, PyObject *pk) {
 
 /* Add `keys[0..n)` (ints, taken modulo 2^64) to a RotatingBloom: RotatingBloom.add_many, bit for
  * bit (a key's probes in its block: `hashes_of`; the generations rotate through its `rotate()`). */
-static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
+static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
     int err = 0;
     Py_ssize_t cap = attr_ssize(bloom, s_capacity, &err), n = attr_ssize(bloom, s_n, &err);
     Py_ssize_t m = attr_ssize(bloom, s_m, &err), probes = attr_ssize(bloom, s_probes, &err);
@@ -495,12 +504,12 @@ static int bloom_add(PyObject *bloom, PyObject **keys, Py_ssize_t nk) {
                 goto out;
             }
         }
-        uint64_t x = PyLong_AsUnsignedLongLongMask(keys[i]);
-        if (x == (uint64_t)-1 && PyErr_Occurred()) goto out;
-        Hashes k = hashes_of(x);
+        Hashes k = hashes_of(keys[i]);
         unsigned char *line = (unsigned char *)view.buf + ((k.h % ((uint64_t)m / BLOCK_BITS)) * BLOCK_BITS >> 3);
-        for (Py_ssize_t j = 0; j < probes; j++) {  /* (one cache line) */
-            unsigned bit = probe_bit(&k, (long)j);
+        uint64_t w = k.u;
+        for (Py_ssize_t j = 0; j < probes; j++, w >>= 9) {  /* (one cache line: see block_has) */
+            if (j == 7) w = k.v;
+            unsigned bit = (unsigned)(w & (BLOCK_BITS - 1));
             line[bit >> 3] |= (unsigned char)(1u << (bit & 7));
         }
         n++;
@@ -517,80 +526,64 @@ out:
 }
 
 /* flush(removed_log): RemovedLog.flush, compiled: the oldest removals beyond `recent_capacity`
- * leave the recent map for their reason's filter. */
+ * leave the recent map (a RecentMap) for their reason's filter, each reason's keys in order (the
+ * reasons in the order they first come). */
 static PyObject *flush(PyObject *self, PyObject *rl) {
     int err = 0;
     PyObject *rec = PyObject_GetAttr(rl, s_recent);
     if (rec == NULL) return NULL;
-    if (!PyDict_CheckExact(rec)) {
+    if (Py_TYPE(rec) != &RecentMapType) {
         Py_DECREF(rec);
-        PyErr_SetString(PyExc_TypeError, "the recent map");
+        PyErr_SetString(PyExc_TypeError, "the recent map: a RecentMap");
         return NULL;
     }
+    RecentMap *m = (RecentMap *)rec;
     Py_ssize_t cap = attr_ssize(rl, s_recent_capacity, &err);
     if (err) { Py_DECREF(rec); return NULL; }
-    Py_ssize_t n = PyDict_GET_SIZE(rec) - cap;
+    Py_ssize_t n = m->live - cap;
     if (n <= 0) { Py_DECREF(rec); Py_RETURN_NONE; }
-    PyObject **ks = PyMem_Malloc(2 * n * sizeof(PyObject *)), **rs = ks + n;
+    uint64_t *ks = PyMem_Malloc(2 * (size_t)n * sizeof(uint64_t)), *part = ks + n;
+    PyObject **rs = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+    char *done = PyMem_Calloc((size_t)n, 1);
     PyObject *result = NULL;
-    Py_ssize_t got = 0, pos = 0;
-    if (ks == NULL) { Py_DECREF(rec); return PyErr_NoMemory(); }
-    PyObject *k, *v;
-    while (got < n && PyDict_Next(rec, &pos, &k, &v)) {
-        Py_INCREF(k);
-        Py_INCREF(v);
-        ks[got] = k;
-        rs[got] = v;
-        got++;
-    }
-    for (Py_ssize_t i = 0; i < got; i++)
-        if (PyDict_DelItem(rec, ks[i]) < 0) goto out;
+    Py_ssize_t got = 0;
+    if (ks == NULL || rs == NULL || done == NULL) { PyErr_NoMemory(); goto out; }
+    unsigned char tag;
+    while (got < n && rm_pop_oldest(m, &ks[got], &tag, &rs[got])) got++;
     /* each reason's keys, in order, into its filter (the reasons in the order they first come) */
-    {
-        PyObject **part = PyMem_Malloc((got ? got : 1) * sizeof(PyObject *));
-        char *done = PyMem_Calloc(got ? got : 1, 1);
-        if (part == NULL || done == NULL) { PyMem_Free(part); PyMem_Free(done); PyErr_NoMemory(); goto out; }
-        int bad = 0;
-        for (Py_ssize_t i = 0; i < got && !bad; i++) {
-            if (done[i]) continue;
-            if (!PyTuple_Check(rs[i]) || PyTuple_GET_SIZE(rs[i]) < 1) {
-                PyErr_SetString(PyExc_TypeError, "a removal");
-                bad = 1;
-                break;
-            }
-            PyObject *reason = PyTuple_GET_ITEM(rs[i], 0);
-            Py_ssize_t np = 0;
-            for (Py_ssize_t j = i; j < got; j++) {
-                if (done[j]) continue;
-                PyObject *rj = PyTuple_Check(rs[j]) && PyTuple_GET_SIZE(rs[j]) ? PyTuple_GET_ITEM(rs[j], 0) : NULL;
-                int same = rj == reason;
-                if (!same && rj != NULL) {
-                    same = PyObject_RichCompareBool(rj, reason, Py_EQ);
-                    if (same < 0) { bad = 1; break; }
-                }
-                if (same) {
-                    part[np++] = ks[j];
-                    done[j] = 1;
-                }
-            }
-            if (bad) break;
-            PyObject *bloom = PyObject_CallMethodOneArg(rl, s_bloom_for, reason);
-            if (bloom == NULL) { bad = 1; break; }
-            if (bloom_add(bloom, part, np) < 0) bad = 1;
-            Py_DECREF(bloom);
+    for (Py_ssize_t i = 0; i < got; i++) {
+        if (done[i]) continue;
+        if (!PyTuple_Check(rs[i]) || PyTuple_GET_SIZE(rs[i]) < 1) {
+            PyErr_SetString(PyExc_TypeError, "a removal");
+            goto out;
         }
-        PyMem_Free(part);
-        PyMem_Free(done);
+        PyObject *reason = PyTuple_GET_ITEM(rs[i], 0);
+        Py_ssize_t np = 0;
+        for (Py_ssize_t j = i; j < got; j++) {
+            if (done[j]) continue;
+            PyObject *rj = PyTuple_Check(rs[j]) && PyTuple_GET_SIZE(rs[j]) ? PyTuple_GET_ITEM(rs[j], 0) : NULL;
+            int same = rj == reason;
+            if (!same && rj != NULL) {
+                same = PyObject_RichCompareBool(rj, reason, Py_EQ);
+                if (same < 0) goto out;
+            }
+            if (same) {
+                part[np++] = ks[j];
+                done[j] = 1;
+            }
+        }
+        PyObject *bloom = PyObject_CallMethodOneArg(rl, s_bloom_for, reason);
+        if (bloom == NULL) goto out;
+        int bad = bloom_add(bloom, part, np) < 0;
+        Py_DECREF(bloom);
         if (bad) goto out;
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = Py_NewRef(Py_None);
 out:
-    for (Py_ssize_t i = 0; i < got; i++) {
-        Py_DECREF(ks[i]);
-        Py_DECREF(rs[i]);
-    }
+    for (Py_ssize_t i = 0; i < got; i++) Py_DECREF(rs[i]);
     PyMem_Free(ks);
+    PyMem_Free(rs);
+    PyMem_Free(done);
     Py_DECREF(rec);
     return result;
 }
@@ -786,7 +779,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     GET(blooms, removed, s_blooms);
     if (!PyDict_CheckExact(by_at) || !PyList_CheckExact(chain_at) || !PyList_CheckExact(heads_at) || !PyDict_CheckExact(roots) ||
         !PyDict_CheckExact(held) || !PyDict_CheckExact(sessions) ||
-        !PyDict_CheckExact(cached) || !PyList_CheckExact(tv) || !PyDict_CheckExact(recent) ||
+        !PyDict_CheckExact(cached) || !PyList_CheckExact(tv) || Py_TYPE(recent) != &RecentMapType ||
         !PyDict_CheckExact(blooms)) {
         PyErr_SetString(PyExc_TypeError, "miss_chains: unexpected state types");
         goto fail;
@@ -814,7 +807,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyObject *cls = (PyObject *)Py_TYPE(ev);
         if (cls == Stored) {
             PyObject *hs = NULL, *pk = NULL, *user = NULL, *toks = NULL, *extras = NULL, *pr = NULL, *sibs = NULL,
-                     *depth = NULL, *r = NULL, *run = NULL, *mark = NULL, *ik = NULL, *gi = NULL, *szo = NULL;
+                     *depth = NULL, *r = NULL, *run = NULL, *mark = NULL, *gi = NULL, *szo = NULL;
             int sibs_true = 0, ok = 0;
             Py_ssize_t at = -1, ps = -1;
             long ri = -1, q = 0, size;
@@ -908,17 +901,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 }
             }
             PyObject *k0 = PyList_GET_ITEM(hs, 0);
-            if (PyLong_CheckExact(k0)) {
-                ik = k0;
-                Py_INCREF(ik);
-            } else {
-                Py_hash_t h = PyObject_Hash(k0);
-                if (h == -1 && PyErr_Occurred()) goto stored_fail;
-                if ((ik = PyLong_FromSsize_t(h)) == NULL) goto stored_fail;
-            }
             {
-                int e = 0;
-                r = removed_get(recent, &bs, blooms, removed, ik, &e);
+                RKey rk0;
+                int e = rkey_of_key(k0, &rk0) < 0;
+                if (!e) r = removed_get((RecentMap *)recent, &bs, blooms, removed, rk0, &e);
                 if (e) goto stored_fail;
             }
             if ((extras = fget(ev, F_EXTRA_KEYS)) == NULL) goto stored_fail;
@@ -1045,15 +1031,9 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 long k = 1;
                 int bad = by == NULL;
                 for (; k < (long)n && !bad; k++) {
-                    PyObject *key = PyList_GET_ITEM(hs, k), *ikk;
-                    if (PyLong_CheckExact(key)) ikk = Py_NewRef(key);
-                    else {
-                        Py_hash_t h = PyObject_Hash(key);
-                        ikk = h == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(h);
-                    }
-                    int e = ikk == NULL;
-                    PyObject *rk = e ? NULL : removed_get(recent, &bs, blooms, removed, ikk, &e);
-                    Py_XDECREF(ikk);
+                    RKey kk_;
+                    int e = rkey_of_key(PyList_GET_ITEM(hs, k), &kk_) < 0;
+                    PyObject *rk = e ? NULL : removed_get((RecentMap *)recent, &bs, blooms, removed, kk_, &e);
                     if (e) { bad = 1; break; }
                     if (rk == NULL) break;
                     int ne = !PyTuple_Check(rk) || PyTuple_GET_SIZE(rk) < 5 ? -2
@@ -1219,7 +1199,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         stored_fail:
             Py_XDECREF(hs); Py_XDECREF(pk); Py_XDECREF(user); Py_XDECREF(toks); Py_XDECREF(extras);
             Py_XDECREF(pr); Py_XDECREF(sibs); Py_XDECREF(depth); Py_XDECREF(r); Py_XDECREF(run);
-            Py_XDECREF(mark); Py_XDECREF(ik); Py_XDECREF(gi); Py_XDECREF(szo);
+            Py_XDECREF(mark); Py_XDECREF(gi); Py_XDECREF(szo);
             if (!ok) goto fail;
         } else if (cls == Hit) {
             continue;
@@ -1254,24 +1234,17 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     if (!bad) untrack(usual_removal);  /* (a namedtuple: the collector never untracks it) */
                 }
                 for (Py_ssize_t i = 0; i < nh && !bad; i++) {
-                    PyObject *k = PySequence_Fast_GET_ITEM(fh, i), *ik;
-                    if (PyLong_CheckExact(k)) {
-                        ik = k;
-                        Py_INCREF(ik);
-                    } else {
-                        Py_hash_t h = PyObject_Hash(k);
-                        ik = h == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(h);
-                    }
-                    bad = ik == NULL || PyDict_SetItem(recent, ik, usual_removal) < 0 ||
+                    RKey k;
+                    bad = rkey_of_key(PySequence_Fast_GET_ITEM(fh, i), &k) < 0 ||
+                          rm_set((RecentMap *)recent, k, usual_removal) < 0 ||
                           PyList_Append(whose, PySequence_Fast_GET_ITEM(fc, i)) < 0;
-                    Py_XDECREF(ik);
                 }
                 gone += nh;
                 Py_XDECREF(fh);
                 Py_XDECREF(fc);
                 Py_DECREF(hs);
                 Py_DECREF(cr);
-                if (!bad && PyDict_GET_SIZE(recent) >= rec_cap) {
+                if (!bad && ((RecentMap *)recent)->live >= rec_cap) {
                     PyObject *t = flush(NULL, removed);
                     bad = t == NULL;
                     Py_XDECREF(t);
@@ -1408,10 +1381,19 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
     if ((kinds[1] = PyUnicode_InternFromString("cleared")) == NULL) return NULL;
+    if (PyType_Ready(&RecentMapType) < 0) return NULL;
     kinds[0] = u_evicted;
     kinds[2] = u_config;
     PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
                             s_group_idx, s_creators, s_reason, s_by_user, s_ts, s_block_ids};
     memcpy(field_names, f, sizeof f);
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    Py_INCREF(&RecentMapType);
+    if (PyModule_AddObject(mod, "RecentMap", (PyObject *)&RecentMapType) < 0) {
+        Py_DECREF(&RecentMapType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }
