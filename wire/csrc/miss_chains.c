@@ -29,6 +29,7 @@ enum { R_TIER, R_EVICTED, R_CLEARED, R_CONFIG, R_ISOLATED, R_DIVERGED, R_COLD, N
 #define M1 0xBF58476D1CE4E5B9ULL
 #define M2 0x94D049BB133111EBULL
 #define MAX_PROBES 14  /* engine/miss.py's: 9 bits each from two 64-bit hashes */
+#define PREFETCH 8     /* how many keys ahead a loop over random lines asks for its line */
 
 static PyObject *Stored, *Removed, *Hit, *Tier, *Cleared, *RemovalCls, *AT;
 static PyObject *reason_names[NC];  /* each counted reason's name, by its place (AT inverted) */
@@ -225,6 +226,8 @@ static int block_has(const unsigned char *v, uint64_t m, const Hashes *k, long p
 
 /* RotatingBloom.has: whether one filter may hold the key of probe hashes `k`. */
 static int bloom_has(const Bloom *b, const Hashes *k) {
+    if (b->n_prev)  /* (both generations' lines asked for at once: the misses overlap) */
+        __builtin_prefetch((const unsigned char *)b->prev.buf + ((k->h % (b->m / BLOCK_BITS)) * BLOCK_BITS >> 3));
     return (b->n && block_has(b->cur.buf, b->m, k, b->probes)) || (b->n_prev && block_has(b->prev.buf, b->m, k, b->probes));
 }
 
@@ -478,6 +481,7 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
     Py_buffer view;
     int held = 0;
     int rc = -1;
+    uint64_t blocks = (uint64_t)m / BLOCK_BITS;
     for (Py_ssize_t i = 0; i < nk; i++) {
         if (n >= cap || !held) {
             if (held) {
@@ -504,8 +508,10 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
                 goto out;
             }
         }
+        if (i + PREFETCH < nk && n + PREFETCH < cap)  /* (a line a few keys ahead: the misses overlap) */
+            __builtin_prefetch((unsigned char *)view.buf + ((hashes_of(keys[i + PREFETCH]).h % blocks) * BLOCK_BITS >> 3), 1);
         Hashes k = hashes_of(keys[i]);
-        unsigned char *line = (unsigned char *)view.buf + ((k.h % ((uint64_t)m / BLOCK_BITS)) * BLOCK_BITS >> 3);
+        unsigned char *line = (unsigned char *)view.buf + ((k.h % blocks) * BLOCK_BITS >> 3);
         uint64_t w = k.u;
         for (Py_ssize_t j = 0; j < probes; j++, w >>= 9) {  /* (one cache line: see block_has) */
             if (j == 7) w = k.v;
@@ -548,8 +554,7 @@ static PyObject *flush(PyObject *self, PyObject *rl) {
     PyObject *result = NULL;
     Py_ssize_t got = 0;
     if (ks == NULL || rs == NULL || done == NULL) { PyErr_NoMemory(); goto out; }
-    unsigned char tag;
-    while (got < n && rm_pop_oldest(m, &ks[got], &tag, &rs[got])) got++;
+    got = rm_pop_oldest_n(m, n, ks, rs);
     /* each reason's keys, in order, into its filter (the reasons in the order they first come) */
     for (Py_ssize_t i = 0; i < got; i++) {
         if (done[i]) continue;
@@ -588,46 +593,71 @@ out:
     return result;
 }
 
-/* PodMisses._whose(whose): each creator's evicted blocks into `ev_from` (a Counter), the ones
- * not counted by name yet as OTHERS once `max_sessions` are. */
+/* Whose blocks a batch's usual evictions were (PodMisses._whose's `creators`, gathered at the
+ * batch's end): its first WHOSE_CACHE creators (by value, as a Counter counts them) with their
+ * counts, in the order each first came; any further creator one by one in `more` (a list). */
 #define WHOSE_CACHE 32
-static int count_whose(PyObject *ev_from, PyObject *whose, Py_ssize_t max_sessions) {
+typedef struct {
+    PyObject *who[WHOSE_CACHE];  /* (references held: whose_release) */
+    Py_hash_t hash[WHOSE_CACHE];
+    long count[WHOSE_CACHE];
+    int n, last;
+} Whose;
+
+static int whose_add(Whose *w, PyObject *c, PyObject *more) {
+    if (w->n && w->who[w->last] == c) {  /* (an event's blocks: mostly one creator's) */
+        w->count[w->last]++;
+        return 0;
+    }
+    for (int j = 0; j < w->n; j++)
+        if (w->who[j] == c) {
+            w->count[w->last = j]++;
+            return 0;
+        }
+    Py_hash_t h = PyObject_Hash(c);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    for (int j = 0; j < w->n; j++) {
+        if (w->hash[j] != h) continue;
+        int eq = PyObject_RichCompareBool(w->who[j], c, Py_EQ);
+        if (eq < 0) return -1;
+        if (eq) {
+            w->count[w->last = j]++;
+            return 0;
+        }
+    }
+    if (w->n == WHOSE_CACHE) return PyList_Append(more, c);
+    w->who[w->n] = Py_NewRef(c);
+    w->hash[w->n] = h;
+    w->count[w->n] = 1;
+    w->last = w->n++;
+    return 0;
+}
+
+static void whose_release(Whose *w) {
+    for (int j = 0; j < w->n; j++) Py_DECREF(w->who[j]);
+    w->n = w->last = 0;
+}
+
+/* PodMisses._whose(creators) of the creators gathered in `w` then `more`: each creator's evicted
+ * blocks into `ev_from` (a Counter), the ones not counted by name yet as OTHERS once
+ * `max_sessions` are. */
+static int count_whose(PyObject *ev_from, const Whose *w, PyObject *more, Py_ssize_t max_sessions) {
     if (!PyDict_Check(ev_from)) {
         PyErr_SetString(PyExc_TypeError, "evicted_from");
         return -1;
     }
-    Py_ssize_t n = PyList_GET_SIZE(whose);
-    if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *c = PyList_GET_ITEM(whose, i);
+    int full = PyDict_GET_SIZE(ev_from) >= max_sessions;
+    Py_ssize_t n = PyList_GET_SIZE(more);
+    for (Py_ssize_t i = 0; i < w->n + n; i++) {
+        PyObject *c = i < w->n ? w->who[i] : PyList_GET_ITEM(more, i - w->n);
+        long k = i < w->n ? w->count[i] : 1;
+        if (full) {
             int in = PyDict_Contains(ev_from, c);
-            if (in < 0 || dict_add_long(ev_from, in ? c : u_others, 1) < 0) return -1;
+            if (in < 0) return -1;
+            if (!in) c = u_others;
         }
-        return 0;
+        if (dict_add_long(ev_from, c, k) < 0) return -1;
     }
-    PyObject *who[WHOSE_CACHE];
-    long count[WHOSE_CACHE];
-    int k = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *c = PyList_GET_ITEM(whose, i);
-        int j = 0;
-        while (j < k && who[j] != c) j++;
-        if (j < k) {
-            count[j]++;
-            continue;
-        }
-        if (k == WHOSE_CACHE) {  /* many creators: the rest one by one (after those held, in order) */
-            for (j = 0; j < k; j++)
-                if (dict_add_long(ev_from, who[j], count[j]) < 0) return -1;
-            for (; i < n; i++)
-                if (dict_add_long(ev_from, PyList_GET_ITEM(whose, i), 1) < 0) return -1;
-            return 0;
-        }
-        who[k] = c;
-        count[k++] = 1;
-    }
-    for (int j = 0; j < k; j++)
-        if (dict_add_long(ev_from, who[j], count[j]) < 0) return -1;
     return 0;
 }
 
@@ -759,6 +789,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long tally[2 * NC] = {0};
     Users users;
     users.n = 0;
+    Whose wh;
+    wh.n = wh.last = 0;
     Py_ssize_t off = 0, nslots = 0;
     int evicted = 0;
     int pod_none = pod == Py_None;
@@ -1237,7 +1269,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     RKey k;
                     bad = rkey_of_key(PySequence_Fast_GET_ITEM(fh, i), &k) < 0 ||
                           rm_set((RecentMap *)recent, k, usual_removal) < 0 ||
-                          PyList_Append(whose, PySequence_Fast_GET_ITEM(fc, i)) < 0;
+                          whose_add(&wh, PySequence_Fast_GET_ITEM(fc, i), whose) < 0;
                 }
                 gone += nh;
                 Py_XDECREF(fh);
@@ -1276,13 +1308,12 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     if (users_enter(&users, fill) < 0) goto fail;
-    /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end), counted by
-     * creator object first (a batch evicts few creators' blocks many times), then added in the
-     * order each first came */
-    if (PyList_GET_SIZE(whose)) {
+    /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end): counted as
+     * they came (a batch evicts few creators' blocks many times), added in the order each first came */
+    if (wh.n) {
         PyObject *ev_from = NULL;
         GET(ev_from, pm, s_evicted_from);
-        int rc = count_whose(ev_from, whose, max_sessions);
+        int rc = count_whose(ev_from, &wh, whose, max_sessions);
         Py_DECREF(ev_from);
         if (rc < 0) goto fail;
         if (PyList_SetSlice(whose, 0, PyList_GET_SIZE(whose), NULL) < 0) goto fail;
@@ -1306,6 +1337,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 fail:
 #undef GET
     users_release(&users);
+    whose_release(&wh);
     blooms_release(&bs);
     Py_XDECREF(usual_removal);
     Py_XDECREF(by_at); Py_XDECREF(chain_at); Py_XDECREF(heads_at); Py_XDECREF(roots); Py_XDECREF(held);

@@ -21,6 +21,9 @@
 #define KVPLAY_RECENT_MAP_H
 
 #define RM_SPLIT 0x9E3779B97F4A7C15ULL
+#ifndef PREFETCH
+#define PREFETCH 8  /* how many keys ahead a loop over random lines asks for its line */
+#endif
 
 typedef struct {
     uint64_t bits;      /* the int modulo 2^64 */
@@ -258,26 +261,31 @@ static PyObject *rm_pop(RecentMap *m, RKey k) {
     return v;
 }
 
-/* Take the oldest key out: 1 with its bits, tag and value (a new reference) in the out
- * arguments, 0 when the map is empty. */
-static int rm_pop_oldest(RecentMap *m, uint64_t *bits, unsigned char *tag, PyObject **v) {
-    while (m->tail < m->head) {
-        Py_ssize_t s = m->tail & (m->R - 1);
-        m->tail++;
+/* Take the `n` oldest keys out (fewer when it holds fewer): their bits and values (new references)
+ * into `bits` and `vals`; how many. Their index slots are asked for a few keys ahead (the misses
+ * overlap). */
+static Py_ssize_t rm_pop_oldest_n(RecentMap *m, Py_ssize_t n, uint64_t *bits, PyObject **vals) {
+    Py_ssize_t got = 0, p = m->tail, ahead = m->tail;
+    uint64_t mask = (uint64_t)m->T - 1;
+    while (got < n && p < m->head) {
+        for (; ahead < m->head && ahead < p + PREFETCH; ahead++) {
+            Py_ssize_t a = ahead & (m->R - 1);
+            if (m->val[a] != NULL) __builtin_prefetch(&m->index[rm_hash(m->key[a], m->tag[a]) & mask], 1);
+        }
+        Py_ssize_t s = p++ & (m->R - 1);
         if (m->val[s] == NULL) continue;
         RKey k = {m->key[s], m->tag[s], m->tag[s] == 2 ? m->big[s] : NULL};
-        *bits = k.bits;
-        *tag = k.tag;
         rm_unindex(m, rm_find(m, &k, rm_hash(k.bits, k.tag), NULL));
-        *v = m->val[s];
+        bits[got] = k.bits;
+        vals[got++] = m->val[s];
         m->val[s] = NULL;
         rm_drop_key(m, s);
         m->live--;
-        m->version++;
-        return 1;
     }
-    m->tail = m->head = 0;
-    return 0;
+    m->tail = p;
+    if (m->tail == m->head) m->tail = m->head = 0;
+    m->version++;
+    return got;
 }
 
 static void rm_clear(RecentMap *m) {
