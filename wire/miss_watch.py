@@ -181,21 +181,23 @@ class PodMisses:
         tracking = self.tracker is not None
         usual_rm = pod is None and not tracking
         scan = self._compiled if self.native else None
-        if scan is not None:
+        if scan is not None:  # (it enters who stored the most, `last_top`, and `by_at`, itself)
             tally, later, fill, whose, evicted, gone = scan(self, batch.events, pod, rep, usual_rm, tracking,
                                                             batch.ts, MAX_SESSIONS)
         else:
             tally, later, fill, whose, evicted, gone = self._scan(batch.events, pod, rep, usual_rm, tracking,
                                                                   batch.ts)
-        if fill:
-            self.last_top = max(fill, key=fill.get)
-            if later:
-                self._count_later(later, tally)
-            if tally is not None:  # (None: the compiled loop counted them)
-                self._tally(tally, rep)
+            if fill:
+                self.last_top = max(fill, key=fill.get)
+            if evicted or gone:
+                self.by_at[batch.ts] = self.last_top
+        if later:
+            self._count_later(later, tally)
+        if tally is not None:  # (None: the compiled loop counted them)
+            self._tally(tally, rep)
         if whose:
             self._whose(whose)
-        if evicted or gone:
+        if (evicted or gone) and (self._unnamed or len(self.by_at) > BY_AT):
             self._evicted_by(batch.ts)
         if len(self.roots) > 2 * len(self.mirror.key_slot) + SWEEP_SLACK:
             self._sweep()
@@ -438,16 +440,17 @@ class PodMisses:
 
     def _evicted_by(self, ts: float) -> None:
         """Who evicted what the batch at `ts` removed without saying: who stored the most in it
-        (vLLM evicts in the step that needs the room)."""
+        (vLLM evicts in the step that needs the room; `apply` entered it in `by_at`, or the
+        compiled loop did): the tracker's entries named, the oldest batches forgotten."""
         by_at = self.by_at
-        top = by_at[ts] = self.last_top
-        if len(by_at) > BY_AT:
-            for k in list(islice(by_at, len(by_at) - BY_AT)):
-                del by_at[k]
+        top = by_at.get(ts)
         for ikeys, creators, when, policy in self._unnamed:  # the tracker's log entries, named
             self.removed.add_many(ikeys, (Removal("evicted", when, policy, top, c or None)
                                           for c in (creators or repeat(None, len(ikeys)))))
         self._unnamed.clear()
+        if len(by_at) > BY_AT:
+            for k in list(islice(by_at, len(by_at) - BY_AT)):
+                del by_at[k]
 
     def by_of(self, r: Removal) -> str | None:
         """Who evicted a remembered removal (None: not known)."""

@@ -79,6 +79,8 @@ def agree(*pods) -> None:
         assert pm.summary() == first.summary()
         assert pm.marks() == first.marks()
         assert list(pm.removed.recent.items()) == list(first.removed.recent.items())
+        assert all(type(r) is Removal for _, r in pm.removed.recent.items())
+        assert pm.by_at == first.by_at and pm.last_top == first.last_top
         assert [None if r is None else r[mw.HDR:] for r in pm.chain_at] == \
             [None if r is None else r[mw.HDR:] for r in first.chain_at]
 

@@ -37,7 +37,7 @@ static PyObject *s_block_hashes, *s_parent_block_hash, *s_user, *s_block_size, *
     *s_group_idx, *s_creators, *s_reason, *s_by_user, *s_ts, *s_block_ids, *s_chain_at, *s_heads_at, *s_offset, *s_cleared_m, *s_roots, *s_tier_of,
     *s_sessions, *s_mirror, *s_key_slot, *s_tokens, *s_v, *s_removed, *s_recent, *s_blooms,
     *s_n, *s_n_prev, *s_m, *s_probes, *s_cur, *s_prev, *s_filtered, *s_keys, *s_special, *s_removed_m,
-    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier, *u_recomputed, *s_by_at;
+    *s_tier_m, *s_track, *s_capacity, *s_rotate, *s_recent_capacity, *s_flush_every, *s_bloom_for, *s_evicted_from, *s_counts, *u_others, *u_blocks, *u_tokens, *u_branch, *u_diverged, *u_isolated, *u_config, *u_evicted, *u_tier, *u_recomputed, *s_by_at, *s_last_top;
 
 typedef struct {
     Py_buffer cur, prev;
@@ -56,6 +56,20 @@ typedef struct {
 
 static PyObject *kinds[3];  /* engine/miss.py's _REMOVAL_KINDS (checked by wire/miss_native.py) */
 static PyObject *kind_removal[3];  /* Removal(kind) of each, made once (a filter knows the reason only) */
+
+static PyObject *removal_defaults[3];  /* Removal's policy, by and creator defaults (setup); NULL: call Removal */
+
+/* Removal(reason, ts) (a new reference): made as tuple.__new__ makes it (what the namedtuple's
+ * Python __new__ calls), its other fields their defaults. */
+static PyObject *removal_new(PyObject *reason, PyObject *ts) {
+    PyTypeObject *tp = (PyTypeObject *)RemovalCls;
+    if (removal_defaults[0] == NULL) return PyObject_CallFunctionObjArgs(RemovalCls, reason, ts, NULL);
+    PyObject *t = tp->tp_alloc(tp, 5);
+    if (t == NULL) return NULL;
+    PyObject *items[5] = {reason, ts, removal_defaults[0], removal_defaults[1], removal_defaults[2]};
+    for (int i = 0; i < 5; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(items[i]));
+    return t;
+}
 
 /* Removal(reason) of the kind `reason` is (a new reference; made on first use). */
 static PyObject *removal_of(PyObject *reason) {
@@ -1261,8 +1275,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 int bad = fh == NULL || fc == NULL || PySequence_Fast_GET_SIZE(fh) != nh ||
                           PySequence_Fast_GET_SIZE(fc) != nh;
                 if (!bad && usual_removal == NULL) {
-                    usual_removal = PyObject_CallFunctionObjArgs(RemovalCls, u_evicted, bts, NULL);
-                    bad = usual_removal == NULL || !PyTuple_Check(usual_removal);
+                    usual_removal = removal_new(u_evicted, bts);
+                    bad = usual_removal == NULL;
                     if (!bad) untrack(usual_removal);  /* (a namedtuple: the collector never untracks it) */
                 }
                 for (Py_ssize_t i = 0; i < nh && !bad; i++) {
@@ -1308,6 +1322,29 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     if (users_enter(&users, fill) < 0) goto fail;
+    /* who stored the most in the batch (the first of them: `max(fill, key=fill.get)`), and, when it
+     * evicted, the batch's time -> who stored the most in the last batch that stored (`by_at`;
+     * PodMisses.apply and _evicted_by do the rest) */
+    if (PyDict_GET_SIZE(fill)) {
+        PyObject *top = NULL, *k, *v;
+        long best = 0;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(fill, &pos, &k, &v)) {
+            long x = PyLong_AsLong(v);
+            if (x == -1 && PyErr_Occurred()) goto fail;
+            if (top == NULL || x > best) {
+                top = k;
+                best = x;
+            }
+        }
+        if (PyObject_SetAttr(pm, s_last_top, top) < 0) goto fail;
+    }
+    if (evicted || gone) {
+        PyObject *top = PyObject_GetAttr(pm, s_last_top);
+        int rc = top == NULL ? -1 : PyDict_SetItem(by_at, bts, top);
+        Py_XDECREF(top);
+        if (rc < 0) goto fail;
+    }
     /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end): counted as
      * they came (a batch evicts few creators' blocks many times), added in the order each first came */
     if (wh.n) {
@@ -1332,7 +1369,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 PyList_SET_ITEM(tl, i, v);
             }
         }
-        result = Py_BuildValue("(NOOOOn)", tl, later, fill, whose, evicted ? Py_True : Py_False, gone);
+        result = Py_BuildValue("(NOOOOn)", tl, later, Py_None, whose, evicted ? Py_True : Py_False, gone);
     }
 fail:
 #undef GET
@@ -1379,6 +1416,25 @@ static PyObject *setup(PyObject *self, PyObject *args) {
         Py_XSETREF(*slots[i], a[i]);
     }
     for (int r = 0; r < 3; r++) Py_CLEAR(kind_removal[r]);  /* (made again of this Removal) */
+    /* Removal made in C (removal_new) when it is the namedtuple it is meant to be */
+    for (int i = 0; i < 3; i++) Py_CLEAR(removal_defaults[i]);
+    PyObject *fields = PyObject_GetAttrString(RemovalCls, "_fields");
+    PyObject *dflt = PyObject_GetAttrString(RemovalCls, "_field_defaults");
+    PyObject *want = Py_BuildValue("(sssss)", "reason", "ts", "policy", "by", "creator");
+    int same = fields && want && PyType_Check(RemovalCls) && PyType_IsSubtype((PyTypeObject *)RemovalCls, &PyTuple_Type)
+               && PyObject_RichCompareBool(fields, want, Py_EQ) == 1 && dflt && PyDict_Check(dflt);
+    const char *dnames[3] = {"policy", "by", "creator"};
+    for (int i = 0; i < 3 && same; i++) {
+        PyObject *d = PyDict_GetItemString(dflt, dnames[i]);
+        if (d == NULL) same = 0;
+        else removal_defaults[i] = Py_NewRef(d);
+    }
+    if (!same)
+        for (int i = 0; i < 3; i++) Py_CLEAR(removal_defaults[i]);
+    PyErr_Clear();
+    Py_XDECREF(fields);
+    Py_XDECREF(dflt);
+    Py_XDECREF(want);
     Py_RETURN_NONE;
 }
 
@@ -1408,7 +1464,7 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "evicted_from"}, {&s_counts, "counts"},
         {&u_others, "others"}, {&u_blocks, "blocks"}, {&u_tokens, "tokens"}, {&u_branch, "branch"},
         {&u_diverged, "diverged"}, {&u_isolated, "isolated"}, {&u_config, "config"}, {&u_evicted, "evicted"},
-        {&u_tier, "tier"}, {&u_recomputed, "recomputed"}, {&s_by_at, "by_at"},
+        {&u_tier, "tier"}, {&u_recomputed, "recomputed"}, {&s_by_at, "by_at"}, {&s_last_top, "last_top"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
