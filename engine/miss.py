@@ -51,6 +51,7 @@ The miss object (``RequestStats.miss``, ``MissExplained``, ``kvplay run --json``
 from __future__ import annotations
 
 import math
+import sys
 from itertools import islice
 from operator import itemgetter
 from typing import Callable, NamedTuple
@@ -335,6 +336,13 @@ class RemovedLog:
         """Bytes of the Bloom filters made so far (the recent map holds at most `recent_capacity`
         + `flush_every` entries of about 100 bytes each, the removals' details shared)."""
         return sum(b.nbytes for b in self.blooms.values())
+
+    @property
+    def recent_nbytes(self) -> int:
+        """Bytes of the recent map's tables (a compiled map's ring and index; a dict's table, not
+        the removals it points at)."""
+        nbytes = getattr(self.recent, "nbytes", None)
+        return nbytes if nbytes is not None else sys.getsizeof(self.recent)
 
     @property
     def false_positive_bound(self) -> float:

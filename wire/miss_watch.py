@@ -725,7 +725,8 @@ class PodMisses:
                                for s, c in sorted(self.sessions.items()) if any(c[:_NC])},
                 "evicted_from": dict(self.evicted_from.most_common(64)),
                 "tiers": {t: dict(v) for t, v in sorted(self.tiers.items())},
-                "memory": {"removed_recent": len(self.removed.recent), "removed_filter_bytes": self.removed.nbytes,
+                "memory": {"removed_recent": len(self.removed.recent), "removed_recent_bytes": self.removed.recent_nbytes,
+                           "removed_filter_bytes": self.removed.nbytes,
                            "false_positive_bound": self.removed.false_positive_bound,
                            "chain_slots": len(self.chain_at), "roots": len(self.roots),
                            "tier_keys": len(self.tier_of)}}
