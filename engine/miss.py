@@ -31,7 +31,8 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
 
 **Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of at
 least the last ``recent`` removals with their details (16,384 by default, at most 4,096 more:
-about 5 MiB at most, less where removals share their details), and behind it, per reason, a
+a dict of about 5 MiB at most here, less where removals share their details; the watch side's
+is compiled, wire/csrc/recent_map.h, 0.78 MiB), and behind it, per reason, a
 rotating pair of blocked Bloom filters that remember at least the next ``bloom_capacity``
 (131,072) removals without details (then ``evicted_by`` says "?"). Each filter has 24 bits per
 item and 12 probes, all in one 64-byte block: a false positive rate of about 5.1e-5 per filter

@@ -34,10 +34,11 @@ engine/miss.py's attribution over the Mirror through `MirrorPool`).
 
 **Compiled.** The per-event loop runs in C where it can be built (csrc/miss_chains.c through
 wire/miss_native.py: the same loop over the same objects, the usual chains inline: a cold one,
-a branch from a cached block, a chain recomputed after a removal), with this module's Python
-loop (`PodMisses._scan`) as its reference and fallback; the tests run both on every batch. What
-it costs the mirror: docs/miss.md ("Cost", `python -m kvplay.bench.mirror_bench --no-socket
---misses`).
+a branch from a cached block, a chain recomputed after a removal; the usual eviction too, into
+the RemovedLog's compiled recent map, csrc/recent_map.h), with this module's Python loop
+(`PodMisses._scan`, over a dict) as its reference and fallback; the tests run both on every
+batch. What it costs the mirror: docs/miss.md ("Cost", `python -m kvplay.bench.mirror_bench
+--no-socket --misses`).
 
 **Found through the mirror.** A chain is one tuple per stored event. The mirror slot of each
 of its blocks names it (`chain_at`), and the slot of a cached parent names the newest chain
@@ -45,9 +46,9 @@ stored under it (`heads_at`): a cached key's chain is `chain_at[key_slot[key]]`,
 lives while a slot names it. So there is no map of every stored key to sweep: what is held
 follows the pool by construction.
 
-**Bounded.** Per pod: the `RemovedLog` (at most 20,480 recent removals with details, then
-blocked Bloom filters: 0.75 MiB a reason, a false positive rate of about 3.1e-4 over all
-three); a chain and a parent's newest chain per mirror slot; the newest root chain per first
+**Bounded.** Per pod: the `RemovedLog` (at most 20,480 recent removals with details, in a
+0.78 MiB ring and index where it is compiled, then blocked Bloom filters: 0.75 MiB a reason, a
+false positive rate of about 3.1e-4 over all three); a chain and a parent's newest chain per mirror slot; the newest root chain per first
 token (swept to the cached ones when they outnumber twice the cached blocks); `TIER_KEYS`
 hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted by name (the
 rest as "others").
