@@ -618,7 +618,7 @@ typedef struct {
     int n, last;
 } Whose;
 
-static int whose_add(Whose *w, PyObject *c, PyObject *more) {
+static int whose_add(Whose *w, PyObject *c, PyObject **more) {
     if (w->n && w->who[w->last] == c) {  /* (an event's blocks: mostly one creator's) */
         w->count[w->last]++;
         return 0;
@@ -639,7 +639,10 @@ static int whose_add(Whose *w, PyObject *c, PyObject *more) {
             return 0;
         }
     }
-    if (w->n == WHOSE_CACHE) return PyList_Append(more, c);
+    if (w->n == WHOSE_CACHE) {  /* (the list made on first use) */
+        if (*more == NULL && (*more = PyList_New(0)) == NULL) return -1;
+        return PyList_Append(*more, c);
+    }
     w->who[w->n] = Py_NewRef(c);
     w->hash[w->n] = h;
     w->count[w->n] = 1;
@@ -661,7 +664,7 @@ static int count_whose(PyObject *ev_from, const Whose *w, PyObject *more, Py_ssi
         return -1;
     }
     int full = PyDict_GET_SIZE(ev_from) >= max_sessions;
-    Py_ssize_t n = PyList_GET_SIZE(more);
+    Py_ssize_t n = more == NULL ? 0 : PyList_GET_SIZE(more);
     for (Py_ssize_t i = 0; i < w->n + n; i++) {
         PyObject *c = i < w->n ? w->who[i] : PyList_GET_ITEM(more, i - w->n);
         long k = i < w->n ? w->count[i] : 1;
@@ -719,9 +722,9 @@ typedef struct {
     int n;
 } Users;
 
-/* The entry of `user` (made on its first chain: its `fill` entry made then, so `fill` keeps the
- * order in which the sessions first stored); -1 when the table is full, -2 with an exception. */
-static int user_entry(Users *t, PyObject *fill, PyObject *sessions, PyObject *user) {
+/* The entry of `user` (made on its first chain, so the table keeps the order in which the
+ * sessions first stored); -1 when the table is full, -2 with an exception. */
+static int user_entry(Users *t, PyObject *sessions, PyObject *user) {
     for (int i = 0; i < t->n; i++)
         if (t->u[i].user == user) return i;
     int str = PyUnicode_CheckExact(user);
@@ -741,7 +744,6 @@ static int user_entry(Users *t, PyObject *fill, PyObject *sessions, PyObject *us
         PyErr_SetString(PyExc_TypeError, "a session's counts");
         return -2;
     }
-    if (dict_add_long(fill, user, 0) < 0) return -2;
     User *u = &t->u[t->n];
     memset(u, 0, sizeof *u);
     Py_INCREF(user);
@@ -759,11 +761,22 @@ static void users_release(Users *t) {
     t->n = 0;
 }
 
-/* The table's counts into `fill` and the sessions' counts. */
+/* `fill` (session -> blocks stored in the batch) for the sessions beyond the table's, made when
+ * the first comes: the table's sessions first, in order (they came before it), each at 0. */
+static PyObject *fill_dict(const Users *t) {
+    PyObject *fill = PyDict_New(), *zero = PyLong_FromLong(0);
+    if (zero == NULL) Py_CLEAR(fill);
+    for (int i = 0; fill != NULL && i < t->n; i++)
+        if (PyDict_SetItem(fill, t->u[i].user, zero) < 0) Py_CLEAR(fill);
+    Py_XDECREF(zero);
+    return fill;
+}
+
+/* The table's counts into `fill` (when there is one) and the sessions' counts. */
 static int users_enter(Users *t, PyObject *fill) {
     for (int i = 0; i < t->n; i++) {
         User *u = &t->u[i];
-        if (u->fill && dict_add_long(fill, u->user, u->fill) < 0) return -1;
+        if (fill != NULL && u->fill && dict_add_long(fill, u->user, u->fill) < 0) return -1;
         if (u->sc != NULL)
             for (int j = 0; j < 2 * NC; j++)
                 if (bump(u->sc, j, u->add[j]) < 0) return -1;
@@ -830,9 +843,6 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "miss_chains: unexpected state types");
         goto fail;
     }
-    if ((later = PyList_New(0)) == NULL || (fill = PyDict_New()) == NULL ||
-        (whose = PyList_New(0)) == NULL)
-        goto fail;
     {
         int err = 0;
         rec_cap = attr_ssize(removed, s_recent_capacity, &err) + attr_ssize(removed, s_flush_every, &err);
@@ -884,10 +894,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if ((szo = fget(ev, F_BLOCK_SIZE)) == NULL) goto stored_fail;
             size = PyLong_AsLong(szo);
             if (size == -1 && PyErr_Occurred()) goto stored_fail;
-            int ue = user_entry(&users, fill, sessions, user);
+            int ue = user_entry(&users, sessions, user);
             if (ue == -2) goto stored_fail;
             if (ue >= 0) users.u[ue].fill += n;
-            else if (dict_add_long(fill, user, (long)n) < 0) goto stored_fail;
+            else if ((fill == NULL && (fill = fill_dict(&users)) == NULL) || dict_add_long(fill, user, (long)n) < 0)
+                goto stored_fail;
             if ((toks = fget(ev, F_TOKEN_IDS)) == NULL) goto stored_fail;
             if (!PyList_Check(toks)) {
                 Py_SETREF(toks, PySequence_List(toks));
@@ -1185,6 +1196,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 }
                 if (sc == NULL) {
                     PyObject *t = Py_BuildValue("(Olnnl)", user, ri, (Py_ssize_t)(ri >= 0 ? q : 0), n, size);
+                    if (t != NULL && later == NULL && (later = PyList_New(0)) == NULL) { Py_DECREF(t); goto stored_fail; }
                     if (t == NULL || PyList_Append(later, t) < 0) { Py_XDECREF(t); goto stored_fail; }
                     Py_DECREF(t);
                 } else if (ri < 0) {
@@ -1283,7 +1295,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     RKey k;
                     bad = rkey_of_key(PySequence_Fast_GET_ITEM(fh, i), &k) < 0 ||
                           rm_set((RecentMap *)recent, k, usual_removal) < 0 ||
-                          whose_add(&wh, PySequence_Fast_GET_ITEM(fc, i), whose) < 0;
+                          whose_add(&wh, PySequence_Fast_GET_ITEM(fc, i), &whose) < 0;
                 }
                 gone += nh;
                 Py_XDECREF(fh);
@@ -1325,18 +1337,26 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     /* who stored the most in the batch (the first of them: `max(fill, key=fill.get)`), and, when it
      * evicted, the batch's time -> who stored the most in the last batch that stored (`by_at`;
      * PodMisses.apply and _evicted_by do the rest) */
-    if (PyDict_GET_SIZE(fill)) {
+    if (users.n) {
         PyObject *top = NULL, *k, *v;
         long best = 0;
         Py_ssize_t pos = 0;
-        while (PyDict_Next(fill, &pos, &k, &v)) {
-            long x = PyLong_AsLong(v);
-            if (x == -1 && PyErr_Occurred()) goto fail;
-            if (top == NULL || x > best) {
-                top = k;
-                best = x;
+        if (fill == NULL)
+            for (int i = 0; i < users.n; i++) {
+                if (top == NULL || users.u[i].fill > best) {
+                    top = users.u[i].user;
+                    best = users.u[i].fill;
+                }
             }
-        }
+        else
+            while (PyDict_Next(fill, &pos, &k, &v)) {
+                long x = PyLong_AsLong(v);
+                if (x == -1 && PyErr_Occurred()) goto fail;
+                if (top == NULL || x > best) {
+                    top = k;
+                    best = x;
+                }
+            }
         if (PyObject_SetAttr(pm, s_last_top, top) < 0) goto fail;
     }
     if (evicted || gone) {
@@ -1353,11 +1373,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         int rc = count_whose(ev_from, &wh, whose, max_sessions);
         Py_DECREF(ev_from);
         if (rc < 0) goto fail;
-        if (PyList_SetSlice(whose, 0, PyList_GET_SIZE(whose), NULL) < 0) goto fail;
     }
     {
         PyObject *tl;
-        if (PyList_GET_SIZE(later) == 0) {  /* counted here (PodMisses._tally) */
+        if (later == NULL) {  /* counted here (PodMisses._tally) */
             if (add_tally(pm, rep, tally) < 0) goto fail;
             tl = Py_None;
             Py_INCREF(tl);
@@ -1369,7 +1388,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 PyList_SET_ITEM(tl, i, v);
             }
         }
-        result = Py_BuildValue("(NOOOOn)", tl, later, Py_None, whose, evicted ? Py_True : Py_False, gone);
+        result = Py_BuildValue("(NOOOOn)", tl, later != NULL ? later : Py_None, Py_None, Py_None,
+                               evicted ? Py_True : Py_False, gone);
     }
 fail:
 #undef GET
