@@ -113,8 +113,10 @@ static Py_ssize_t *offsets_of(PyTypeObject *t) {
     return types[ntypes++].offset;
 }
 
-static PyObject *fget(PyObject *ev, int f) {
-    Py_ssize_t *offs = offsets_of(Py_TYPE(ev));
+static inline PyObject *fget(PyObject *ev, int f) {
+    PyTypeObject *t = Py_TYPE(ev);  /* (the types seen first, the stored and removed events', checked inline) */
+    Py_ssize_t *offs = ntypes > 0 && types[0].type == t ? types[0].offset
+                       : ntypes > 1 && types[1].type == t ? types[1].offset : offsets_of(t);
     if (offs != NULL && offs[f] >= 0) {
         PyObject *v = *(PyObject **)((char *)ev + offs[f]);
         if (v != NULL) {
@@ -496,6 +498,8 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
     int held = 0;
     int rc = -1;
     uint64_t blocks = (uint64_t)m / BLOCK_BITS;
+    Hashes ahead[PREFETCH];  /* (the hashes of the keys asked for, by index) */
+    for (Py_ssize_t i = 0; i < nk && i < PREFETCH; i++) ahead[i] = hashes_of(keys[i]);
     for (Py_ssize_t i = 0; i < nk; i++) {
         if (n >= cap || !held) {
             if (held) {
@@ -522,9 +526,12 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
                 goto out;
             }
         }
-        if (i + PREFETCH < nk && n + PREFETCH < cap)  /* (a line a few keys ahead: the misses overlap) */
-            __builtin_prefetch((unsigned char *)view.buf + ((hashes_of(keys[i + PREFETCH]).h % blocks) * BLOCK_BITS >> 3), 1);
-        Hashes k = hashes_of(keys[i]);
+        Hashes k = ahead[i % PREFETCH];
+        if (i + PREFETCH < nk) {  /* (a line a few keys ahead: the misses overlap) */
+            Hashes *a = &ahead[i % PREFETCH];
+            *a = hashes_of(keys[i + PREFETCH]);
+            if (n + PREFETCH < cap) __builtin_prefetch((unsigned char *)view.buf + ((a->h % blocks) * BLOCK_BITS >> 3), 1);
+        }
         unsigned char *line = (unsigned char *)view.buf + ((k.h % blocks) * BLOCK_BITS >> 3);
         uint64_t w = k.u;
         for (Py_ssize_t j = 0; j < probes; j++, w >>= 9) {  /* (one cache line: see block_has) */

@@ -266,16 +266,18 @@ static PyObject *rm_pop(RecentMap *m, RKey k) {
  * overlap). */
 static Py_ssize_t rm_pop_oldest_n(RecentMap *m, Py_ssize_t n, uint64_t *bits, PyObject **vals) {
     Py_ssize_t got = 0, p = m->tail, ahead = m->tail;
-    uint64_t mask = (uint64_t)m->T - 1;
+    uint64_t mask = (uint64_t)m->T - 1, hs[PREFETCH];  /* (the hashes of the slots asked for, by position) */
     while (got < n && p < m->head) {
         for (; ahead < m->head && ahead < p + PREFETCH; ahead++) {
             Py_ssize_t a = ahead & (m->R - 1);
-            if (m->val[a] != NULL) __builtin_prefetch(&m->index[rm_hash(m->key[a], m->tag[a]) & mask], 1);
+            hs[ahead % PREFETCH] = rm_hash(m->key[a], m->tag[a]);
+            if (m->val[a] != NULL) __builtin_prefetch(&m->index[hs[ahead % PREFETCH] & mask], 1);
         }
+        uint64_t h = hs[p % PREFETCH];
         Py_ssize_t s = p++ & (m->R - 1);
         if (m->val[s] == NULL) continue;
         RKey k = {m->key[s], m->tag[s], m->tag[s] == 2 ? m->big[s] : NULL};
-        rm_unindex(m, rm_find(m, &k, rm_hash(k.bits, k.tag), NULL));
+        rm_unindex(m, rm_find(m, &k, h, NULL));
         bits[got] = k.bits;
         vals[got++] = m->val[s];
         m->val[s] = NULL;
