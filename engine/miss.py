@@ -257,7 +257,9 @@ class RemovedLog:
                  probes: int = 12, flush_every: int = 4096, flusher: Callable | None = None,
                  filterer: Callable | None = None, recent_map: Callable | None = None):
         self.recent_capacity = recent
-        self._flusher = flusher  # flush compiled (wire/miss_native.py): flusher(self), the same result
+        # flush compiled (wire/miss_native.py): flusher(self), the same result; it reads the
+        # compiled map in place, so it goes with it (a dict is flushed here)
+        self._flusher = flusher if recent_map is not None else None
         self._filterer = filterer  # `filtered` compiled: filterer(self, key), the same result
         self._bloom_args = (bloom_capacity, bits_per_item, probes)
         self._flush_every = max(1, flush_every)

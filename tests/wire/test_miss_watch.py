@@ -182,6 +182,10 @@ def test_the_compiled_flush_fills_the_filters_bit_for_bit():
         assert fa._cur.tobytes() == fb._cur.tobytes() and fa._prev.tobytes() == fb._prev.tobytes()
     probes = [rng.getrandbits(64) for _ in range(2000)]
     assert [a.get(k) for k in probes] == [b.get(k) for k in probes]
+    # the compiled flush reads the compiled map in place: given with a dict, the log flushes in Python
+    c = RemovedLog(recent=100, bloom_capacity=300, flush_every=16, flusher=miss_native.flusher())
+    c.add_all(range(500), Removal("evicted", 1.0))
+    assert 100 <= len(c.recent) < 116 and c.get(3) == Removal("evicted")
 
 
 @pytest.mark.parametrize("seed", range(8))
