@@ -180,7 +180,8 @@ static void bloom_release(Bloom *b) {
 }
 
 /* The filters of `blooms` (the RemovedLog's dict: reason -> RotatingBloom), read in place, in
- * the removal kinds' order (a filter of another reason: not read, every check asks Python). */
+ * the removal kinds' order (the only ones RemovedLog.filtered consults); `ok` 0 when one cannot be
+ * read. */
 static void blooms_load(Blooms *bs, PyObject *blooms) {
     blooms_release(bs);
     bs->ok = 1;
@@ -195,7 +196,6 @@ static void blooms_load(Blooms *bs, PyObject *blooms) {
         bs->count++;  /* (released with the rest, whatever it holds) */
         if (bad) { bs->ok = 0; return; }
     }
-    if (PyDict_GET_SIZE(blooms) != bs->count) bs->ok = 0;
 }
 
 /* A key's probe hashes (engine/miss.py's _probe_hashes): h picks its block, u and v (mixed: every
@@ -227,14 +227,21 @@ static int rkey_of_key(PyObject *k, RKey *out) {
     return 0;
 }
 
-/* Whether all `probes` bits of a key are set in one generation's bytes `v` (m bits): its probes
- * are bits 0-8, 9-17, ... of u (the first 7), then of v. */
+/* The block (its first byte) of a key of probe hashes `k` in one generation's bytes `v` of m bits. */
+static inline unsigned char *line_of(const void *v, uint64_t m, const Hashes *k) {
+    return (unsigned char *)v + ((k->h % (m / BLOCK_BITS)) * BLOCK_BITS >> 3);
+}
+
+/* Probe i of a key (i < MAX_PROBES), a bit of its block: bits 9i.. of u (the first 7), then of v. */
+static inline unsigned probe_bit(const Hashes *k, long i) {
+    return (unsigned)((i < 7 ? k->u >> (9 * i) : k->v >> (9 * (i - 7))) & (BLOCK_BITS - 1));
+}
+
+/* Whether all `probes` bits of a key are set in one generation's bytes `v` (m bits). */
 static int block_has(const unsigned char *v, uint64_t m, const Hashes *k, long probes) {
-    const unsigned char *line = v + ((k->h % (m / BLOCK_BITS)) * BLOCK_BITS >> 3);
-    uint64_t w = k->u;
-    for (long i = 0; i < probes; i++, w >>= 9) {
-        if (i == 7) w = k->v;
-        unsigned bit = (unsigned)(w & (BLOCK_BITS - 1));
+    const unsigned char *line = line_of(v, m, k);
+    for (long i = 0; i < probes; i++) {
+        unsigned bit = probe_bit(k, i);
         if (!((line[bit >> 3] >> (bit & 7)) & 1)) return 0;
     }
     return 1;
@@ -243,7 +250,7 @@ static int block_has(const unsigned char *v, uint64_t m, const Hashes *k, long p
 /* RotatingBloom.has: whether one filter may hold the key of probe hashes `k`. */
 static int bloom_has(const Bloom *b, const Hashes *k) {
     if (b->n_prev)  /* (both generations' lines asked for at once: the misses overlap) */
-        __builtin_prefetch((const unsigned char *)b->prev.buf + ((k->h % (b->m / BLOCK_BITS)) * BLOCK_BITS >> 3));
+        __builtin_prefetch(line_of(b->prev.buf, b->m, k));
     return (b->n && block_has(b->cur.buf, b->m, k, b->probes)) || (b->n_prev && block_has(b->prev.buf, b->m, k, b->probes));
 }
 
@@ -306,25 +313,17 @@ static PyObject *filtered(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "the filters");
         return NULL;
     }
-    Hashes k = hashes_of(x);
-    PyObject *found = NULL;
-    for (int r = 0; r < 3 && found == NULL; r++) {
-        PyObject *f = PyDict_GetItemWithError(blooms, kinds[r]);
-        if (f == NULL) {
-            if (PyErr_Occurred()) { Py_DECREF(blooms); return NULL; }
-            continue;
-        }
-        Bloom b;
-        if (bloom_load(&b, f) < 0) {
-            bloom_release(&b);
-            Py_DECREF(blooms);
-            PyErr_SetString(PyExc_TypeError, "a Bloom filter that cannot be read");
-            return NULL;
-        }
-        if (bloom_has(&b, &k)) found = kinds[r];
-        bloom_release(&b);
-    }
+    Blooms bs;
+    bs.count = 0;
+    blooms_load(&bs, blooms);
     Py_DECREF(blooms);
+    PyObject *found = bs.ok ? blooms_reason(&bs, x) : NULL;
+    int ok = bs.ok;
+    blooms_release(&bs);
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError, "a Bloom filter that cannot be read");
+        return NULL;
+    }
     if (found == NULL) Py_RETURN_NONE;
     return removal_of(found);
 }
@@ -497,7 +496,6 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
     Py_buffer view;
     int held = 0;
     int rc = -1;
-    uint64_t blocks = (uint64_t)m / BLOCK_BITS;
     Hashes ahead[PREFETCH];  /* (the hashes of the keys asked for, by index) */
     for (Py_ssize_t i = 0; i < nk && i < PREFETCH; i++) ahead[i] = hashes_of(keys[i]);
     for (Py_ssize_t i = 0; i < nk; i++) {
@@ -530,13 +528,11 @@ static int bloom_add(PyObject *bloom, const uint64_t *keys, Py_ssize_t nk) {
         if (i + PREFETCH < nk) {  /* (a line a few keys ahead: the misses overlap) */
             Hashes *a = &ahead[i % PREFETCH];
             *a = hashes_of(keys[i + PREFETCH]);
-            if (n + PREFETCH < cap) __builtin_prefetch((unsigned char *)view.buf + ((a->h % blocks) * BLOCK_BITS >> 3), 1);
+            if (n + PREFETCH < cap) __builtin_prefetch(line_of(view.buf, (uint64_t)m, a), 1);
         }
-        unsigned char *line = (unsigned char *)view.buf + ((k.h % blocks) * BLOCK_BITS >> 3);
-        uint64_t w = k.u;
-        for (Py_ssize_t j = 0; j < probes; j++, w >>= 9) {  /* (one cache line: see block_has) */
-            if (j == 7) w = k.v;
-            unsigned bit = (unsigned)(w & (BLOCK_BITS - 1));
+        unsigned char *line = line_of(view.buf, (uint64_t)m, &k);
+        for (long j = 0; j < (long)probes; j++) {  /* (one cache line) */
+            unsigned bit = probe_bit(&k, j);
             line[bit >> 3] |= (unsigned char)(1u << (bit & 7));
         }
         n++;
