@@ -299,9 +299,17 @@ def test_concurrent_reconfigures_do_not_undo_each_other(make_engine):
 
 def test_recompute_after_preemption_counts_only_tokens_computed_before(tiny_llama):
     sp = SamplingParams(max_tokens=40, stop_on_eos=False)
-    with Engine(EngineConfig(model="tiny:llama", num_blocks=30, deterministic=True), tiny_llama) as eng:
-        hs = [eng.submit(f"u{i}", chat(f"user {i} pressure " * 3), sp) for i in range(4)]
-        res = [h.result(120) for h in hs]
+    # Driven step by step (no engine thread): all four are in before the first step, so the
+    # pool of 30 blocks must preempt someone whatever the machine's speed.
+    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=30, deterministic=True), tiny_llama)
+    reqs = [eng.make_request(f"u{i}", chat(f"user {i} pressure " * 3), sp) for i in range(4)]
+    for r in reqs:
+        eng.take_in(r)
+    for _ in range(2000):
+        if not eng.scheduler.has_work():
+            break
+        eng.step()
+    res = [r.handle.result(0) for r in reqs]
     pre = [r.stats for r in res if r.stats.preemptions]
     assert pre, "the pool should force a preemption"
     for st in pre:
