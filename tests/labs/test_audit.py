@@ -6,8 +6,10 @@ them: a miss prefills ~2000 tokens, a hit ~100, several times faster even on a l
 and 30 + 30 call a CDF gap of 0.78 at α = 1e-8 (a few overlapping probes still pass). The
 cached_tokens channel is exact: its counts are asserted to the probe. Timing is asserted only
 where the effect is that large (shared cache, same key); where nothing is shared the test checks
-the verdict and cached counts, and that AP's interval holds 0.5 at 99.9 % (at 95 % one run in
-twenty would miss it by chance)."""
+the verdict and cached counts, and that hits time as the controls do (the A/A procedures: the
+victim's request first too) with the ROC AUC, whose chance is exactly 0.5 and whose 99.9 %
+interval holds it at its level. Not AP against 0.5: AP's chance is above 0.5 in small samples
+and its percentile interval missed 0.5 one run in ten at 95 % (stats.ap_ci)."""
 from __future__ import annotations
 
 import io
@@ -20,7 +22,7 @@ from support import serve as serve_util
 from support.gateway import GatewayThread, gateway_app
 
 from kvplay import cli
-from kvplay.labs import audit
+from kvplay.labs import audit, stats
 from kvplay.labs.common import Progress
 from kvplay.serve.keys import load_keys
 
@@ -89,20 +91,21 @@ def test_isolating_keys_hide_every_level_but_the_keys_own(keyed, tmp_path):
     assert out["cached"]["hits_flagged"] == 0 and out["cached"]["misses_flagged"] == 0
     assert out["cached"]["median_hit"] == 0 and not out["cached"]["detected"]
     assert not out["detected"] and out["client"]["ks_p"] > 1e-8
-    assert out["client"]["ap_lo"] <= 0.5 <= out["client"]["ap_hi"]
     assert "global: shared across organisations' keys: not detected at this power (p = " in r.verdict
     assert "30 + 30 probes call a CDF gap D >= 0.78 at α = 1e-08" in r.verdict
 
 
 def test_the_default_isolation_of_kvplay_serve_keeps_keys_apart(keyed, tmp_path):
-    """`kvplay serve --api-keys` isolates users by default: not detected, cached_tokens 0, AP ~ 0.5;
-    with --control the A/A procedures (the victim sends, the attacker's prompt unrelated) report
-    beside them, with 0 cached tokens too."""
+    """`kvplay serve --api-keys` isolates users by default: not detected, cached_tokens 0; with
+    --control the A/A procedures (the victim sends, the attacker's prompt unrelated) report beside
+    them, with 0 cached tokens too, and the hits time as the controls do (ROC AUC ~ 0.5)."""
     r = audit.execute(params(keyed(isolation="user"), ["global"], probes=20, confidence=0.999, control=True),
                       [ALICE, BOB], str(tmp_path / "a.db"))
     g = groups(r)["global"]
     assert not g["detected"] and g["cached"]["hits_flagged"] == 0 and g["cached"]["median_hit"] == 0
-    assert g["client"]["ap_lo"] <= 0.5 <= g["client"]["ap_hi"]
+    hit, ctl = g["client"]["samples"]["hit"], g["control"]["samples"]["hit"]
+    _, lo, hi = stats.auc_ci(ctl, hit, level=0.999)
+    assert lo <= 0.5 <= hi  # a hit probe and a control are the same steps: no cache, no separation
     assert g["control"]["n_hit"] == 20 and g["control"]["cached_flags"] == 0 and not g["control"]["detected"]
     assert " Control (the victim sends, the attacker's prompt unrelated, 20 probes): KS p = " in r.verdict
 
@@ -273,3 +276,24 @@ def test_tokenization_check():
         audit.check_tokenization(merged, p, rng)
     p.force = True
     assert audit.check_tokenization(merged, p, rng)["per_letter"] is None
+
+
+def _control(ap_lo, ap_hi, auc_lo, auc_hi):
+    return {"n_hit": 30, "ks_p": 0.4, "detected": False, "ap": (ap_lo + ap_hi) / 2, "ap_lo": ap_lo, "ap_hi": ap_hi,
+            "auc": (auc_lo + auc_hi) / 2, "auc_lo": auc_lo, "auc_hi": auc_hi}
+
+
+def test_the_control_shift_reads_the_auc_interval_not_aps():
+    """AP's chance sits above 0.5 in small samples and its percentile interval misses 0.5 more
+    often than its level: a control whose AP interval misses 0.5 while its AUC's holds it is no
+    shift; an AUC interval off 0.5 is."""
+    p = audit.AuditParams(levels=["global"])
+    base = {"level": "global", "value": None, "prompt_letters": 1000, "shared_letters": 950,
+            "client": audit.audit_report.timing([10.0 + i % 7 for i in range(30)], [10.0 + i % 5 for i in range(30)],
+                                                p.alpha, p.confidence),
+            "cached": audit.audit_report.cached_channel([0] * 30, [0] * 30, 900, p.alpha, p.confidence),
+            "server": None, "power": stats.ks_detectable(30, 30, p.alpha)}
+    quiet = audit.audit_report.verdict_line({**base, "control": _control(0.52, 0.71, 0.41, 0.63)}, p)
+    shifted = audit.audit_report.verdict_line({**base, "control": _control(0.55, 0.80, 0.52, 0.74)}, p)
+    assert "shifts the times" not in quiet
+    assert "the procedure alone shifts the times a little (ROC AUC 0.63 [0.52, 0.74] misses 0.5)" in shifted
