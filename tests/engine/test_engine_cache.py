@@ -150,15 +150,27 @@ def test_concurrent_users_all_complete_and_stream(make_engine):
     eng.pool.check()
 
 
+def all_at_once(eng, turns, sp):
+    """Every turn taken in before the first step, then stepped to the end on this thread (no
+    engine thread): a pool too small for them all preempts whatever the machine's speed (with
+    `submit`, a slow machine's engine thread may finish the first before the others arrive)."""
+    reqs = [eng.make_request(user, messages, sp) for user, messages in turns]
+    for r in reqs:
+        eng.take_in(r)
+    for _ in range(5000):
+        if not eng.scheduler.has_work():
+            break
+        eng.step()
+    return [r.handle.result(0) for r in reqs]
+
+
 def test_pool_exhaustion_preempts_and_completes_identically(tiny_llama):
     prompts = [chat(f"user {i} asks about pressure " * 3) for i in range(4)]
     sp = SamplingParams(max_tokens=40, stop_on_eos=False)
 
     def run(num_blocks):
-        with Engine(EngineConfig(model="tiny:llama", num_blocks=num_blocks, deterministic=True), tiny_llama) as eng:
-            hs = [eng.submit(f"u{i}", p, sp) for i, p in enumerate(prompts)]
-            res = [h.result(120) for h in hs]
-            return res, eng.stats()
+        eng = Engine(EngineConfig(model="tiny:llama", num_blocks=num_blocks, deterministic=True), tiny_llama)
+        return all_at_once(eng, [(f"u{i}", p) for i, p in enumerate(prompts)], sp), eng.stats()
 
     relaxed, s1 = run(256)
     pressured, s2 = run(44)
@@ -299,17 +311,8 @@ def test_concurrent_reconfigures_do_not_undo_each_other(make_engine):
 
 def test_recompute_after_preemption_counts_only_tokens_computed_before(tiny_llama):
     sp = SamplingParams(max_tokens=40, stop_on_eos=False)
-    # Driven step by step (no engine thread): all four are in before the first step, so the
-    # pool of 30 blocks must preempt someone whatever the machine's speed.
     eng = Engine(EngineConfig(model="tiny:llama", num_blocks=30, deterministic=True), tiny_llama)
-    reqs = [eng.make_request(f"u{i}", chat(f"user {i} pressure " * 3), sp) for i in range(4)]
-    for r in reqs:
-        eng.take_in(r)
-    for _ in range(2000):
-        if not eng.scheduler.has_work():
-            break
-        eng.step()
-    res = [r.handle.result(0) for r in reqs]
+    res = all_at_once(eng, [(f"u{i}", chat(f"user {i} pressure " * 3)) for i in range(4)], sp)
     pre = [r.stats for r in res if r.stats.preemptions]
     assert pre, "the pool should force a preemption"
     for st in pre:
