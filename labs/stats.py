@@ -115,8 +115,8 @@ def ap_ci(pos, neg, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0) -
     """(AP, low, high): stratified percentile bootstrap, as `auc_ci`. AP reads as Gu et al.
     report it, but it is no test of chance: with no separation its mean is above the share of
     positives in small samples (0.53 for 30 + 30) and this interval misses 0.5 about one run in
-    ten at 95 %; `auc_ci` (chance exactly 0.5, its interval at its level) is the one to compare
-    with 0.5."""
+    ten at 95 % (scripts/interval_null.py); `auc_ci` (chance exactly 0.5, its interval at its
+    level) is the one to compare with 0.5."""
     pos, neg = np.asarray(pos, float), np.asarray(neg, float)
     a = average_precision(pos, neg)
     if not math.isfinite(a) or len(pos) < 2 or len(neg) < 2:
