@@ -405,6 +405,18 @@ class Engine:
         (on by default; the bench measures what it costs)."""
         self.call(lambda: self.kv.set_attribution(on))
 
+    @property
+    def miss_across_keys(self) -> bool:
+        """Whether misses are explained from other keys' blocks too (`set_miss_across_keys`)."""
+        return self.kv.across_keys
+
+    def set_miss_across_keys(self, on: bool) -> None:
+        """Explain a salted request's miss from other salts' blocks too (isolated, config by
+        content: the default) or from its own keys' only: that lookup's time on the request's
+        path tells the sender whether another key cached the same prompt (docs/miss.md, "Across
+        keys"). `kvplay serve` with keys turns it off unless --explain-across-keys."""
+        self.call(lambda: setattr(self.kv, "across_keys", bool(on)))
+
     def needs_fresh_cache(self, **changes) -> bool:
         """Would these config changes invalidate what is cached? (hash, seed, determinism)."""
         return any(k in changes and changes[k] != getattr(self.config, k)

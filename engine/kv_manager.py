@@ -58,6 +58,11 @@ class KVManager:
         self.collisions_caught = 0
         self.miss: MissTracker | None = None
         self._decode = decode
+        # whether a salted request's miss is explained from other salts' blocks too (isolated,
+        # config): that lookup walks as far as another tenant's identical prefix goes, so its
+        # time on the request's path tells the sender whether another key cached the prompt
+        # (`kvplay serve` with keys turns it off; docs/miss.md, "Across keys")
+        self.across_keys = True
         self.set_attribution(True)
 
     def set_attribution(self, on: bool) -> None:
@@ -177,7 +182,8 @@ class KVManager:
         miss = None
         if first and self.miss is not None:  # the cache as the lookup saw it, before any eviction
             miss = self.miss.explain(self.pool, req.prompt_ids, req.hashes, self.reusable_blocks(req), matched,
-                                     lambda j: self.sig(req, j), len(req.prompt_ids))
+                                     lambda j: self.sig(req, j), len(req.prompt_ids),
+                                     across_keys=self.across_keys or req.keys.salt is None)
         self.pool.touch(matched, now, hit=first)  # a re-admission re-references, it is no new hit
         req.block_table = matched + self.pool.allocate(need, now, by=(req.user, req.request_id))
         req.num_computed = len(matched) * self.bs

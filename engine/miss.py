@@ -568,10 +568,12 @@ class MissTracker:
 
     # --- the attribution -----------------------------------------------------------------------
     def explain(self, pool, tokens: list[int], hashes: list[int], limit: int, matched: list[int],
-                sig_for: Callable[[int], object], n_prompt: int) -> dict:
+                sig_for: Callable[[int], object], n_prompt: int, across_keys: bool = True) -> dict:
         """The miss object of a request at its first admission: `tokens` its prompt, `hashes` its
         block hashes, `limit` its reusable full blocks, `matched` the cached blocks it got,
-        `sig_for(k)` the keys of its block k."""
+        `sig_for(k)` the keys of its block k. Without `across_keys` only what was stored under
+        the request's own keys is consulted (its own hashes, its siblings): no content lookup
+        (isolated, and config by content), whose length would follow another tenant's prefix."""
         bs = self.bs
         j = len(matched)
         spans: list[list] = []
@@ -593,7 +595,7 @@ class MissTracker:
             ck = info[0] if info is not None else None
         else:
             ck = _ROOT
-        if ck is None:  # (cannot happen: a matched block is cached) no content checks then
+        if ck is None or not across_keys:  # (ck None cannot happen: a matched block is cached)
             reconf_ok = content_ok = False
         k = j
         while k < limit:

@@ -202,7 +202,10 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
     t_start = time.perf_counter()
     rng = random.Random(p.seed)
     vocab = token_pool(eng.tokenizer)
-    old_isolation = eng.config.isolation
+    old_isolation, old_across = eng.config.isolation, eng.miss_across_keys
+    # the Server layer is a keyed server's: misses explained from the sender's own keys only, as
+    # `kvplay serve --api-keys` does (the lookup across keys is a time channel of its own)
+    eng.set_miss_across_keys(False)
     results = []
     kmax = max(p.blocks)
     for _ in Server(eng, LabContext()).connect("warmup").complete([rng.choice(vocab) for _ in range(8)]):
@@ -231,6 +234,7 @@ def run(eng, params: LeakParams | None = None, ctx: LabContext | None = None) ->
                      pad_ms=pad if m == "pad" else None, extra_ms=r["mean_ms"] - base["mean_ms"])
             mitigated.append(r)
     eng.reconfigure(isolation=old_isolation)
+    eng.set_miss_across_keys(old_across)
     ctx.progress.close()
     seeds = _seeds_text(p)
     rows = [[r["isolation"], r["probes"], r["blocks"], r["tokens"], r["median_hit_ms"], r["median_miss_ms"], r["auc"],

@@ -58,6 +58,7 @@ class CoreParams:
     db: str | None = None  # None: no recording
     record: bool = False
     title: str | None = None
+    explain_across_keys: bool = False  # --explain-across-keys
 
 
 def build_side(p: CoreParams):
@@ -71,7 +72,7 @@ def build_side(p: CoreParams):
         if p.curve_dir:
             curve = wire_curve.ServerCurve.load(p.curve_dir)
         side = EngineSide(engine, p.identities, event_publisher(p.kv_events, p.loopback, curve),
-                          report_full=p.report_full, recorder=rec)
+                          report_full=p.report_full, recorder=rec, explain_across_keys=p.explain_across_keys)
     except BaseException:
         close_run(rec, engine)
         raise

@@ -102,7 +102,8 @@ def event_publisher(kv_events, loopback: bool, curve=None):
 class EngineSide:
     """The serving parts that live with one started Engine (see the module doc)."""
 
-    def __init__(self, engine, identities=(), kv_publisher=None, report_full: bool = False, recorder=None):
+    def __init__(self, engine, identities=(), kv_publisher=None, report_full: bool = False, recorder=None,
+                 explain_across_keys: bool = False):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
@@ -114,6 +115,11 @@ class EngineSide:
                                else {"session_id": recorder.session_id, "path": str(recorder.path)})
         for user, group in identities:  # every key's identity is bound before serving
             self.register_user(user, group)
+        if identities and not explain_across_keys:
+            # tenants: a miss is explained from the sender's own keys only (the lookup across
+            # keys takes longer the further another tenant's identical prefix goes, a time
+            # channel through isolation; docs/miss.md, "Across keys")
+            engine.set_miss_across_keys(False)
         self.metrics = ServerMetrics(engine)
         self.events = (EngineEventPublisher(engine, kv_publisher, report_full=report_full)
                        if kv_publisher is not None else None)

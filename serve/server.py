@@ -101,13 +101,14 @@ def check_event_endpoints(kv_events, keys, loopback: bool, curve=None, insecure:
 
 def build_state(engine, keys=None, kv_events=None, loopback: bool = True, report_full: bool = False,
                 recorder=None, served_name: str | None = None, curve=None, insecure_events: bool = False,
-                max_concurrent: int | None = None, metrics_users: bool = False) -> ServeState:
+                max_concurrent: int | None = None, metrics_users: bool = False,
+                explain_across_keys: bool = False) -> ServeState:
     """`kv_events`: a wire.publisher.KVEventsConfig (or None). On a loopback-only server a
     wildcard bind (vLLM's default ``tcp://*:5557``) binds 127.0.0.1 only; any other endpoint
     must pass check_event_endpoints. `curve`: a wire.curve.ServerCurve for both event sockets."""
     check_event_endpoints(kv_events, keys, loopback, curve, insecure_events)
     side = EngineSide(engine, identities_of(keys), event_publisher(kv_events, loopback, curve),
-                      report_full=report_full, recorder=recorder)
+                      report_full=report_full, recorder=recorder, explain_across_keys=explain_across_keys)
     return state_for(side, keys, served_name, max_concurrent, metrics_users)
 
 

@@ -47,7 +47,8 @@ def make_engine(tiny_llama):
 
 @pytest.fixture
 def serve(make_engine, tmp_path):
-    """serve(keys=None, kv_events=None, record=False, report_full=False, **engine_config) ->
+    """serve(keys=None, kv_events=None, record=False, report_full=False, explain_across_keys=False,
+    **engine_config) ->
     (ServerThread, ServeState): a real `kvplay serve` (uvicorn in a thread on a loopback port
     it bound itself) around a real engine on a tiny model. Everything is stopped after the test."""
     from kvplay.serve.server import ServerThread, build_state, close_state
@@ -55,12 +56,13 @@ def serve(make_engine, tmp_path):
 
     made = []
 
-    def factory(keys=None, kv_events=None, record=False, report_full=False, **cfg):
+    def factory(keys=None, kv_events=None, record=False, report_full=False, explain_across_keys=False, **cfg):
         eng = make_engine(**cfg)
         rec = None
         if record:
             rec = Recorder.open(str(tmp_path / "sessions.db"), eng.config, eng.model_name, "serve", "")
-        state = build_state(eng, keys, kv_events, report_full=report_full, recorder=rec)
+        state = build_state(eng, keys, kv_events, report_full=report_full, recorder=rec,
+                            explain_across_keys=explain_across_keys)
         srv = ServerThread(state).start()
         made.append((srv, state, rec))
         return srv, state

@@ -51,6 +51,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-users", action="store_true",
                         help="show /metrics' per-user series (who reuses whose cache) to every caller, "
                              "not only to admin keys")
+    parser.add_argument("--explain-across-keys", action="store_true",
+                        help="with --api-keys, explain a miss from other keys' blocks too (isolated tokens "
+                             "named for admins and counted in /metrics); off by default: that lookup takes "
+                             "longer the further another key's identical prompt goes, which the sender can time")
     parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     parser.add_argument("--ssl-certfile", default=None, help="… and this certificate (PEM): bearer keys then never cross the network in clear")
     parser.add_argument("--ssl-keyfile-password", default=None,
@@ -94,6 +98,9 @@ def main(args: argparse.Namespace) -> int:
     if keys is None and not loopback:
         raise KvplayError(f"--host {args.host}: without --api-keys kvplay serve listens on loopback only "
                           "(anyone could claim any user); give --api-keys FILE to serve other machines")
+    if keys is None and args.explain_across_keys:
+        raise KvplayError("--explain-across-keys goes with --api-keys: without keys every request has the same "
+                          "keys, and there is nothing across them to explain")
     if keys is None and config.isolation != "shared":
         raise KvplayError(f"--isolation {config.isolation} needs --api-keys: without keys the user name comes "
                           "from the request body, and a salt the client picks isolates nothing")
@@ -120,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     params = CoreParams(config, identities_of(keys), kv_cfg, loopback, args.kv_events_curve,
                         args.kv_cache_report_mode == "full", args.db, not args.no_record,
-                        f"kvplay serve on {args.host}:{args.port}")
+                        f"kvplay serve on {args.host}:{args.port}", args.explain_across_keys)
     local = None
     try:
         if args.in_process_engine:

@@ -143,6 +143,40 @@ def test_isolation_says_whose_blocks_would_have_hit(make_engine, mode):
         assert m["reasons"]["tail"] == n - limit_tokens(n)
 
 
+@pytest.mark.parametrize("mode", ["user", "system"])
+def test_without_across_keys_a_miss_and_its_work_do_not_depend_on_other_keys_blocks(make_engine, monkeypatch, mode):
+    """`set_miss_across_keys(False)` (kvplay serve with keys): carol's miss is explained from her
+    own keys only, so neither its reasons nor the work done on her request's path (content keys
+    computed: the across-keys walk makes one per block of another tenant's identical prefix) tell
+    her whether alice cached the same prompt."""
+    from kvplay.engine import miss as miss_mod
+
+    calls, inside = [], []  # content keys made while a miss is explained (storing blocks makes them too)
+    real, explain = miss_mod.content_key, miss_mod.MissTracker.explain
+    monkeypatch.setattr(miss_mod, "content_key", lambda parent, tokens: (inside and calls.append(1)) or real(parent, tokens))
+    monkeypatch.setattr(miss_mod.MissTracker, "explain",
+                        lambda self, *a, **k: inside.append(1) or (explain(self, *a, **k), inside.clear())[0])
+    msgs = [{"role": "system", "content": "A system prompt shared by everyone on this engine. " * 3},
+            {"role": "user", "content": "the same question, asked at some length by two users " * 3}]
+    other = [msgs[0], {"role": "user", "content": "an unrelated question of about the same length, asked once " * 3}]
+    seen = {}
+    for across in (True, False):
+        eng = make_engine(isolation=mode, num_blocks=256)
+        eng.set_miss_across_keys(across)
+        for user, group in (("alice", "g1"), ("carol", "g2")):
+            eng.register_user(user, group)
+        eng.generate("alice", msgs, G, timeout=60)
+        for name, prompt in (("twin", msgs), ("other", other)):
+            calls.clear()
+            m = check_sum(eng.generate("carol", prompt, G, timeout=60).stats)
+            seen[across, name] = (m["reasons"], len(calls))
+    n_iso = seen[True, "twin"][0]["isolated"]
+    assert n_iso > 0 and seen[True, "twin"][1] >= n_iso // BS  # across keys: alice's blocks walked
+    (twin, w_twin), (other_r, w_other) = seen[False, "twin"], seen[False, "other"]
+    assert twin["isolated"] == 0 and twin["cold"] == n_iso + seen[True, "twin"][0]["cold"]
+    assert w_twin == w_other == 0  # own keys only: no content walk, whoever cached what
+
+
 def test_a_reset_says_cleared(make_engine):
     eng = make_engine()
     p = ids(3, 90)

@@ -43,7 +43,7 @@ def miss_series(text: str) -> dict:
 
 
 def test_isolated_tokens_are_named_for_an_admin_and_cold_for_a_tenant(serve, tmp_path):
-    srv, _ = serve(keys=three_keys(tmp_path), isolation="user")
+    srv, _ = serve(keys=three_keys(tmp_path), isolation="user", explain_across_keys=True)
     with httpx.Client(timeout=30) as c:
         first = chat(c, srv.url, ALICE, "the same question")
         assert "miss" not in first.json()["kvplay"]  # opt-in
@@ -72,6 +72,23 @@ def test_isolated_tokens_are_named_for_an_admin_and_cold_for_a_tenant(serve, tmp
     hits = q['vllm:prefix_cache_hits_total{model_name="tiny:llama",engine="0"}']
     assert sum(admin.values()) == total - hits  # every uncached prompt token has one reason
     assert all("user=" not in line for line in admin_text.splitlines() if "miss_tokens" in line)
+
+
+def test_by_default_keys_are_not_looked_across_so_isolated_tokens_are_cold_for_everyone(serve, tmp_path):
+    """Without --explain-across-keys a keyed server explains a miss from the sender's own keys
+    only (the lookup across keys would take longer the further another key's identical prompt
+    goes: a time channel through isolation): an admin sees alice's identical blocks as cold too,
+    and the counters have no isolated tokens."""
+    srv, _ = serve(keys=three_keys(tmp_path), isolation="user")
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, ALICE, "the same question")
+        root = chat(c, srv.url, ROOT, "the same question", return_miss_details=True).json()
+        admin = miss_series(c.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {ROOT}"}).text)
+    n = root["usage"]["prompt_tokens"]
+    full = root["kvplay"]["miss"]
+    assert full["reasons"]["isolated"] == 0 and full["isolated_from"] == {}
+    assert full["reasons"]["cold"] == (n - 1) // 16 * 16
+    assert admin.get("isolated", 0) == 0 and admin["cold"] == 2 * ((n - 1) // 16 * 16)
 
 
 def test_another_tenants_eviction_says_others_and_a_stream_carries_the_miss(serve, tmp_path):

@@ -158,6 +158,9 @@ def test_cli_refuses_open_events_without_keys_before_loading(tmp_path, capsys):
     assert main(["serve", "--api-keys", str(kf), "--host", "0.0.0.0", "--kv-events-config", cfg,
                  "--no-record", "--model", "tiny:llama"]) == 2
     assert "--kv-events-insecure" in capsys.readouterr().err
+    assert main(["serve", "--explain-across-keys", "--no-record", "--model", "tiny:llama"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--explain-across-keys goes with --api-keys" in err[0]
 
 
 def test_watch_subscribes_with_curve_keys(tmp_path):
@@ -232,9 +235,10 @@ def test_sampling_failure_ends_only_that_request(make_engine):
     eng = make_engine()
     other = eng.submit("bob", prompt_ids=list(range(5, 40)), sampling=SamplingParams(max_tokens=24, stop_on_eos=False))
     poison = SamplingParams(temperature=1.0, max_tokens=24)
-    bad = eng.submit("mallory", prompt_ids=list(range(50, 80)), sampling=poison)
-    poison.temperature = float("nan")  # past validation: the sampler itself raises for this request
-    r_bad, r_other = bad.result(60), other.result(60)
+    req = eng.make_request("mallory", prompt_ids=list(range(50, 80)), sampling=poison)
+    poison.temperature = float("nan")  # past validation, before the engine sees it: the sampler itself raises
+    eng.call(lambda: eng.take_in(req))
+    r_bad, r_other = req.handle.result(60), other.result(60)
     assert r_bad.finish_reason == "error" and "sampling" in r_bad.error
     assert r_other.error is None and len(r_other.token_ids) == 24
     assert eng.alive
