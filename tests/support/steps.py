@@ -56,8 +56,11 @@ def shared_prompt_traces(loaded, counter: str, on: dict, off: dict) -> tuple[int
         with Engine(EngineConfig(model="tiny:llama", num_blocks=128, **fields), loaded) as eng:
             eng.submit("warm", prompt_ids=prompt, sampling=SamplingParams(max_tokens=1)).result(60)
             sp = SamplingParams(max_tokens=6, stop_on_eos=False)
-            handles = [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp, trace_logits=True)
-                       for i in range(3)]
+            # submitted from the engine thread, between two steps: all three are in before the
+            # next step whatever the machine's speed (from this thread, a slow machine's engine
+            # could step the first alone)
+            handles = eng.call(lambda: [eng.submit(f"u{i}", prompt_ids=prompt + [10 + i], sampling=sp,
+                                                   trace_logits=True) for i in range(3)])
             for h in handles:
                 assert h.result(60).stats.cached_tokens >= 320 - 16
             traces.append([h.request.logits_trace for h in handles])
