@@ -562,7 +562,9 @@ def test_attach_says_isolated_where_the_server_salts_by_user(free_port, serve, t
 
     ev, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ev, replay_endpoint=rep, topic="kv-events")
-    srv, state = serve(keys=keys(tmp_path), kv_events=cfg, num_blocks=64, isolation="user")
+    # the engine explains across keys here only to be the reference (a keyed server does not by
+    # default: docs/miss.md, "Across keys"); the watcher's attribution is off the requests' path
+    srv, state = serve(keys=keys(tmp_path), kv_events=cfg, num_blocks=64, isolation="user", explain_across_keys=True)
     engine_says = []
     state.side.engine.subscribe_batches(
         lambda b: engine_says.extend(miss_from_event(e) for e in b.events if e.kind == "MissExplained"))
