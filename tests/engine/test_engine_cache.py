@@ -181,8 +181,8 @@ def test_pool_exhaustion_preempts_and_completes_identically(tiny_llama):
 
 
 def test_cancel_frees_blocks_and_others_continue(make_engine):
-    eng = make_engine(num_blocks=128)
-    long = eng.submit("alice", chat("long one"), SamplingParams(max_tokens=500, stop_on_eos=False))
+    eng = make_engine(num_blocks=256)  # (room for ~0.7 s of decoding: the cancel lands long before it ends)
+    long = eng.submit("alice", chat("long one"), SamplingParams(max_tokens=3000, stop_on_eos=False))
     other = eng.submit("bob", chat("short"), SamplingParams(max_tokens=10, stop_on_eos=False))
     next(iter(long))
     long.cancel()
@@ -275,7 +275,7 @@ def test_deterministic_mode_in_bfloat16(make_engine):
 
 
 def test_shutdown_finishes_inflight_requests_with_an_error(tiny_llama):
-    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=64), tiny_llama).start()
+    eng = Engine(EngineConfig(model="tiny:llama", num_blocks=1024), tiny_llama).start()  # (seconds of room)
     h = eng.submit("alice", chat("never ends"), SamplingParams(max_tokens=100000, stop_on_eos=False))
     next(iter(h))
     eng.shutdown()
@@ -284,7 +284,7 @@ def test_shutdown_finishes_inflight_requests_with_an_error(tiny_llama):
 
 
 def test_result_timeout_is_a_timeout_error(make_engine):
-    eng = make_engine()
+    eng = make_engine(num_blocks=1024)  # (a request that runs for seconds before the pool ends it)
     h = eng.submit("alice", chat("slow"), SamplingParams(max_tokens=100000, stop_on_eos=False))
     with pytest.raises(TimeoutError):
         h.result(0.05)
