@@ -154,6 +154,10 @@ def main(args: argparse.Namespace) -> int:
             print("kvplay: isolation shared: every key holder can tell from cached_tokens, cached_from and "
                   "time to first token whether another user sent a prompt (and who); use --isolation user to "
                   "stop it", file=sys.stderr, flush=True)
+        elif keys is not None and args.explain_across_keys:
+            print("kvplay: --explain-across-keys: explaining a miss walks other keys' identical prompts, and a key "
+                  "holder can time that walk to tell whether another key sent the same prompt; leave it off where "
+                  "the keys' holders do not trust each other", file=sys.stderr, flush=True)
         pub = side.events_info
         if pub is not None:
             print(f"kvplay: KV events {'bound on' if pub['binds'] else 'connecting to'} {pub['endpoint']}"

@@ -524,7 +524,7 @@ def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
             for line in p.stderr:
                 lines.append(line)
                 if "serving" in line:
-                    if "shared" in line:
+                    if "shared" in line or "--explain-across-keys" in extra:
                         lines.append(p.stderr.readline())
                     break
         finally:
@@ -536,6 +536,8 @@ def test_keys_default_to_user_isolation_and_shared_says_what_leaks(tmp_path):
     assert "isolation user" in first_lines()
     out = first_lines("--isolation", "shared")
     assert "isolation shared" in out and "cached_from" in out
+    out = first_lines("--explain-across-keys")
+    assert "isolation user" in out and "can time that walk" in out
 
 
 # --- 6. the small ones ------------------------------------------------------------------------------
