@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import pytest
 
+from support.steps import drain
 from support.wait import wait_for
 
 from kvplay.engine.config import EngineConfig
@@ -157,10 +158,7 @@ def all_at_once(eng, turns, sp):
     reqs = [eng.make_request(user, messages, sp) for user, messages in turns]
     for r in reqs:
         eng.take_in(r)
-    for _ in range(5000):
-        if not eng.scheduler.has_work():
-            break
-        eng.step()
+    drain(eng, 5000)
     return [r.handle.result(0) for r in reqs]
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from support.recorded import recorded
+from support.steps import drain
 
 from support import EXAMPLES
 
@@ -37,14 +38,6 @@ def push(eng, user, prompt_ids, max_tokens=4, **kw):
                            sampling=SamplingParams(max_tokens=max_tokens, stop_on_eos=False), **kw)
     eng.take_in(req)
     return req
-
-
-def drain(eng, limit=2000):
-    for _ in range(limit):
-        if not eng.scheduler.has_work():
-            return
-        eng.step()
-    raise AssertionError("the scheduler did not finish its requests")
 
 
 # --- item 1: identity and salts -----------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Random decode steps over a shared pool, for the attention paths' tests (test_cascade.py,
-test_native.py): rows on shared prefixes, rows alone, a prompt chunk."""
+test_native.py): rows on shared prefixes, rows alone, a prompt chunk; and `drain`, for tests
+that step an engine themselves."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,15 @@ from kvplay.engine.runner import Row
 from kvplay.engine.sampling import SamplingParams
 
 NUM_BLOCKS = 160
+
+
+def drain(eng, limit=2000):
+    """Step an engine the test drives itself (no engine thread) until its requests are done."""
+    for _ in range(limit):
+        if not eng.scheduler.has_work():
+            return
+        eng.step()
+    raise AssertionError("the scheduler did not finish its requests")
 
 
 def random_step(rng: random.Random, bs: int) -> list[Row]:
