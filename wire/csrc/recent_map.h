@@ -20,7 +20,8 @@
 #ifndef KVPLAY_RECENT_MAP_H
 #define KVPLAY_RECENT_MAP_H
 
-#define RM_SPLIT 0x9E3779B97F4A7C15ULL
+/* (miss_chains.c defines before including this: `mix`, splitmix64's finalizer, and `C1`, the
+ * golden-ratio constant, which also parts a negative key from the positive one of its bits) */
 #ifndef PREFETCH
 #define PREFETCH 8  /* how many keys ahead a loop over random lines asks for its line */
 #endif
@@ -46,14 +47,8 @@ typedef struct {
 
 static PyTypeObject RecentMapType;
 
-static uint64_t rm_mix(uint64_t z) {  /* splitmix64's finalizer */
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
 static inline uint64_t rm_hash(uint64_t bits, unsigned char tag) {
-    return rm_mix(bits ^ (tag * RM_SPLIT));
+    return mix(bits ^ (tag * C1));
 }
 
 /* A Python int as a key (0), or -1 with an exception (not an int). */
