@@ -155,7 +155,9 @@ class MissExplained(Event):
     `spans` are [start, tokens, reason, who, by] runs that cover every uncached prompt token
     exactly once (reasons: cold, evicted, isolated, diverged, tail, cleared, config, collision;
     `who`: the user whose block is the evidence; `by`: who evicted it). `engine.miss.miss_object`
-    turns it into the miss object (RequestStats.miss)."""
+    turns it into the miss object (RequestStats.miss). `own_keys`: a salted request explained
+    without looking across keys (a keyed `kvplay serve`): its `cold` tokens may be held under
+    another key (`kvplay explain` finds which, offline: sessions/explain.py)."""
     request_id: _Text = ""
     user: _Text = ""
     prompt_tokens: int = 0
@@ -167,6 +169,7 @@ class MissExplained(Event):
     evicted_at: Optional[float] = None
     eviction_policy: _Text = ""
     cleared_at: Optional[float] = None
+    own_keys: bool = False  # explained from the sender's own keys only: what another key held counts as cold
 
 
 class CollisionCaught(Event):

@@ -214,7 +214,7 @@ class KVManager:
                     spans=[tuple(s) for s in miss["spans"]], diverged_at=miss["diverged_at"],
                     excerpt_prompt=ex.get("prompt", ""), excerpt_cached=ex.get("cached", ""),
                     evicted_at=miss["evicted_at"], eviction_policy=miss["eviction_policy"] or "",
-                    cleared_at=miss["cleared_at"]))
+                    cleared_at=miss["cleared_at"], own_keys=miss.get("own_keys", False)))
         return Admission(matched, cached, by, miss)
 
     def reserve_slot(self, req: Request) -> bool:

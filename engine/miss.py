@@ -366,9 +366,11 @@ def empty_reasons() -> dict[str, int]:
 
 def miss_object(spans: list, diverged_at: int | None = None, excerpt: tuple[str, str] | None = None,
                 evicted_at: float | None = None, eviction_policy: str | None = None,
-                cleared_at: float | None = None) -> dict:
+                cleared_at: float | None = None, own_keys: bool = False) -> dict:
     """The miss object (JSON-ready) from its spans and details: tokens, reasons (all eight),
-    diverged_at and excerpt, evicted_by / isolated_from (user -> tokens), times, and the spans."""
+    diverged_at and excerpt, evicted_by / isolated_from (user -> tokens), times, and the spans;
+    `"own_keys": true` when it was explained from the sender's own keys only (docs/miss.md,
+    "Across keys"): its cold tokens may be held under another key."""
     reasons = empty_reasons()
     evicted_by: dict[str, int] = {}
     isolated_from: dict[str, int] = {}
@@ -395,7 +397,7 @@ def miss_object(spans: list, diverged_at: int | None = None, excerpt: tuple[str,
         "eviction_policy": (eviction_policy or None) if reasons["evicted"] else None,
         "isolated_from": isolated_from, "cleared_at": cleared_at if reasons["cleared"] else None,
         "spans": clean,
-    }
+    } | ({"own_keys": True} if own_keys else {})
 
 
 def miss_from_event(e) -> dict:
@@ -404,7 +406,7 @@ def miss_from_event(e) -> dict:
     ex_p, ex_c = get("excerpt_prompt", "") or "", get("excerpt_cached", "") or ""
     return miss_object([list(s) for s in get("spans", []) or []], get("diverged_at"),
                        (ex_p, ex_c) if ex_p or ex_c else None, get("evicted_at"), get("eviction_policy") or None,
-                       get("cleared_at"))
+                       get("cleared_at"), get("own_keys") is True)
 
 
 def same_reasons(a: dict | None, b: dict | None) -> bool:
@@ -662,7 +664,7 @@ class MissTracker:
                 break
         if n_prompt > limit * bs:
             add(limit * bs, n_prompt - limit * bs, "tail")
-        return miss_object(spans, diverged_at, excerpt, evicted_at, policy, cleared_at)
+        return miss_object(spans, diverged_at, excerpt, evicted_at, policy, cleared_at, not across_keys)
 
     def _sibling(self, pool, block: list[int], key: tuple) -> tuple[int, str, int]:
         """(the longest common prefix with a cached block at this chain position under the same

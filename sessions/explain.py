@@ -4,7 +4,9 @@
 - **missed tokens by reason**, over every request, from the miss objects (engine/miss.py): a
   session of kvplay's own engine has them recorded (its MissExplained events); a trace file or
   a watched server's recording gets them from the simulator, which runs the engine's scheduler,
-  KV manager and pool, and so its attribution (sessions/simulate.py).
+  KV manager and pool, and so its attribution (sessions/simulate.py). A keyed server's turns
+  were explained from their sender's own keys (`own_keys`): their cold tokens that the
+  simulation finds under another key are renamed as it names them (`across_keys`).
 - **cache breakers**: a prompt position where several requests diverge from an otherwise shared
   prefix (same tokens before it, different tokens in a short span, the same tokens again for at
   least a block after it): a timestamp, a request id, a reordered tool list. Each with the text
@@ -29,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from kvplay.engine.miss import REASONS, empty_reasons
+from kvplay.engine.miss import REASONS, empty_reasons, miss_object
 
 from .simulate import Clear, SimResult, Trace, simulate
 
@@ -174,6 +176,41 @@ def _no_clears(trace: Trace) -> Trace:
     return replace(trace, items=[it for it in trace.items if not isinstance(it, Clear)])
 
 
+def across_keys(recorded: dict, simulated: dict | None) -> tuple[dict, int]:
+    """A miss object its engine explained from the sender's own keys only (`own_keys`: a keyed
+    `kvplay serve`, which does not look across keys on the request's path), with the tokens it
+    calls cold that the simulation of the same trace found under another key (isolated, or
+    config by content) named as the simulation names them; (that object, the tokens renamed).
+    Only a renaming: the counts still sum to the recorded uncached tokens."""
+    theirs = [(sp[0], sp[0] + sp[1], sp[2], sp[3]) for sp in (simulated or {}).get("spans") or []
+              if sp[2] in ("isolated", "config")]
+    if not theirs:
+        return recorded, 0
+    spans: list[list] = []
+    renamed = 0
+    for start, n, reason, who, by in recorded.get("spans") or []:
+        if reason != "cold":
+            spans.append([start, n, reason, who, by])
+            continue
+        at, end = start, start + n
+        for a, b, why, whose in theirs:
+            lo, hi = max(at, a), min(end, b)
+            if lo >= hi:
+                continue
+            if lo > at:
+                spans.append([at, lo - at, "cold", "", ""])
+            spans.append([lo, hi - lo, why, whose, ""])
+            renamed += hi - lo
+            at = hi
+        if at < end:
+            spans.append([at, end - at, "cold", "", ""])
+    if not renamed:
+        return recorded, 0
+    ex = recorded.get("excerpt") or None
+    return miss_object(spans, recorded.get("diverged_at"), (ex["prompt"], ex["cached"]) if ex else None,
+                       recorded.get("evicted_at"), recorded.get("eviction_policy"), recorded.get("cleared_at")), renamed
+
+
 def _hit(res: SimResult) -> float:
     return round(res.hit_rate, 6)
 
@@ -203,11 +240,18 @@ def explain(trace: Trace, recorded: dict[str, dict] | None = None, turn_numbers:
     recorded = recorded or {}
     turns: list[Turn] = []
     sources = set()
+    own = {"turns": 0, "renamed_turns": 0, "tokens": 0}  # turns explained from the sender's own keys
     for i, r in enumerate(trace.requests, 1):
         m = recorded.get(r.request_id)
         if m is not None and r.cached_tokens is not None:  # the live run's own account
             sources.add("recorded")
             cached = r.cached_tokens
+            if m.get("own_keys"):  # what other keys held: from the simulation, where it agrees on the hit
+                own["turns"] += 1
+                if base.cached.get(r.request_id) == cached:
+                    m, k = across_keys(m, base.miss.get(r.request_id))
+                    own["renamed_turns"] += k > 0
+                    own["tokens"] += k
         else:
             sources.add("simulated")
             m, cached = base.miss.get(r.request_id), base.cached.get(r.request_id, 0)
@@ -232,6 +276,9 @@ def explain(trace: Trace, recorded: dict[str, dict] | None = None, turn_numbers:
         "attribution": "recorded" if sources == {"recorded"} else "simulated" if sources == {"simulated"} else "mixed",
         "simulated_hit_rate": _hit(base),
         "missed": {"tokens": sum(reasons.values()), "reasons": reasons},
+        # recorded turns explained from their sender's own keys (a keyed server): how many, how
+        # many of them the simulation showed holding cold tokens under another key, those tokens
+        "own_keys": own if own["turns"] else None,
     }
     # the breakers, each with its projection
     breakers = find_breakers(trace, turns, top)

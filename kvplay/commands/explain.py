@@ -96,6 +96,13 @@ def print_report(r: dict) -> None:
     m = r["missed"]
     parts = [f"{n:,} {k}" for k, n in sorted(m["reasons"].items(), key=lambda kv: (-kv[1], REASONS.index(kv[0]))) if n]
     say(f"missed {m['tokens']:,} tokens: " + (", ".join(parts) or "none"))
+    own = r.get("own_keys")
+    if own:  # a keyed server's turns: explained without looking across keys, renamed from the simulation
+        found = (f"{own['tokens']:,} of their cold tokens were held under another key in {own['renamed_turns']} "
+                 "of them, counted above as the simulation names them") if own["tokens"] else \
+            "none of their cold tokens was held under another key"
+        say(f"  ({own['turns']} turns were explained from their sender's own keys, as a keyed server does; "
+            f"in the simulation of the same trace {found})")
     base = r["simulated_hit_rate"]
     say(f"projections (each a simulation of the same trace; as recorded it gives {_pct(base)}):")
     if r["breakers"]:

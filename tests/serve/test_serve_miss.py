@@ -7,9 +7,13 @@ import json
 
 import httpx
 
+from kvplay.cli import main as cli
 from kvplay.serve.keys import load_keys
+from kvplay.sessions.query import session_turns, with_misses
+from kvplay.sessions.store import open_db
 
 from support.serve import chat
+from support.wait import wait_for
 
 KEYS = """
 [[keys]]
@@ -89,6 +93,52 @@ def test_by_default_keys_are_not_looked_across_so_isolated_tokens_are_cold_for_e
     assert full["reasons"]["isolated"] == 0 and full["isolated_from"] == {}
     assert full["reasons"]["cold"] == (n - 1) // 16 * 16
     assert admin.get("isolated", 0) == 0 and admin["cold"] == 2 * ((n - 1) // 16 * 16)
+
+
+def test_explain_finds_offline_what_a_keyed_server_did_not_look_across_keys_for(serve, tmp_path, capsys):
+    """The server explains each miss from its sender's own keys (no lookup across keys on the
+    request's path) and records that it did (`own_keys`); `kvplay explain` on the recording then
+    names, from the simulation of the same trace, the tokens another key held: isolated, from
+    whom, and what shared isolation would give. The recorded counts are only renamed."""
+    srv, state = serve(keys=three_keys(tmp_path), isolation="user", record=True)
+    with httpx.Client(timeout=30) as c:
+        chat(c, srv.url, ALICE, "the same question")
+        root = chat(c, srv.url, ROOT, "the same question", return_miss_details=True).json()
+        chat(c, srv.url, CAROL, "a question of her own")
+    n = root["usage"]["prompt_tokens"]
+    assert root["kvplay"]["miss"]["own_keys"] is True and root["kvplay"]["miss"]["reasons"]["isolated"] == 0
+    db_path = str(tmp_path / "sessions.db")
+
+    def recorded() -> list[dict]:
+        db = open_db(db_path, create=False)
+        try:
+            sid = db.execute("select id from sessions").fetchone()[0]
+            return with_misses(db, sid, session_turns(db, sid))
+        finally:
+            db.close()
+    wait_for(lambda: len(recorded()) == 3 and all(t["miss"] for t in recorded()), timeout=30)
+    turns = recorded()
+    assert all(t["miss"]["own_keys"] for t in turns)
+    sid = open_db(db_path, create=False).execute("select id from sessions").fetchone()[0]
+    capsys.readouterr()
+    assert cli(["explain", sid, "--db", db_path, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    full = (n - 1) // 16 * 16
+    assert r["attribution"] == "recorded"
+    by_user = {t["user"]: t for t in r["turns"]}
+    # root's prompt is alice's; carol's shares the chat template's first blocks with alice's
+    assert by_user["root"]["reasons"]["isolated"] == full and by_user["root"]["reasons"]["cold"] == 0
+    assert by_user["alice"]["reasons"]["isolated"] == 0 and 0 < by_user["carol"]["reasons"]["isolated"] < full
+    iso = by_user["root"]["reasons"]["isolated"] + by_user["carol"]["reasons"]["isolated"]
+    assert r["own_keys"] == {"turns": 3, "renamed_turns": 2, "tokens": iso}
+    assert r["missed"]["reasons"]["isolated"] == iso
+    for t in r["turns"]:  # renamed, not recounted: each turn's reasons still sum to its uncached tokens
+        assert sum(t["reasons"].values()) == t["prompt_tokens"] - t["cached_tokens"]
+    assert {(e["user"], e["from"]) for e in r["isolation"]["from"]} == {("root", "alice"), ("carol", "alice")}
+    assert r["isolation"]["projected"]["hit_rate"] > r["simulated_hit_rate"]
+    assert cli(["explain", sid, "--db", db_path]) == 0
+    text = capsys.readouterr().out
+    assert "3 turns were explained from their sender's own keys" in text and "root would have hit alice's" in text
 
 
 def test_another_tenants_eviction_says_others_and_a_stream_carries_the_miss(serve, tmp_path):

@@ -11,6 +11,8 @@ import pytest
 from support import EXAMPLES
 
 from kvplay.cli import main as cli
+from kvplay.engine.miss import miss_object
+from kvplay.sessions.explain import across_keys
 
 EXAMPLE = EXAMPLES / "cache-breaker.toml"
 HEADER = re.compile(r"\[request [0-9a-f]{4} at [0-9TZ:-]+\]")
@@ -129,3 +131,20 @@ def test_the_example_on_the_embedded_model_names_its_breaker_in_text(capsys):
     assert cli(["explain", summary["session"], "--json"]) == 0
     b = json.loads(capsys.readouterr().out)["breakers"][0]
     assert b["before"].endswith("[request ") and b["variants"][0]["text"] == "4f1c at 2026-12-05T10:00:01"
+
+
+def test_across_keys_renames_only_the_cold_tokens_another_key_held():
+    """sessions/explain.py's `across_keys`: a miss object explained from the sender's own keys
+    gets the simulation's isolated / config tokens where it says cold, nothing else changes, and
+    the counts still sum to the same uncached tokens."""
+    own = miss_object([[0, 64, "evicted", "bob", "carol"], [64, 96, "cold", "", ""], [160, 5, "tail", "", ""]],
+                      evicted_at=1.0, eviction_policy="lru", own_keys=True)
+    sim = miss_object([[0, 32, "isolated", "dan", ""], [32, 96, "isolated", "erin", ""], [128, 16, "config", "fay", ""],
+                       [144, 16, "cold", "", ""], [160, 5, "tail", "", ""]])
+    out, renamed = across_keys(own, sim)
+    assert renamed == 80 and out["tokens"] == own["tokens"] == 165
+    assert out["spans"] == [[0, 64, "evicted", "bob", "carol"], [64, 64, "isolated", "erin", ""],
+                            [128, 16, "config", "fay", ""], [144, 16, "cold", "", ""], [160, 5, "tail", "", ""]]
+    assert out["isolated_from"] == {"erin": 64} and out["evicted_by"] == {"carol": 64}
+    assert out["evicted_at"] == 1.0 and "own_keys" not in out
+    assert across_keys(own, None) == (own, 0) and across_keys(own, miss_object([[0, 165, "cold", "", ""]])) == (own, 0)
