@@ -11,7 +11,8 @@ A turn reproduces when its output tokens and its cache are what they were: the s
 tokens, from the same creators, and the same reasons for the tokens it computed (per reason,
 and where it diverged: engine/miss.py). A replay that matches the text but not the cache does
 not reproduce the session. Turns recorded before kvplay explained misses have no reasons to
-compare: there the cached tokens and creators decide alone.
+compare: there the cached tokens and creators decide alone. A keyed server's misses were
+explained from each sender's own keys (`own_keys`): the replay explains them so too.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from kvplay.engine.errors import EngineError
 from kvplay.engine.miss import same_reasons
 from kvplay.engine.sampling_params import SamplingParams
 
@@ -157,12 +159,25 @@ def replay(engine, turns: list[dict], system: str = "", groups: dict | None = No
         finally:
             out.put(None)
 
-    threading.Thread(target=drive, name="kvplay-replay", daemon=True).start()
-    while True:
-        item = out.get()
-        if item is None:
-            break
-        yield item
+    # misses explained as the recording explained them: a keyed server's from each sender's own
+    # keys (`own_keys`), so that the reasons compare
+    across = engine.miss_across_keys
+    own_keys = across and any((t.get("miss") or {}).get("own_keys") for t in turns)
+    if own_keys:
+        engine.set_miss_across_keys(False)
+    try:
+        threading.Thread(target=drive, name="kvplay-replay", daemon=True).start()
+        while True:
+            item = out.get()
+            if item is None:
+                break
+            yield item
+    finally:
+        if own_keys:
+            try:
+                engine.set_miss_across_keys(True)
+            except EngineError:  # (a replay cut short after its engine shut down: nothing to restore)
+                pass
     if failure:
         raise failure[0]
 

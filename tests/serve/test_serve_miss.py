@@ -139,6 +139,10 @@ def test_explain_finds_offline_what_a_keyed_server_did_not_look_across_keys_for(
     assert cli(["explain", sid, "--db", db_path]) == 0
     text = capsys.readouterr().out
     assert "3 turns were explained from their sender's own keys" in text and "root would have hit alice's" in text
+    # a replay explains each miss as the recording did (from the sender's own keys): the same reasons
+    assert cli(["replay", sid, "--db", db_path, "--headless", "--json", "--no-record"]) == 0
+    comps = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()][:-1]
+    assert len(comps) == 3 and all(c["miss_equal"] for c in comps), [(c["user"], c["miss_then"], c["miss_now"]) for c in comps]
 
 
 def test_another_tenants_eviction_says_others_and_a_stream_carries_the_miss(serve, tmp_path):
