@@ -182,26 +182,30 @@ def across_keys(recorded: dict, simulated: dict | None) -> tuple[dict, int]:
     calls cold that the simulation of the same trace found under another key (isolated, or
     config by content) named as the simulation names them; (that object, the tokens renamed).
     Only a renaming: the counts still sum to the recorded uncached tokens."""
-    theirs = [(sp[0], sp[0] + sp[1], sp[2], sp[3]) for sp in (simulated or {}).get("spans") or []
-              if sp[2] in ("isolated", "config")]
+    theirs = sorted((sp[0], sp[0] + sp[1], sp[2], sp[3]) for sp in (simulated or {}).get("spans") or []
+                    if sp[2] in ("isolated", "config"))
     if not theirs:
         return recorded, 0
     spans: list[list] = []
-    renamed = 0
-    for start, n, reason, who, by in recorded.get("spans") or []:
+    renamed = j = 0  # (both in prompt order: one pass over each, whatever a recording holds)
+    for start, n, reason, who, by in sorted(recorded.get("spans") or [], key=lambda sp: sp[0]):
         if reason != "cold":
             spans.append([start, n, reason, who, by])
             continue
         at, end = start, start + n
-        for a, b, why, whose in theirs:
+        while j < len(theirs) and theirs[j][1] <= at:
+            j += 1
+        k = j
+        while k < len(theirs) and theirs[k][0] < end:
+            a, b, why, whose = theirs[k]
             lo, hi = max(at, a), min(end, b)
-            if lo >= hi:
-                continue
-            if lo > at:
-                spans.append([at, lo - at, "cold", "", ""])
-            spans.append([lo, hi - lo, why, whose, ""])
-            renamed += hi - lo
-            at = hi
+            if lo < hi:
+                if lo > at:
+                    spans.append([at, lo - at, "cold", "", ""])
+                spans.append([lo, hi - lo, why, whose, ""])
+                renamed += hi - lo
+                at = hi
+            k += 1
         if at < end:
             spans.append([at, end - at, "cold", "", ""])
     if not renamed:

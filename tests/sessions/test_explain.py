@@ -148,3 +148,8 @@ def test_across_keys_renames_only_the_cold_tokens_another_key_held():
     assert out["isolated_from"] == {"erin": 64} and out["evicted_by"] == {"carol": 64}
     assert out["evicted_at"] == 1.0 and "own_keys" not in out
     assert across_keys(own, None) == (own, 0) and across_keys(own, miss_object([[0, 165, "cold", "", ""]])) == (own, 0)
+    # one span of theirs across two cold spans, the recorded spans out of order
+    own2 = miss_object([[32, 16, "cold", "", ""], [0, 16, "cold", "", ""], [16, 16, "evicted", "bob", "bob"]], own_keys=True)
+    out2, renamed2 = across_keys(own2, miss_object([[0, 48, "isolated", "x", ""]]))
+    assert renamed2 == 32 and out2["spans"] == [[0, 16, "isolated", "x", ""], [16, 16, "evicted", "bob", "bob"],
+                                                [32, 16, "isolated", "x", ""]]
