@@ -33,6 +33,7 @@ from collections import deque
 
 import zmq
 
+from kvplay.labs.stats import median_ci
 from kvplay.sessions.event_log import batch_row
 from kvplay.sessions.recorder import Recorder
 from kvplay.sessions.script import UserSpec
@@ -363,14 +364,14 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
 
 
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
-        misses: bool = False, warm_events: int | None = None) -> dict:
+        misses: bool = False, warm_events: int | None = None, pairs: int = MISSES_RUNS) -> dict:
     # a pool already filling up (by default); its hashes count from 1 as the measured stream's do,
     # so a warm-up longer than the pool makes a window that stores again what was evicted
     warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1)
     payloads = synthetic_stream(n_events, pool_blocks, seed=2)
     events, blocks = count_events(payloads)
     runs, on = [], []
-    for _ in range(MISSES_RUNS if misses else 2):  # with misses: off and on alternate, in this one process
+    for _ in range(max(1, pairs) if misses else 2):  # with misses: off and on alternate, in this one process
         runs.append(measure_apply(payloads, warm))
         if misses:
             on.append(measure_apply(payloads, warm, misses=True))
@@ -380,11 +381,12 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
            "apply_cpu_s": round(cpu, 4), "events_per_cpu_s": round(events / cpu), "load": os.getloadavg()[0]}
     if misses:
         on_dt, on_cpu = min(r[0] for r in on), min(r[1] for r in on)
-        pairs = sorted(b[1] / a[1] for a, b in zip(runs, on))  # each on run over the off run before it
+        ratios = sorted(b[1] / a[1] for a, b in zip(runs, on))  # each on run over the off run before it
+        med, lo, hi = median_ci(ratios)  # (what a few pairs on a shared machine can resolve)
         out.update(misses_apply_s=round(on_dt, 4), misses_events_per_s=round(events / on_dt),
                    misses_events_per_cpu_s=round(events / on_cpu), misses_ratio=round(on_cpu / cpu, 3),
-                   misses_ratio_pairs=[round(x, 3) for x in pairs], misses_runs=len(pairs),
-                   misses_ratio_median=round(pairs[len(pairs) // 2], 3))
+                   misses_ratio_pairs=[round(x, 3) for x in ratios], misses_runs=len(ratios),
+                   misses_ratio_median=round(med, 3), misses_ratio_median_ci=[round(lo, 3), round(hi, 3)])
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
     ap.add_argument("--misses", action="store_true",
                     help="also measure with the miss attribution on (wire/miss_watch.py), alternating with off")
+    ap.add_argument("--pairs", type=int, default=MISSES_RUNS, metavar="N",
+                    help=f"off and on runs with --misses (default {MISSES_RUNS}; the median's interval narrows with more)")
     ap.add_argument("--app", action="store_true",
                     help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
     ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
@@ -433,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
                   f"max {r['lag_ms_max']} ms")
         return 0
+    if args.pairs < 1:
+        ap.error(f"--pairs must be at least 1 (got {args.pairs})")
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
-            warm_events=args.warm)
+            warm_events=args.warm, pairs=args.pairs)
     if args.json:
         print(json.dumps(r))
     else:
@@ -443,11 +449,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['events_per_cpu_s']:,} events per CPU second of the thread; load average {r['load']:.2f}, "
               f"{time.strftime('%H:%M UTC', time.gmtime())}")
         if "misses_ratio" in r:
-            pairs = r["misses_ratio_pairs"]
+            pairs, (lo, hi) = r["misses_ratio_pairs"], r["misses_ratio_median_ci"]
             print(f"with the miss attribution: {r['misses_events_per_s']:,} events/s, "
                   f"{r['misses_events_per_cpu_s']:,} events per CPU second: {r['misses_ratio']:.2f}x the CPU time "
                   f"(off and on alternating, best of {r['misses_runs']} each; each pair "
-                  f"{pairs[len(pairs) // 2]:.2f}x median, {pairs[0]:.2f}-{pairs[-1]:.2f})")
+                  f"{r['misses_ratio_median']:.2f}x median [{lo:.2f}, {hi:.2f}] (the median's interval, "
+                  f"at least 95 % where the pairs allow), {pairs[0]:.2f}-{pairs[-1]:.2f})")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:

@@ -6,6 +6,8 @@
   before doing it (the bootstrap is what is reported after);
 - ``ks_less``: one-sided two-sample Kolmogorov-Smirnov test (scipy), H1: ``x`` tends to be smaller;
 - ``clopper_pearson``: exact binomial interval for k of n;
+- ``median_ci``: distribution-free interval for a median from two order statistics (a bench's
+  median of paired ratios, with what its few pairs can and cannot resolve);
 - ``poisson_ci``: exact (Garwood) interval for a count, to put a measured count of collisions
   next to the birthday bound;
 - ``leak_call``: "leak", "no evidence of a leak" or "inconclusive" from an AUC interval;
@@ -178,6 +180,24 @@ def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
     lo = 0.0 if k == 0 else float(_st.beta.ppf(alpha / 2, k, n - k + 1))
     hi = 1.0 if k == n else float(_st.beta.ppf(1 - alpha / 2, k + 1, n - k))
     return lo, hi
+
+
+def median_ci(xs, level: float = LEVEL) -> tuple[float, float, float]:
+    """(median, lo, hi): [lo, hi] the order statistics x(k) and x(n+1-k) with the largest k whose
+    coverage of the population median, 1 - 2 P(Bin(n, 1/2) < k), is at least `level` (no
+    assumption on the distribution); the whole range when n is too small for `level`."""
+    x = sorted(xs)
+    n = len(x)
+    if not n:
+        raise ValueError("median_ci of no values")
+    med = x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
+
+    def coverage(k: int) -> float:  # of [x(k), x(n + 1 - k)], 1-based
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    k = 1
+    while k + 1 <= n - k and coverage(k + 1) >= level:
+        k += 1
+    return med, x[k - 1], x[n - k]
 
 
 def poisson_ci(k: int, level: float = LEVEL) -> tuple[float, float]:

@@ -56,6 +56,22 @@ def test_clopper_pearson_is_exact_and_at_least_nominal():
     assert stats.rate(0, 24) == "0/24 (95 % CI 0–14 %)"
 
 
+def test_median_interval_uses_order_statistics_and_covers_at_least_nominal():
+    assert stats.median_ci(range(1, 10)) == (5, 2, 8)  # n = 9: [x(2), x(8)], 1 - 2 * 10/512 = 96.1 %
+    assert stats.median_ci(range(1, 26)) == (13, 8, 18)  # n = 25: [x(8), x(18)], 95.7 %
+    assert stats.median_ci([3, 1, 2]) == (2, 1, 3)  # too few for 95 %: the whole range
+    assert stats.median_ci([4, 1, 3, 2]) == (2.5, 1, 4)
+    with pytest.raises(ValueError):
+        stats.median_ci([])
+    rng = np.random.default_rng(5)  # skewed, like ratios of run times: the population median is 1
+    for n in (9, 25):
+        hits = 0
+        for _ in range(2000):
+            _, lo, hi = stats.median_ci(np.exp(rng.standard_normal(n) * 0.3))
+            hits += lo <= 1.0 <= hi
+        assert hits / 2000 >= 0.935, (n, hits)  # 95.7-96.1 % exact, less 2000 draws' noise
+
+
 def test_poisson_interval_is_at_least_nominal_and_holds_the_birthday_counts():
     for mu in (0.5, 1.22, 7.0, 50.0):
         ks = range(0, int(mu * 4 + 30))

@@ -135,6 +135,9 @@ def test_mirror_bench_runs_small():
     assert len(m.blocks) <= 400 and m.removed > 0 and m.reannounced > 0
     r = run(2000, 400, socket=True, record=True)  # every path runs (no timing asserted)
     assert r["events"] >= 2000 and r["socket_events_per_s"] > 0 and r["record_events_per_s"] > 0
+    r = run(2000, 400, socket=False, misses=True, pairs=3)
+    lo, hi = r["misses_ratio_median_ci"]
+    assert r["misses_runs"] == 3 and lo <= r["misses_ratio_median"] <= hi
 
 
 def test_mirror_bench_app_runs_small():
