@@ -188,6 +188,38 @@ def test_the_compiled_flush_fills_the_filters_bit_for_bit():
     assert 100 <= len(c.recent) < 116 and c.get(3) == Removal("evicted")
 
 
+def _unmix(z: int) -> int:
+    """The inverse of splitmix64's finalizer (csrc/miss_chains.c `mix`): the key whose unseeded
+    hash is z."""
+    mask = (1 << 64) - 1
+
+    def unshift(z: int, s: int) -> int:
+        x = z
+        for _ in range(64 // s + 1):
+            x = z ^ (x >> s)
+        return x & mask
+    z = unshift(z, 31) * pow(0x94D049BB133111EB, -1, 1 << 64) & mask
+    z = unshift(z, 27) * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & mask
+    return unshift(z, 30)
+
+
+def test_keys_crafted_against_the_hash_do_not_crowd_the_recent_map():
+    """A publisher that knows the recent map's hash could send removals whose hashes share their
+    low bits: in an unseeded map they fill one stretch of the index that every later key walks
+    (each removal ~100x dearer). Each map seeds its hash at random, so the same keys spread."""
+    kind = miss_native.recent_map()
+    if kind is None:
+        pytest.skip(f"no compiled recent map here ({miss_native.why_not()})")
+    crafted = [_unmix((i << 20) | 0x77) for i in range(1, 20001)]  # one home slot unseeded
+    fixed, seeded = kind(20480, seed=0), kind(20480)
+    for k in crafted:
+        fixed[k] = seeded[k] = None
+    assert fixed.longest_run >= 20000  # the attack, where the seed is known (0)
+    assert seeded.longest_run < 200  # random homes at 61 % load: runs of tens
+    assert all(seeded.get(k, 1) is None for k in crafted[::97]) and len(seeded) == 20000
+    assert kind(16).longest_run == 0
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_compiled_recent_map_behaves_as_a_dict(seed):
     """RecentMap (csrc/recent_map.h) against a dict under the same random operations: setting
