@@ -396,9 +396,25 @@ static void untrack(PyObject *t) {
     Py_ssize_t n = PyTuple_GET_SIZE(t);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyTuple_GET_ITEM(t, i);
+        PyTypeObject *tp = Py_TYPE(x);
+        if (tp == &PyLong_Type || tp == &PyUnicode_Type || x == Py_None || tp == &PyBool_Type)
+            continue;  /* (what a chain holds: never tracked; checked without a call) */
         if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x)) return;
     }
     if (PyObject_GC_IsTracked(t)) PyObject_GC_UnTrack(t);
+}
+
+/* a == b for two keys: ints compared as C values where both fit (no rich comparison, which is
+ * most of what finding a parent in its chain cost), anything else as Python compares them;
+ * 1, 0, or -1 with an exception set. */
+static inline int same_key(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int oa, ob;
+        long long x = PyLong_AsLongLongAndOverflow(a, &oa), y = PyLong_AsLongLongAndOverflow(b, &ob);
+        if (!oa && !ob) return x == y;
+    }
+    return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
 /* A tuple of `n` items (new references taken). */
@@ -461,8 +477,7 @@ static Py_ssize_t find(PyObject *c, PyObject *key) {
     Py_ssize_t len = PyTuple_GET_SIZE(c);
     for (Py_ssize_t i = HDR; i < len; i++) {
         PyObject *x = PyTuple_GET_ITEM(c, i);
-        if (x == key) return i;
-        int eq = PyObject_RichCompareBool(x, key, Py_EQ);
+        int eq = same_key(x, key);
         if (eq < 0) return -2;
         if (eq) return i;
     }
@@ -476,7 +491,7 @@ static PyObject *head(PyObject *heads_at, Py_ssize_t ps, PyObject *pk) {
     PyObject *h = PyList_GET_ITEM(heads_at, ps);
     if (h == Py_None || !PyTuple_Check(h) || PyTuple_GET_SIZE(h) <= PARENT) return NULL;
     PyObject *p = PyTuple_GET_ITEM(h, PARENT);
-    int eq = p == pk ? 1 : PyObject_RichCompareBool(p, pk, Py_EQ);
+    int eq = same_key(p, pk);
     if (eq <= 0) return NULL;
     Py_INCREF(h);
     return h;
