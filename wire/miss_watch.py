@@ -82,8 +82,8 @@ DETOKENIZE_PER_S = 16   # /detokenize calls a pod's branch texts may make per se
 COMPARED = 4            # sibling blocks compared token by token at a branch (the likeliest first)
 BY_AT = 16384 + 4096    # batches whose evicting session is remembered (as many as the RemovedLog's details)
 
-# A chain of blocks stored in one event is one tuple (immutable, so the garbage collector soon
-# stops tracking it): the depth of its first block in blocks (None: unknown, its parent's chain
+# A chain of blocks stored in one event is one tuple (the compiled loop's a `Chain`, read as a
+# tuple and outside the garbage collector: csrc/miss_chains.c): the depth of its first block in blocks (None: unknown, its parent's chain
 # was not seen), its parent's key, its creator, whether its first block lists extra keys (a
 # salt), its mark for the prefix tree (None, or a tuple: see `PodMisses.marks`), then its keys
 # (the mirror's, in order) from index HDR on.

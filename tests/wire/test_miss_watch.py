@@ -6,6 +6,7 @@ hostile input. Through the translator and the mirror (as `kvplay watch` applies 
 explains the same requests at admission."""
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -153,6 +154,33 @@ def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monk
     s = p.misses.summary()
     assert sum(s["blocks"].values()) > 200
     assert sum(1 for v in s["blocks"].values() if v) >= 5  # most reasons made
+
+
+def test_a_compiled_chain_reads_as_a_tuple_and_is_no_work_for_the_collector():
+    """The compiled loop's chains (csrc/miss_chains.c `Chain`) are read by the Python helpers as
+    tuples are: len, [i], [-i], [a:b] (a tuple), iteration, `in`, index(key, start); and, holding
+    only atoms, keys and marks, they stay outside the garbage collector (a tuple would count
+    towards its next collection even untracked)."""
+    mod = miss_native.module()
+    if mod is None:
+        pytest.skip(f"no compiled loop here ({miss_native.why_not()})")
+    p = Pod()
+    p(st([11, 12, 13], None, A + B + C, "alice"))
+    slots = [p.mirror.key_slot[k] for k in (11, 12, 13)]
+    c = p.misses.chain_at[slots[0]]
+    assert type(c) is mod.Chain and c is p.misses.chain_at[slots[2]] and not gc.is_tracked(c)
+    assert type(p.ref.pod("p").chain_at[slots[0]]) is tuple  # (the Python loop's)
+    t = (0, None, "alice", False, None, 11, 12, 13)
+    assert len(c) == 8 and tuple(c) == t and c[mw.HDR:] == t[mw.HDR:] and c[:mw.MARK] == t[:mw.MARK]
+    assert c[-1] == 13 and c[::2] == t[::2] and 12 in c and c.index(12, mw.HDR) == 6
+    with pytest.raises(ValueError):
+        c.index(12, 7)
+    with pytest.raises(IndexError):
+        c[8]
+    with pytest.raises(TypeError):
+        c["a"]
+    assert mw._find(c, 13) == (c, 7) and mw._find(c, 99) == (None, -1)
+    assert repr(c) == "Chain" + repr(t)
 
 
 def test_the_compiled_flush_fills_the_filters_bit_for_bit():

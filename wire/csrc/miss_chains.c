@@ -428,24 +428,134 @@ static PyObject *tuple_of(PyObject **items, int n) {
     return t;
 }
 
-/* A chain tuple: (depth, parent, user, salted, mark, *keys). */
+/* A chain of stored blocks, (depth, parent, user, salted, mark, *keys) (wire/miss_watch.py), as
+ * this loop makes it: a tuple's layout and what Python reads of a chain (len, [i], [a:b] as a
+ * tuple, iteration, index(key, start)), without the garbage collector. A tuple counts towards
+ * the next young collection whether or not it is tracked, and a stream of a million events spent
+ * more than twice as long in collections with the attribution as without it; a chain holds ints,
+ * strs, None, bools, keys and marks (tuples of those), none of which can lead back to it, so it
+ * can be in no reference cycle and needs no collector. The Python loop's chains are tuples: both
+ * kinds are read alike (`chain_items`). */
+typedef struct {
+    PyObject_VAR_HEAD
+    PyObject *ob_item[1];
+} ChainObject;
+
+static PyTypeObject ChainType;
+
+static inline int is_chain(PyObject *o) { return Py_TYPE(o) == &ChainType || PyTuple_Check(o); }
+
+static inline PyObject **chain_items(PyObject *o) {  /* (a Chain or a tuple) */
+    return Py_TYPE(o) == &ChainType ? ((ChainObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
+}
+
+#define CITEM(o, i) (chain_items(o)[i])
+
+static void chain_dealloc(ChainObject *c) {
+    for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) Py_XDECREF(c->ob_item[i]);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static Py_ssize_t chain_len(ChainObject *c) { return Py_SIZE(c); }
+
+static PyObject *chain_item(ChainObject *c, Py_ssize_t i) {
+    if (i < 0 || i >= Py_SIZE(c)) {
+        PyErr_SetString(PyExc_IndexError, "chain index out of range");
+        return NULL;
+    }
+    return Py_NewRef(c->ob_item[i]);
+}
+
+static PyObject *chain_subscript(ChainObject *c, PyObject *key) {
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        return chain_item(c, i < 0 ? i + Py_SIZE(c) : i);
+    }
+    if (!PySlice_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "chain indices must be integers or slices, not %.200s", Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t start, stop, step;
+    if (PySlice_Unpack(key, &start, &stop, &step) < 0) return NULL;
+    Py_ssize_t n = PySlice_AdjustIndices(Py_SIZE(c), &start, &stop, step);
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (Py_ssize_t j = 0, i = start; j < n; j++, i += step) PyTuple_SET_ITEM(t, j, Py_NewRef(c->ob_item[i]));
+    return t;
+}
+
+/* index(value, start=0, stop=len): as tuple.index. */
+static PyObject *chain_index(ChainObject *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "index(value, start=0, stop=len)");
+        return NULL;
+    }
+    Py_ssize_t n = Py_SIZE(c), lo = 0, hi = n;
+    for (Py_ssize_t k = 1; k < nargs; k++) {
+        Py_ssize_t v = PyIndex_Check(args[k]) ? PyNumber_AsSsize_t(args[k], NULL) : -1;
+        if (!PyIndex_Check(args[k])) PyErr_SetString(PyExc_TypeError, "index: start and stop are integers");
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        *(k == 1 ? &lo : &hi) = v;
+    }
+    if (lo < 0 && (lo += n) < 0) lo = 0;
+    if (hi < 0) hi += n;
+    else if (hi > n) hi = n;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        int eq = PyObject_RichCompareBool(c->ob_item[i], args[0], Py_EQ);
+        if (eq < 0) return NULL;
+        if (eq) return PyLong_FromSsize_t(i);
+    }
+    PyErr_SetString(PyExc_ValueError, "chain.index(x): x not in chain");
+    return NULL;
+}
+
+static PyObject *chain_iter(PyObject *c) { return PySeqIter_New(c); }
+
+static PyObject *chain_repr(ChainObject *c) {
+    PyObject *t = PyTuple_New(Py_SIZE(c));
+    if (t == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) PyTuple_SET_ITEM(t, i, Py_NewRef(c->ob_item[i]));
+    PyObject *r = PyUnicode_FromFormat("Chain%R", t);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyMethodDef chain_methods[] = {
+    {"index", (PyCFunction)(void (*)(void))chain_index, METH_FASTCALL, "index(value, start=0, stop=len), as tuple.index"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods chain_as_sequence = {.sq_length = (lenfunc)chain_len, .sq_item = (ssizeargfunc)chain_item};
+static PyMappingMethods chain_as_mapping = {.mp_length = (lenfunc)chain_len, .mp_subscript = (binaryfunc)chain_subscript};
+
+static PyTypeObject ChainType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvplay_miss_chains.Chain",
+    .tp_basicsize = offsetof(ChainObject, ob_item),
+    .tp_itemsize = sizeof(PyObject *),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a chain of stored blocks, (depth, parent, user, salted, mark, *keys): read as a tuple, "
+              "outside the garbage collector",
+    .tp_dealloc = (destructor)chain_dealloc,
+    .tp_repr = (reprfunc)chain_repr,
+    .tp_iter = chain_iter,
+    .tp_methods = chain_methods,
+    .tp_as_sequence = &chain_as_sequence,
+    .tp_as_mapping = &chain_as_mapping,
+    .tp_free = PyObject_Del,
+};
+
+/* A chain: (depth, parent, user, salted, mark, *keys). */
 static PyObject *make_run(PyObject *depth, PyObject *pk, PyObject *user, int salted, PyObject *mark,
                           PyObject *hs) {
     Py_ssize_t n = PyList_GET_SIZE(hs);
-    PyObject *run = PyTuple_New(HDR + n);
+    ChainObject *run = PyObject_NewVar(ChainObject, &ChainType, HDR + n);
     if (run == NULL) return NULL;
     PyObject *items[HDR] = {depth, pk, user, salted ? Py_True : Py_False, mark};
-    for (int i = 0; i < HDR; i++) {
-        Py_INCREF(items[i]);
-        PyTuple_SET_ITEM(run, i, items[i]);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(hs, i);
-        Py_INCREF(k);
-        PyTuple_SET_ITEM(run, HDR + i, k);
-    }
-    untrack(run);
-    return run;
+    for (int i = 0; i < HDR; i++) run->ob_item[i] = Py_NewRef(items[i]);
+    for (Py_ssize_t i = 0; i < n; i++) run->ob_item[HDR + i] = Py_NewRef(PyList_GET_ITEM(hs, i));
+    return (PyObject *)run;
 }
 
 /* A mirror slot (a key_slot value) as an index into a list of `n` items; -1 when it is none. */
@@ -473,10 +583,11 @@ static int owns(PyObject *cached, PyObject *chain_at, PyObject *key, PyObject *r
 /* The index of `key` in chain `c` from HDR on (tuple.index), -1 when it is not there, -2 with an
  * exception set. */
 static Py_ssize_t find(PyObject *c, PyObject *key) {
-    if (!PyTuple_Check(c)) return -1;
-    Py_ssize_t len = PyTuple_GET_SIZE(c);
+    if (!is_chain(c)) return -1;
+    Py_ssize_t len = Py_SIZE(c);
+    PyObject **items = chain_items(c);
     for (Py_ssize_t i = HDR; i < len; i++) {
-        PyObject *x = PyTuple_GET_ITEM(c, i);
+        PyObject *x = items[i];
         int eq = same_key(x, key);
         if (eq < 0) return -2;
         if (eq) return i;
@@ -489,8 +600,8 @@ static Py_ssize_t find(PyObject *c, PyObject *key) {
 static PyObject *head(PyObject *heads_at, Py_ssize_t ps, PyObject *pk) {
     if (ps < 0 || ps >= PyList_GET_SIZE(heads_at)) return NULL;
     PyObject *h = PyList_GET_ITEM(heads_at, ps);
-    if (h == Py_None || !PyTuple_Check(h) || PyTuple_GET_SIZE(h) <= PARENT) return NULL;
-    PyObject *p = PyTuple_GET_ITEM(h, PARENT);
+    if (h == Py_None || !is_chain(h) || Py_SIZE(h) <= PARENT) return NULL;
+    PyObject *p = CITEM(h, PARENT);
     int eq = same_key(p, pk);
     if (eq <= 0) return NULL;
     Py_INCREF(h);
@@ -952,8 +1063,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     sibs = head(heads_at, ps, pk);
                     if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
                 } else {
-                    Py_ssize_t len = PyTuple_GET_SIZE(pr);
-                    PyObject *d = PyTuple_GET_ITEM(pr, DEPTH);
+                    Py_ssize_t len = Py_SIZE(pr);
+                    PyObject *d = CITEM(pr, DEPTH);
                     if (d == Py_None) {
                         depth = Py_None;
                         Py_INCREF(depth);
@@ -965,7 +1076,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     Py_ssize_t nxt = at + 1;
                     int cont = 0;
                     if (nxt < len) {
-                        cont = owns(cached, chain_at, PyTuple_GET_ITEM(pr, nxt), pr);
+                        cont = owns(cached, chain_at, CITEM(pr, nxt), pr);
                         if (cont < 0) goto stored_fail;
                     }
                     if (cont) sibs_true = 1;
@@ -1010,10 +1121,10 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 PyObject *sr = NULL;
                 int err = 0;
                 if (sibs_true) {
-                    PyObject *slot = PyDict_GetItemWithError(cached, PyTuple_GET_ITEM(pr, at + 1));
+                    PyObject *slot = PyDict_GetItemWithError(cached, CITEM(pr, at + 1));
                     if (slot == NULL) {
                         if (PyErr_Occurred()) goto stored_fail;
-                        PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(pr, at + 1));
+                        PyErr_SetObject(PyExc_KeyError, CITEM(pr, at + 1));
                         goto stored_fail;
                     }
                     PyObject *theirs = slot_tokens(tv, slot);
@@ -1024,8 +1135,8 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     sibs = head(heads_at, ps, pk);
                     if (sibs == NULL && PyErr_Occurred()) goto stored_fail;
                 }
-                if (sibs != NULL && sibs != pr && PyTuple_Check(sibs) && PyTuple_GET_SIZE(sibs) > HDR) {
-                    PyObject *k = PyTuple_GET_ITEM(sibs, HDR);
+                if (sibs != NULL && sibs != pr && is_chain(sibs) && Py_SIZE(sibs) > HDR) {
+                    PyObject *k = CITEM(sibs, HDR);
                     PyObject *slot = PyDict_GetItemWithError(cached, k);
                     if (slot == NULL && PyErr_Occurred()) goto stored_fail;
                     Py_ssize_t s = slot_index(slot, nslots);
@@ -1044,13 +1155,13 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 if (sr == NULL) {
                     if ((run = make_run(depth, pk, user, salted, Py_None, hs)) == NULL) goto stored_fail;  /* cold */
                 } else {
-                    PyObject *who = PyTuple_GET_ITEM(sr, USER);
+                    PyObject *who = CITEM(sr, USER);
                     if (best == size) {  /* the same tokens under another hash: other keys */
-                        int iso = salted || (si == HDR && PyObject_IsTrue(PyTuple_GET_ITEM(sr, SALTED)) > 0);
+                        int iso = salted || (si == HDR && PyObject_IsTrue(CITEM(sr, SALTED)) > 0);
                         long k = 1;
-                        Py_ssize_t o = size, srn = PyTuple_GET_SIZE(sr);
+                        Py_ssize_t o = size, srn = Py_SIZE(sr);
                         for (Py_ssize_t j = si + 1; j < si + n && j < srn; j++) {
-                            PyObject *key = PyTuple_GET_ITEM(sr, j);
+                            PyObject *key = CITEM(sr, j);
                             PyObject *slot = PyDict_GetItemWithError(cached, key);
                             if (slot == NULL) {
                                 if (PyErr_Occurred()) goto stored_fail;
@@ -1162,11 +1273,11 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 Py_DECREF(base);
                 Py_DECREF(atobj);
                 if (run == NULL) goto stored_fail;
-                if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != HDR + n) {
+                if (!is_chain(run) || Py_SIZE(run) != HDR + n) {  /* (the chain it was given, or a tuple) */
                     PyErr_SetString(PyExc_TypeError, "_special returned no chain");
                     goto stored_fail;
                 }
-                PyObject *m = PyTuple_GET_ITEM(run, MARK);
+                PyObject *m = CITEM(run, MARK);
                 if (m != Py_None) {
                     if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2) {
                         PyErr_SetString(PyExc_TypeError, "a chain's mark");
@@ -1507,7 +1618,7 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
     if ((kinds[1] = PyUnicode_InternFromString("cleared")) == NULL) return NULL;
-    if (PyType_Ready(&RecentMapType) < 0) return NULL;
+    if (PyType_Ready(&RecentMapType) < 0 || PyType_Ready(&ChainType) < 0) return NULL;
     kinds[0] = u_evicted;
     kinds[2] = u_config;
     PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
@@ -1515,6 +1626,10 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     memcpy(field_names, f, sizeof f);
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
+    if (PyModule_AddObjectRef(mod, "Chain", (PyObject *)&ChainType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
     Py_INCREF(&RecentMapType);
     if (PyModule_AddObject(mod, "RecentMap", (PyObject *)&RecentMapType) < 0) {
         Py_DECREF(&RecentMapType);
