@@ -328,6 +328,19 @@ static PyObject *filtered(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return removal_of(found);
 }
 
+/* a == b for two keys or two token ids: ints compared as C values where both fit (no rich
+ * comparison, which was most of what finding a parent in its chain cost), anything else as
+ * Python compares them; 1, 0, or -1 with an exception set. */
+static inline int same_key(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int oa, ob;
+        long long x = PyLong_AsLongLongAndOverflow(a, &oa), y = PyLong_AsLongLongAndOverflow(b, &ob);
+        if (!oa && !ob) return x == y;
+    }
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
 /* How many leading items of list `toks` from `off` (at most `size`) equal those of `theirs` (a
  * tuple or a list; anything else shares none). */
 static Py_ssize_t common(PyObject *toks, Py_ssize_t off, Py_ssize_t size, PyObject *theirs, int *err) {
@@ -336,17 +349,7 @@ static Py_ssize_t common(PyObject *toks, Py_ssize_t off, Py_ssize_t size, PyObje
     PyObject **b = PySequence_Fast_ITEMS(theirs);
     if (n > size) n = size;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyList_GET_ITEM(toks, off + i);
-        if (a == b[i]) continue;
-        if (PyLong_CheckExact(a) && PyLong_CheckExact(b[i])) {  /* token ids: compared as C longs */
-            int oa, ob;
-            long x = PyLong_AsLongAndOverflow(a, &oa), y = PyLong_AsLongAndOverflow(b[i], &ob);
-            if (!oa && !ob) {
-                if (x != y) return i;
-                continue;
-            }
-        }
-        int eq = PyObject_RichCompareBool(a, b[i], Py_EQ);
+        int eq = same_key(PyList_GET_ITEM(toks, off + i), b[i]);
         if (eq < 0) { *err = 1; return i; }
         if (!eq) return i;
     }
@@ -396,25 +399,9 @@ static void untrack(PyObject *t) {
     Py_ssize_t n = PyTuple_GET_SIZE(t);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyTuple_GET_ITEM(t, i);
-        PyTypeObject *tp = Py_TYPE(x);
-        if (tp == &PyLong_Type || tp == &PyUnicode_Type || x == Py_None || tp == &PyBool_Type)
-            continue;  /* (what a chain holds: never tracked; checked without a call) */
         if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x)) return;
     }
     if (PyObject_GC_IsTracked(t)) PyObject_GC_UnTrack(t);
-}
-
-/* a == b for two keys: ints compared as C values where both fit (no rich comparison, which is
- * most of what finding a parent in its chain cost), anything else as Python compares them;
- * 1, 0, or -1 with an exception set. */
-static inline int same_key(PyObject *a, PyObject *b) {
-    if (a == b) return 1;
-    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
-        int oa, ob;
-        long long x = PyLong_AsLongLongAndOverflow(a, &oa), y = PyLong_AsLongLongAndOverflow(b, &ob);
-        if (!oa && !ob) return x == y;
-    }
-    return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
 /* A tuple of `n` items (new references taken). */
@@ -493,8 +480,11 @@ static PyObject *chain_index(ChainObject *c, PyObject *const *args, Py_ssize_t n
     }
     Py_ssize_t n = Py_SIZE(c), lo = 0, hi = n;
     for (Py_ssize_t k = 1; k < nargs; k++) {
-        Py_ssize_t v = PyIndex_Check(args[k]) ? PyNumber_AsSsize_t(args[k], NULL) : -1;
-        if (!PyIndex_Check(args[k])) PyErr_SetString(PyExc_TypeError, "index: start and stop are integers");
+        if (!PyIndex_Check(args[k])) {
+            PyErr_SetString(PyExc_TypeError, "index: start and stop are integers");
+            return NULL;
+        }
+        Py_ssize_t v = PyNumber_AsSsize_t(args[k], NULL);
         if (v == -1 && PyErr_Occurred()) return NULL;
         *(k == 1 ? &lo : &hi) = v;
     }
@@ -513,9 +503,8 @@ static PyObject *chain_index(ChainObject *c, PyObject *const *args, Py_ssize_t n
 static PyObject *chain_iter(PyObject *c) { return PySeqIter_New(c); }
 
 static PyObject *chain_repr(ChainObject *c) {
-    PyObject *t = PyTuple_New(Py_SIZE(c));
+    PyObject *t = PySequence_Tuple((PyObject *)c);
     if (t == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < Py_SIZE(c); i++) PyTuple_SET_ITEM(t, i, Py_NewRef(c->ob_item[i]));
     PyObject *r = PyUnicode_FromFormat("Chain%R", t);
     Py_DECREF(t);
     return r;
