@@ -10,6 +10,13 @@ does) and evicts old blocks one `BlockRemoved` per block, as vLLM does; the pool
 
     python -m kvplay.bench.mirror_bench [--events N] [--pool-blocks N] [--misses] [--json]
 
+`--content prompts` gives the blocks a tokenizer's token ids instead of the default pattern (64
+blocks' worth of ids under 80, which Python keeps as shared small ints and which make every
+prompt that starts at the root the same tokens as an older one under another hash): ids across a
+49,152-token vocabulary (SmolLM2's), and prompts that start at the root open with a shared
+chat-template run and part from one another within their first block, as one template's
+requests do.
+
 `--misses` measures the miss attribution `kvplay watch` runs on each applied batch
 (wire/miss_watch.py) too: decode + translate + apply with it and without it, alternating in one
 process, nine times: the ratio of the best CPU times, and the median of each adjacent pair's ratio
@@ -26,6 +33,7 @@ import os
 import random
 import socket as _socket
 import sys
+from array import array
 import tempfile
 import threading
 import time
@@ -48,38 +56,58 @@ from kvplay.wire.translate import FromWire
 
 BLOCK_SIZE = 16
 MISSES_RUNS = 9  # off and on runs, alternating, with --misses (each pair: two runs next to each other in time)
+CONTENTS = ("pattern", "prompts")  # the blocks' token ids (module docstring)
+VOCAB = 49_152  # token ids of the "prompts" content: SmolLM2's vocabulary
 
 
 def synthetic_stream(n_events: int, pool_blocks: int = 100_000, sessions: int = 16, seed: int = 0,
-                     events_per_batch: int = 64) -> list[bytes]:
-    """Encoded EventBatch payloads holding about `n_events` events in all."""
+                     events_per_batch: int = 64, content: str = "pattern") -> list[bytes]:
+    """Encoded EventBatch payloads holding about `n_events` events in all; `content`: the
+    blocks' token ids, "pattern" or "prompts" (module docstring)."""
+    if content not in CONTENTS:
+        raise ValueError(f"content: one of {', '.join(CONTENTS)} (got {content!r})")
     rng = random.Random(seed)
     resident: deque = deque()
     next_hash = 1
     payloads = []
     made = 0
     tokens16 = [list(range(i, i + BLOCK_SIZE)) for i in range(64)]
+    prompts = content == "prompts"
+    template = [rng.randrange(VOCAB) for _ in range(BLOCK_SIZE - 1)]  # a chat template's opening tokens
+    held: dict = {}  # ("prompts") a resident block's tokens, for its re-announcements
+
+    def ids(k: int) -> list:  # k token ids of the vocabulary
+        return [t % VOCAB for t in array("H", rng.randbytes(2 * k))]
+
     while made < n_events:
         events = []
         while len(events) < events_per_batch:
             kind = rng.random()
             if kind < 0.25 and resident:  # reuse: re-announce resident blocks for another session
                 h = resident[rng.randrange(len(resident))]
-                events.append(BlockStored([h], None, list(tokens16[h % 64]), BLOCK_SIZE, None, "GPU", None,
-                                          session_id=f"s{rng.randrange(sessions)}"))
+                events.append(BlockStored([h], None, list(held[h] if prompts else tokens16[h % 64]), BLOCK_SIZE,
+                                          None, "GPU", None, session_id=f"s{rng.randrange(sessions)}"))
                 continue
             n = rng.randint(1, 8)
             parent = resident[-1] if resident and rng.random() < 0.5 else None
             hashes = list(range(next_hash, next_hash + n))
             next_hash += n
-            toks = []
-            for h in hashes:
-                toks.extend(tokens16[h % 64])
+            if prompts:  # at the root: the template's first k tokens, then the prompt's own
+                k = rng.randint(1, BLOCK_SIZE - 1) if parent is None else 0
+                toks = template[:k] + ids(n * BLOCK_SIZE - k)
+                for i, h in enumerate(hashes):
+                    held[h] = toks[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+            else:
+                toks = []
+                for h in hashes:
+                    toks.extend(tokens16[h % 64])
             events.append(BlockStored(hashes, parent, toks, BLOCK_SIZE, None, "GPU", None,
                                       session_id=f"s{rng.randrange(sessions)}"))
             resident.extend(hashes)
             while len(resident) > pool_blocks:
-                events.append(BlockRemoved([resident.popleft()], "GPU"))
+                gone = resident.popleft()
+                held.pop(gone, None)
+                events.append(BlockRemoved([gone], "GPU"))
         made += len(events)
         payloads.append(encode_batch(EventBatch(time.time(), events, 0)))
     return payloads
@@ -364,11 +392,13 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
 
 
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
-        misses: bool = False, warm_events: int | None = None, pairs: int = MISSES_RUNS) -> dict:
+        misses: bool = False, warm_events: int | None = None, pairs: int = MISSES_RUNS,
+        content: str = "pattern") -> dict:
     # a pool already filling up (by default); its hashes count from 1 as the measured stream's do,
     # so a warm-up longer than the pool makes a window that stores again what was evicted
-    warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1)
-    payloads = synthetic_stream(n_events, pool_blocks, seed=2)
+    warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1,
+                            content=content)
+    payloads = synthetic_stream(n_events, pool_blocks, seed=2, content=content)
     events, blocks = count_events(payloads)
     runs, on = [], []
     for _ in range(max(1, pairs) if misses else 2):  # with misses: off and on alternate, in this one process
@@ -376,7 +406,7 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
         if misses:
             on.append(measure_apply(payloads, warm, misses=True))
     dt, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
-    out = {"events": events, "blocks": blocks, "batches": len(payloads), "pool_blocks": pool_blocks,
+    out = {"events": events, "blocks": blocks, "batches": len(payloads), "pool_blocks": pool_blocks, "content": content,
            "apply_s": round(dt, 4), "events_per_s": round(events / dt), "blocks_per_s": round(blocks / dt),
            "apply_cpu_s": round(cpu, 4), "events_per_cpu_s": round(events / cpu), "load": os.getloadavg()[0]}
     if misses:
@@ -411,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=None, metavar="N",
                     help="events before the measured ones (default: a quarter of --pool-blocks); with more than the "
                          "pool holds, the measured events store again what was evicted (recomputed chains)")
+    ap.add_argument("--content", choices=CONTENTS, default="pattern",
+                    help="the blocks' token ids: the default pattern (64 blocks' worth of small ids), or prompts "
+                         "(a tokenizer's ids, prompts opening with a shared template run)")
     ap.add_argument("--no-socket", action="store_true")
     ap.add_argument("--record", action="store_true", help="also measure with recording to SQLite")
     ap.add_argument("--misses", action="store_true",
@@ -440,11 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         ap.error(f"--pairs must be at least 1 (got {args.pairs})")
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
-            warm_events=args.warm, pairs=args.pairs)
+            warm_events=args.warm, pairs=args.pairs, content=args.content)
     if args.json:
         print(json.dumps(r))
     else:
-        print(f"mirror: {r['events']:,} events ({r['blocks']:,} block entries) in {r['apply_s']} s "
+        print(f"mirror: {r['events']:,} events ({r['blocks']:,} block entries, {r['content']} content) in {r['apply_s']} s "
               f"= {r['events_per_s']:,} events/s, {r['blocks_per_s']:,} blocks/s (decode + apply); "
               f"{r['events_per_cpu_s']:,} events per CPU second of the thread; load average {r['load']:.2f}, "
               f"{time.strftime('%H:%M UTC', time.gmtime())}")

@@ -140,6 +140,34 @@ def test_mirror_bench_runs_small():
     assert r["misses_runs"] == 3 and lo <= r["misses_ratio_median"] <= hi
 
 
+def test_mirror_bench_prompts_content_reads_as_one_templates_requests():
+    """`--content prompts`: a tokenizer's ids (not Python's shared small ints), and prompts at the
+    root that part within their first block: the attribution calls them diverged, where the
+    default pattern's repeat the same tokens under another hash (config)."""
+    from kvplay.bench.mirror_bench import run, synthetic_stream
+    from kvplay.wire.codec import decode_batch
+    from kvplay.wire.miss_watch import MissWatch
+
+    counts = {}
+    for content in ("pattern", "prompts"):
+        fleet = Fleet()
+        m, w, pm = fleet.pod("b"), fleet.from_wire("b"), MissWatch(fleet).pod("b")
+        top = 0
+        for seq, p in enumerate(synthetic_stream(3000, pool_blocks=400, seed=3, content=content)):
+            b = w(decode_batch(p), seq)
+            m.apply(b)
+            pm.apply(b)
+            top = max([top] + [max(e.token_ids or [0]) for e in b.events if hasattr(e, "token_ids")])
+        counts[content] = (dict(pm.counts["blocks"]), top)
+    (pattern, top_p), (prompts, top_q) = counts["pattern"], counts["prompts"]
+    assert top_p < 80 <= 256 < top_q < 49_152
+    assert pattern["config"] > 0 and pattern["diverged"] == 0
+    assert prompts["diverged"] > 0 and prompts["config"] == 0 and prompts["cold"] > 0
+    assert run(1000, 400, socket=False, misses=True, pairs=1, content="prompts")["content"] == "prompts"
+    with pytest.raises(ValueError, match="content"):
+        synthetic_stream(10, content="words")
+
+
 def test_mirror_bench_app_runs_small():
     """The attach app fed by two publishers in another process: every event applied, frames
     drawn, one map per pod (no timing asserted: the figures are `kvplay bench` output)."""
