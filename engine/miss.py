@@ -32,7 +32,7 @@ cache gets exactly one reason, so the counts sum to ``prompt_tokens - cached_tok
 **Bounded memory.** What was stored and removed lives in a ``RemovedLog``: a recent map of at
 least the last ``recent`` removals with their details (16,384 by default, at most 4,096 more:
 a dict of about 5 MiB at most here, less where removals share their details; the watch side's
-is compiled, wire/csrc/recent_map.h, 0.78 MiB), and behind it, per reason, a
+is compiled, wire/csrc/recent_map.h, 0.63-0.74 MiB), and behind it, per reason, a
 rotating pair of blocked Bloom filters that remember at least the next ``bloom_capacity``
 (131,072) removals without details (then ``evicted_by`` says "?"). Each filter has 24 bits per
 item and 12 probes, all in one 64-byte block: a false positive rate of about 5.1e-5 per filter
@@ -250,8 +250,9 @@ class RemovedLog:
     oldest leave it `flush_every` at a time), older ones in a RotatingBloom per reason.
 
     The map is a dict, or what `recent_map(capacity)` makes: the watch side's compiled one
-    (wire/csrc/recent_map.h: a dict's behaviour for int keys, in a ring and an index, where a
-    dict of that churn costs ~5 cache misses a removal)."""
+    (wire/csrc/recent_map.h: a dict's behaviour for int keys, in generations of a quarter of
+    its capacity with a small index and filter each, where a dict of that churn costs ~5 cache
+    misses a removal)."""
 
     def __init__(self, recent: int = 16384, bloom_capacity: int = 1 << 17, bits_per_item: int = 24,
                  probes: int = 12, flush_every: int = 4096, flusher: Callable | None = None,
@@ -342,7 +343,7 @@ class RemovedLog:
 
     @property
     def recent_nbytes(self) -> int:
-        """Bytes of the recent map's tables (a compiled map's ring and index; a dict's table, not
+        """Bytes of the recent map's tables (a compiled map's generations; a dict's table, not
         the removals it points at)."""
         nbytes = getattr(self.recent, "nbytes", None)
         return nbytes if nbytes is not None else sys.getsizeof(self.recent)

@@ -46,8 +46,9 @@ stored under it (`heads_at`): a cached key's chain is `chain_at[key_slot[key]]`,
 lives while a slot names it. So there is no map of every stored key to sweep: what is held
 follows the pool by construction.
 
-**Bounded.** Per pod: the `RemovedLog` (at most 20,480 recent removals with details, in a
-0.78 MiB ring and index where it is compiled, then blocked Bloom filters: 0.75 MiB a reason, a
+**Bounded.** Per pod: the `RemovedLog` (at most 20,480 recent removals with details, where it
+is compiled in generations of 4,096 keys with an index and a filter each, 0.63-0.74 MiB, then
+blocked Bloom filters: 0.75 MiB a reason, a
 false positive rate of about 3.1e-4 over all three); a chain and a parent's newest chain per mirror slot; the newest root chain per first
 token (swept to the cached ones when they outnumber twice the cached blocks); `TIER_KEYS`
 hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted by name (the

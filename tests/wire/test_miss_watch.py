@@ -233,8 +233,9 @@ def _unmix(z: int) -> int:
 
 def test_keys_crafted_against_the_hash_do_not_crowd_the_recent_map():
     """A publisher that knows the recent map's hash could send removals whose hashes share their
-    low bits: in an unseeded map they fill one stretch of the index that every later key walks
-    (each removal ~100x dearer). Each map seeds its hash at random, so the same keys spread."""
+    low bits: in an unseeded map they fill one stretch of a generation's index that every later
+    key walks (each removal ~100x dearer; a generation holds a quarter of the capacity, so no
+    more than that). Each map seeds its hash at random, so the same keys spread."""
     kind = miss_native.recent_map()
     if kind is None:
         pytest.skip(f"no compiled recent map here ({miss_native.why_not()})")
@@ -242,10 +243,36 @@ def test_keys_crafted_against_the_hash_do_not_crowd_the_recent_map():
     fixed, seeded = kind(20480, seed=0), kind(20480)
     for k in crafted:
         fixed[k] = seeded[k] = None
-    assert fixed.longest_run >= 20000  # the attack, where the seed is known (0)
-    assert seeded.longest_run < 200  # random homes at 61 % load: runs of tens
+    assert fixed.generation == 4096 and fixed.longest_run == 4096  # the attack, where the seed is known (0)
+    assert seeded.longest_run < 200  # random homes at most half full: runs of tens
     assert all(seeded.get(k, 1) is None for k in crafted[::97]) and len(seeded) == 20000
     assert kind(16).longest_run == 0
+
+
+def test_deleting_and_setting_keys_again_cannot_grow_the_recent_map():
+    """Keys come into the newest generation; one taken out leaves a dead slot in its own until
+    that generation is let go. A sender whose removals leave one live key in each generation
+    would hold a generation per key: the dead slots are squeezed out instead (the dict's order
+    kept), so the map holds at most about twice what its live keys need."""
+    kind = miss_native.recent_map()
+    if kind is None:
+        pytest.skip(f"no compiled recent map here ({miss_native.why_not()})")
+    m, d = kind(1024, seed=1), {}
+    one = kind(1024)
+    one[1] = 0
+    f, nxt, most = m.generation, 0, 0
+    for r in range(400):
+        keys = list(range(nxt, nxt + f))
+        nxt += f
+        for k in keys:
+            m[k] = d[k] = r
+        for k in keys[1:]:  # all but one leave: each generation would be left holding one key
+            del m[k], d[k]
+        most = max(most, m.nbytes)
+        if r % 50 == 0:
+            assert m.items() == list(d.items())
+    assert len(m) == 400 and m.items() == list(d.items())
+    assert most <= 10 * one.nbytes  # (400 generations without the squeeze)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -4,31 +4,40 @@
  * place (the watch side's per-event loop and its flush into the Bloom filters).
  *
  * Why not a dict: a watched server removes a block per event, so the map takes tens of
- * thousands of keys a second and lets each go 20,000 removals later. A dict of that churn holds
- * an int object per key, an entry of 24 bytes and a growing table of deleted slots that it
- * rebuilds now and then: each removal cost about five cache misses and the map ~2 MiB. Here a
- * key is its 64 bits in a ring (keys come at the head and leave at the tail, in order, so both
- * ends stay in cache) and an open-addressing index of 8 bytes a slot, (the key's hash's low 32
- * bits, its ring slot + 1), probed linearly and deleted by shifting back (no tombstones): one
- * random cache line to enter a key and one to let it go, 0.75 MiB for 20,480 keys. The hash is
- * seeded with a random number per map, so no sender can choose keys that crowd one stretch of
- * the index. (Two-choice buckets with entries that lapse when the tail passes them, so that
- * letting the oldest go costs the index nothing, were tried: entering a key then reads two
- * random lines instead of one, and the map was no faster, 130 against 115 ns a removal.)
+ * thousands of keys a second and lets each go 20,000 removals later, in the order they came. A
+ * dict of that churn holds an int object per key, an entry of 24 bytes and a growing table of
+ * deleted slots that it rebuilds now and then (about five cache misses a removal, ~2 MiB).
+ *
+ * Here the keys live in generations of F keys (a quarter of the capacity, a power of 2), oldest
+ * first, each with its own small index and filter, and only the newest takes keys:
+ * - a key comes: each generation's filter (16 bits a key, three probes in one 64-bit word, 8
+ *   KiB for 4,096 keys) says whether it may hold the key already (then its index is asked), and
+ *   the key goes into the newest generation's index (32 KiB for 4,096 keys, at most half full,
+ *   probed linearly): small enough to stay in cache, where one index over every key was 256 KiB
+ *   of random lines;
+ * - the oldest keys leave in order (a flush): the oldest generation is read front to back, and
+ *   once read whole it is let go at once (its index and filter zeroed for the next one), where
+ *   one index had to find and delete each key;
+ * - a lookup asks the filters, and the index of a generation whose filter may hold the key:
+ *   a key that was never removed mostly costs a few filter words and no index line at all.
+ * A generation's index is never deleted from (a deleted key's slot is dead: its value NULL), so
+ * it is never more than half full; a generation whose keys were all taken out is let go.
+ * Measured: docs/miss.md ("Cost"). (Tried before: one open-addressing index over a ring of all
+ * the keys, deleted by shifting back, 115 ns a removal on the mirror bench's stream; two-choice
+ * buckets whose entries lapse, 130 ns.)
+ *
+ * The hashes are seeded with a random number per map, so no sender can choose keys that crowd
+ * one stretch of an index (and a generation's index holds at most F keys whatever they are).
  *
  * Keys: ints. One in [-2^63, 2^64) is kept as its 64 bits and whether it was negative; a bigger
  * one (no hash a server sends is) as its low 64 bits and the int itself, in a side array made on
- * first use. Values: any object (a Removal), one reference each. A ring slot whose key was deleted is dead (value NULL)
- * until the tail passes it; when the ring is full, dead slots are squeezed out, else it doubles.
+ * first use. Values: any object (a Removal), one reference each.
  */
 #ifndef KVPLAY_RECENT_MAP_H
 #define KVPLAY_RECENT_MAP_H
 
 /* (miss_chains.c defines before including this: `mix`, splitmix64's finalizer, and `C1`, the
  * golden-ratio constant, which also parts a negative key from the positive one of its bits) */
-#ifndef PREFETCH
-#define PREFETCH 8  /* how many keys ahead a loop over random lines asks for its line */
-#endif
 
 typedef struct {
     uint64_t bits;      /* the int modulo 2^64 */
@@ -36,17 +45,27 @@ typedef struct {
     PyObject *big;      /* (tag 2) the int, borrowed */
 } RKey;
 
+/* One generation: up to F keys in the order they came. */
+typedef struct {
+    uint64_t *key;       /* slot -> its key's bits */
+    unsigned char *tag;  /* slot -> its key's tag */
+    PyObject **val;      /* slot -> its value (NULL: taken out, or not filled yet) */
+    PyObject **big;      /* slot -> its key when tag 2 (NULL until one comes) */
+    uint32_t *index;     /* index slot -> 0 (empty) or fingerprint << sbits | (slot + 1) */
+    uint64_t *filter;    /* F / 4 words: three bits of each key's word set */
+    Py_ssize_t used;     /* slots filled (the next key goes to slot `used`) */
+    Py_ssize_t live;     /* of them, those with a value */
+} Gen;
+
 typedef struct {
     PyObject_HEAD
-    uint64_t *key;       /* ring slot -> its key's bits */
-    unsigned char *tag;  /* ring slot -> its key's tag */
-    PyObject **val;      /* ring slot -> its value (NULL: dead, or not in use) */
-    PyObject **big;      /* ring slot -> its key when tag 2 (NULL until one comes) */
-    uint64_t *index;     /* index slot -> 0 (empty) or (hash's low 32 bits) << 32 | (ring slot + 1) */
-    Py_ssize_t R, T;     /* ring slots and index slots: powers of 2 */
-    Py_ssize_t tail, head;  /* the ring positions in use: [tail, head), slot = position & (R - 1) */
+    Gen *gen;            /* the generations, oldest first: gen[0 .. ngen) (the newest takes keys) */
+    Py_ssize_t ngen, gcap;
+    Py_ssize_t first;    /* gen[0]'s slots before this one have left (the oldest first) */
+    Gen spare;           /* a let-go generation's zeroed arrays, for the next one (key NULL: none) */
+    Py_ssize_t F, T, W;  /* slots, index slots (2F) and filter words (F / 4) of a generation */
+    int sbits;           /* bits of an index entry for slot + 1 */
     Py_ssize_t live;     /* keys held */
-    Py_ssize_t version;  /* changes on every insertion or deletion (an iterator checks it) */
     uint64_t seed;       /* mixed into every key's hash, drawn at random when the map is made */
 } RecentMap;
 
@@ -87,236 +106,300 @@ static int rkey_of(PyObject *k, RKey *out) {
     return 0;
 }
 
-/* The key of a ring slot as a Python int (a new reference). */
-static PyObject *rkey_int(const RecentMap *m, Py_ssize_t s) {
-    if (m->tag[s] == 2) return Py_NewRef(m->big[s]);
-    if (m->tag[s] == 0) return PyLong_FromUnsignedLongLong(m->key[s]);
-    return PyLong_FromLongLong((long long)m->key[s]);
+/* The key of slot s of a generation as a Python int (a new reference). */
+static PyObject *rkey_int(const Gen *g, Py_ssize_t s) {
+    if (g->tag[s] == 2) return Py_NewRef(g->big[s]);
+    if (g->tag[s] == 0) return PyLong_FromUnsignedLongLong(g->key[s]);
+    return PyLong_FromLongLong((long long)g->key[s]);
 }
 
-/* Whether ring slot s holds key k. */
-static inline int rm_is(const RecentMap *m, Py_ssize_t s, const RKey *k) {
-    if (m->key[s] != k->bits || m->tag[s] != k->tag) return 0;
-    return k->tag != 2 || PyObject_RichCompareBool(m->big[s], k->big, Py_EQ) == 1;  /* (ints: no error) */
+/* A key's filter probes: its word (low bits of a second mix) and three bits of it. */
+typedef struct { Py_ssize_t word; uint64_t bits; } Probe;
+
+static inline Probe rm_probe(const RecentMap *m, uint64_t h) {
+    uint64_t x = mix(h ^ C1);
+    Probe p = {(Py_ssize_t)(x & (uint64_t)(m->W - 1)),
+               (1ULL << ((x >> 40) & 63)) | (1ULL << ((x >> 46) & 63)) | (1ULL << ((x >> 52) & 63))};
+    return p;
 }
 
-/* The index slot holding key k of hash h, or -1 (then *empty: where it would go). */
-static Py_ssize_t rm_find(const RecentMap *m, const RKey *k, uint64_t h, Py_ssize_t *empty) {
-    uint64_t mask = (uint64_t)m->T - 1, fp = h & 0xFFFFFFFFULL;
-    for (uint64_t i = h & mask;; i = (i + 1) & mask) {
-        uint64_t e = m->index[i];
-        if (!e) {
-            if (empty != NULL) *empty = (Py_ssize_t)i;
-            return -1;
-        }
-        if ((e >> 32) == fp) {
-            Py_ssize_t s = (Py_ssize_t)(uint32_t)e - 1;
-            if (rm_is(m, s, k)) return (Py_ssize_t)i;
-        }
+/* The live slot of key k (hash h) in generation g, or -1. */
+static Py_ssize_t gen_find(const RecentMap *m, const Gen *g, const RKey *k, uint64_t h, Probe p) {
+    if ((g->filter[p.word] & p.bits) != p.bits) return -1;
+    uint32_t mask = (uint32_t)m->T - 1, fp = (uint32_t)(h >> 32) >> m->sbits, smask = (1u << m->sbits) - 1;
+    for (uint32_t i = (uint32_t)h & mask;; i = (i + 1) & mask) {
+        uint32_t e = g->index[i];
+        if (!e) return -1;
+        if (e >> m->sbits != fp) continue;
+        Py_ssize_t s = (Py_ssize_t)(e & smask) - 1;
+        if (g->val[s] == NULL || g->key[s] != k->bits || g->tag[s] != k->tag) continue;
+        if (k->tag != 2 || PyObject_RichCompareBool(g->big[s], k->big, Py_EQ) == 1) return s;  /* (ints: no error) */
     }
 }
 
-/* Empty index slot i, shifting back the entries after it that probed past it. */
-static void rm_unindex(RecentMap *m, Py_ssize_t i) {
-    uint64_t mask = (uint64_t)m->T - 1, hole = (uint64_t)i;
-    for (uint64_t j = (hole + 1) & mask;; j = (j + 1) & mask) {
-        uint64_t e = m->index[j];
-        if (!e) break;
-        uint64_t home = (e >> 32) & mask;  /* (T <= 2^32: the fingerprint holds the home slot) */
-        /* e may fill the hole when its home is not cyclically in (hole, j] */
-        if (((j - home) & mask) >= ((j - hole) & mask)) {
-            m->index[hole] = e;
-            hole = j;
+/* Where key k (hash h) is held: its generation's number (and *slot), or -1. */
+static Py_ssize_t rm_find(const RecentMap *m, const RKey *k, uint64_t h, Py_ssize_t *slot) {
+    Probe p = rm_probe(m, h);
+    for (Py_ssize_t i = m->ngen - 1; i >= 0; i--) {
+        Py_ssize_t s = gen_find(m, &m->gen[i], k, h, p);
+        if (s >= 0) {
+            *slot = s;
+            return i;
         }
     }
-    m->index[hole] = 0;
+    return -1;
 }
 
-/* Rebuild the index (T slots) from the ring's live slots. */
-static int rm_reindex(RecentMap *m, Py_ssize_t T) {
-    uint64_t *ix = PyMem_Calloc((size_t)T, sizeof(uint64_t));
-    if (ix == NULL) {
+static void gen_free(Gen *g) {
+    PyMem_Free(g->key);
+    PyMem_Free(g->tag);
+    PyMem_Free(g->val);
+    PyMem_Free(g->big);
+    PyMem_Free(g->index);
+    PyMem_Free(g->filter);
+    memset(g, 0, sizeof *g);
+}
+
+/* A new, empty generation's arrays in g (the spare's where there is one): 0, or -1 with an exception. */
+static int gen_make(RecentMap *m, Gen *g) {
+    if (m->spare.key != NULL) {
+        *g = m->spare;
+        memset(&m->spare, 0, sizeof m->spare);
+        return 0;
+    }
+    memset(g, 0, sizeof *g);
+    g->key = PyMem_Malloc((size_t)m->F * sizeof(uint64_t));
+    g->tag = PyMem_Malloc((size_t)m->F);
+    g->val = PyMem_Calloc((size_t)m->F, sizeof(PyObject *));
+    g->index = PyMem_Calloc((size_t)m->T, sizeof(uint32_t));
+    g->filter = PyMem_Calloc((size_t)m->W, sizeof(uint64_t));
+    if (g->key == NULL || g->tag == NULL || g->val == NULL || g->index == NULL || g->filter == NULL) {
+        gen_free(g);
         PyErr_NoMemory();
         return -1;
-    }
-    PyMem_Free(m->index);
-    m->index = ix;
-    m->T = T;
-    uint64_t mask = (uint64_t)T - 1;
-    for (Py_ssize_t p = m->tail; p < m->head; p++) {
-        Py_ssize_t s = p & (m->R - 1);
-        if (m->val[s] == NULL) continue;
-        uint64_t h = rm_hash(m, m->key[s], m->tag[s]), i = h & mask;
-        while (ix[i]) i = (i + 1) & mask;
-        ix[i] = (h << 32) | (uint64_t)(s + 1);
     }
     return 0;
 }
 
-/* A full ring: squeeze out its dead slots into a ring of R slots (the same or twice as many),
- * live ones first in order, then the index again. */
-static int rm_rering(RecentMap *m, Py_ssize_t R) {
-    uint64_t *key = PyMem_Malloc((size_t)R * sizeof(uint64_t));
-    unsigned char *tag = PyMem_Malloc((size_t)R);
-    PyObject **val = PyMem_Calloc((size_t)R, sizeof(PyObject *));
-    PyObject **big = m->big == NULL ? NULL : PyMem_Calloc((size_t)R, sizeof(PyObject *));
-    if (key == NULL || tag == NULL || val == NULL || (m->big != NULL && big == NULL)) {
-        PyMem_Free(key);
-        PyMem_Free(tag);
-        PyMem_Free(val);
-        PyMem_Free(big);
+/* Let generation g go, its values already taken out: its arrays zeroed and kept as the spare
+ * (or freed when there is one); its big keys let go. */
+static void gen_drop(RecentMap *m, Gen *g) {
+    if (g->big != NULL) {
+        for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
+        PyMem_Free(g->big);
+        g->big = NULL;
+    }
+    if (m->spare.key != NULL) {
+        gen_free(g);
+        return;
+    }
+    memset(g->index, 0, (size_t)m->T * sizeof(uint32_t));
+    memset(g->filter, 0, (size_t)m->W * sizeof(uint64_t));
+    memset(g->val, 0, (size_t)g->used * sizeof(PyObject *));  /* (all NULL already, but cheap) */
+    g->used = g->live = 0;
+    m->spare = *g;
+    memset(g, 0, sizeof *g);
+}
+
+/* Generation i has no live keys: let it go (the newest, which takes keys, is emptied instead). */
+static void rm_let_go(RecentMap *m, Py_ssize_t i) {
+    if (i == m->ngen - 1) {  /* the newest: emptied in place */
+        Gen *g = &m->gen[i];
+        if (g->big != NULL) {
+            for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
+        }
+        memset(g->index, 0, (size_t)m->T * sizeof(uint32_t));
+        memset(g->filter, 0, (size_t)m->W * sizeof(uint64_t));
+        g->used = g->live = 0;
+        if (i == 0) m->first = 0;
+        return;
+    }
+    gen_drop(m, &m->gen[i]);
+    memmove(&m->gen[i], &m->gen[i + 1], (size_t)(m->ngen - i - 1) * sizeof(Gen));
+    m->ngen--;
+    if (i == 0) m->first = 0;
+}
+
+/* Key k (hash h, not held) into slot s of generation g, which has room and, for a big key, its
+ * side array; the references to the value and a big key are the caller's, handed over. */
+static void gen_put(const RecentMap *m, Gen *g, const RKey *k, uint64_t h, PyObject *v) {
+    Py_ssize_t s = g->used++;
+    g->key[s] = k->bits;
+    g->tag[s] = k->tag;
+    if (k->tag == 2) g->big[s] = k->big;
+    g->val[s] = v;
+    g->live++;
+    uint32_t mask = (uint32_t)m->T - 1, j = (uint32_t)h & mask;
+    while (g->index[j]) j = (j + 1) & mask;  /* (at most F of 2F slots are ever filled) */
+    g->index[j] = ((uint32_t)(h >> 32) >> m->sbits << m->sbits) | (uint32_t)(s + 1);
+    Probe p = rm_probe(m, h);
+    g->filter[p.word] |= p.bits;
+}
+
+/* Room for `n` generations in the list: 0, or -1 with an exception. */
+static int rm_room(RecentMap *m, Py_ssize_t n) {
+    if (n <= m->gcap) return 0;
+    Py_ssize_t cap = m->gcap ? m->gcap : 8;
+    while (cap < n) cap *= 2;
+    Gen *gs = PyMem_Realloc(m->gen, (size_t)cap * sizeof(Gen));
+    if (gs == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_ssize_t n = 0;
-    for (Py_ssize_t p = m->tail; p < m->head; p++) {
-        Py_ssize_t s = p & (m->R - 1);
-        if (m->val[s] == NULL) continue;
-        key[n] = m->key[s];
-        tag[n] = m->tag[s];
-        val[n] = m->val[s];
-        if (big != NULL) big[n] = m->big[s];
-        n++;
+    m->gen = gs;
+    m->gcap = cap;
+    return 0;
+}
+
+/* Squeeze out the slots of keys taken out (deleted ones, and a key set again after it was
+ * deleted, leave dead slots behind in their generation until it is let go): the live keys, in
+ * order, into as few new generations as hold them. 0, or -1 with an exception (then unchanged). */
+static int rm_compact(RecentMap *m) {
+    Py_ssize_t need = (m->live + m->F - 1) / m->F, made = 0;
+    Gen *ng = PyMem_Calloc((size_t)(need ? need : 1), sizeof(Gen));
+    int bad = ng == NULL;
+    for (; !bad && made < need; made++) {
+        ng[made].key = PyMem_Malloc((size_t)m->F * sizeof(uint64_t));
+        ng[made].tag = PyMem_Malloc((size_t)m->F);
+        ng[made].val = PyMem_Calloc((size_t)m->F, sizeof(PyObject *));
+        ng[made].index = PyMem_Calloc((size_t)m->T, sizeof(uint32_t));
+        ng[made].filter = PyMem_Calloc((size_t)m->W, sizeof(uint64_t));
+        bad = ng[made].key == NULL || ng[made].tag == NULL || ng[made].val == NULL || ng[made].index == NULL ||
+              ng[made].filter == NULL;
     }
-    PyMem_Free(m->key);
-    PyMem_Free(m->tag);
-    PyMem_Free(m->val);
-    PyMem_Free(m->big);
-    m->key = key;
-    m->tag = tag;
-    m->val = val;
-    m->big = big;
-    m->R = R;
-    m->tail = 0;
-    m->head = n;
-    return rm_reindex(m, m->T);
+    Py_ssize_t at = 0;  /* (where each big key goes: its generation gets a side array first) */
+    for (Py_ssize_t i = 0; !bad && i < m->ngen; i++)
+        for (Py_ssize_t s = i == 0 ? m->first : 0; !bad && s < m->gen[i].used; s++) {
+            if (m->gen[i].val[s] == NULL) continue;
+            Gen *g = &ng[at++ / m->F];
+            if (m->gen[i].tag[s] == 2 && g->big == NULL)
+                bad = (g->big = PyMem_Calloc((size_t)m->F, sizeof(PyObject *))) == NULL;
+        }
+    if (bad) {
+        for (Py_ssize_t i = 0; ng != NULL && i < need; i++) gen_free(&ng[i]);
+        PyMem_Free(ng);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t cur = 0;
+    for (Py_ssize_t i = 0; i < m->ngen; i++) {
+        Gen *g = &m->gen[i];
+        for (Py_ssize_t s = i == 0 ? m->first : 0; s < g->used; s++) {
+            if (g->val[s] == NULL) continue;
+            if (ng[cur].used == m->F) cur++;
+            RKey k = {g->key[s], g->tag[s], g->tag[s] == 2 ? g->big[s] : NULL};
+            gen_put(m, &ng[cur], &k, rm_hash(m, k.bits, k.tag), g->val[s]);  /* (references moved) */
+            g->val[s] = NULL;
+            if (g->tag[s] == 2) g->big[s] = NULL;
+        }
+        gen_free(g);
+    }
+    PyMem_Free(m->gen);
+    m->gen = ng;
+    m->ngen = need;
+    m->gcap = need ? need : 1;
+    m->first = 0;
+    return 0;
 }
 
 /* m[k] = v (a key that is there keeps its place); 0, or -1 with an exception. */
 static int rm_set(RecentMap *m, RKey k, PyObject *v) {
     uint64_t h = rm_hash(m, k.bits, k.tag);
-    Py_ssize_t empty = -1, i = rm_find(m, &k, h, &empty);
+    Py_ssize_t s;
+    Py_ssize_t i = rm_find(m, &k, h, &s);
     if (i >= 0) {
-        Py_ssize_t s = (Py_ssize_t)(uint32_t)m->index[i] - 1;
         Py_INCREF(v);
-        Py_SETREF(m->val[s], v);
+        Py_SETREF(m->gen[i].val[s], v);
         return 0;
     }
-    int moved = 0;
-    if (m->head - m->tail == m->R) {  /* a full ring: squeeze (dead slots), else double */
-        if (rm_rering(m, m->live * 2 > m->R ? m->R * 2 : m->R) < 0) return -1;
-        moved = 1;
-    }
-    if ((m->live + 1) * 4 > m->T * 3) {  /* the index at most 3/4 full */
-        if (m->T >= ((Py_ssize_t)1 << 31)) {
-            PyErr_SetString(PyExc_MemoryError, "a recent map this large");
-            return -1;
+    if (m->ngen == 0 || m->gen[m->ngen - 1].used == m->F) {  /* a new generation takes the keys */
+        /* (more than twice the slots the live keys need: the dead ones squeezed out first, so
+         * that deleting and setting keys again cannot hold more than that) */
+        if (m->ngen > 2 && m->ngen * m->F > 2 * (m->live + m->F) && rm_compact(m) < 0) return -1;
+        if (m->ngen == 0 || m->gen[m->ngen - 1].used == m->F) {
+            if (rm_room(m, m->ngen + 1) < 0 || gen_make(m, &m->gen[m->ngen]) < 0) return -1;
+            m->ngen++;
         }
-        if (rm_reindex(m, m->T * 2) < 0) return -1;
-        moved = 1;
     }
-    if (k.tag == 2 && m->big == NULL && (m->big = PyMem_Calloc((size_t)m->R, sizeof(PyObject *))) == NULL) {
+    Gen *g = &m->gen[m->ngen - 1];
+    if (k.tag == 2 && g->big == NULL && (g->big = PyMem_Calloc((size_t)m->F, sizeof(PyObject *))) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    if (moved) rm_find(m, &k, h, &empty);
-    Py_ssize_t s = m->head & (m->R - 1);
-    m->key[s] = k.bits;
-    m->tag[s] = k.tag;
-    if (k.tag == 2) m->big[s] = Py_NewRef(k.big);
-    m->val[s] = Py_NewRef(v);
-    m->index[empty] = (h << 32) | (uint64_t)(s + 1);
-    m->head++;
+    if (k.tag == 2) Py_INCREF(k.big);
+    gen_put(m, g, &k, h, Py_NewRef(v));
     m->live++;
-    m->version++;
     return 0;
 }
 
 /* The value of key k (borrowed), or NULL. */
 static PyObject *rm_get(const RecentMap *m, RKey k) {
     if (!m->live) return NULL;
-    Py_ssize_t i = rm_find(m, &k, rm_hash(m, k.bits, k.tag), NULL);
-    return i < 0 ? NULL : m->val[(uint32_t)m->index[i] - 1];
+    Py_ssize_t s, i = rm_find(m, &k, rm_hash(m, k.bits, k.tag), &s);
+    return i < 0 ? NULL : m->gen[i].val[s];
+}
+
+/* Slot s of generation g has left: its value's reference handed over, its big key let go. */
+static inline void rm_vacate(RecentMap *m, Gen *g, Py_ssize_t s) {
+    g->val[s] = NULL;
+    if (g->tag[s] == 2) Py_CLEAR(g->big[s]);
+    g->live--;
+    m->live--;
 }
 
 /* Take key k out: its value (a new reference), or NULL when it is not there. */
-/* Ring slot s is dead: its key's int (a big one) let go. */
-static void rm_drop_key(RecentMap *m, Py_ssize_t s) {
-    if (m->tag[s] == 2) Py_CLEAR(m->big[s]);
-}
-
 static PyObject *rm_pop(RecentMap *m, RKey k) {
     if (!m->live) return NULL;
-    Py_ssize_t i = rm_find(m, &k, rm_hash(m, k.bits, k.tag), NULL);
+    Py_ssize_t s, i = rm_find(m, &k, rm_hash(m, k.bits, k.tag), &s);
     if (i < 0) return NULL;
-    Py_ssize_t s = (Py_ssize_t)(uint32_t)m->index[i] - 1;
-    PyObject *v = m->val[s];
-    m->val[s] = NULL;
-    rm_unindex(m, i);
-    rm_drop_key(m, s);
-    m->live--;
-    m->version++;
-    while (m->tail < m->head && m->val[m->tail & (m->R - 1)] == NULL) m->tail++;
-    if (m->tail == m->head) m->tail = m->head = 0;
+    Gen *g = &m->gen[i];
+    PyObject *v = g->val[s];
+    rm_vacate(m, g, s);
+    if (!g->live) rm_let_go(m, i);
+    else if (i == 0)
+        while (m->first < g->used && g->val[m->first] == NULL) m->first++;
     return v;
 }
 
 /* Take the `n` oldest keys out (fewer when it holds fewer): their bits and values (new references)
- * into `bits` and `vals`; how many. Their index slots are asked for a few keys ahead (the misses
- * overlap). */
+ * into `bits` and `vals`; how many. Read front to back; a generation read whole is let go. */
 static Py_ssize_t rm_pop_oldest_n(RecentMap *m, Py_ssize_t n, uint64_t *bits, PyObject **vals) {
-    Py_ssize_t got = 0, p = m->tail, ahead = m->tail;
-    uint64_t mask = (uint64_t)m->T - 1, hs[PREFETCH];  /* (the hashes of the slots asked for, by position) */
-    while (got < n && p < m->head) {
-        for (; ahead < m->head && ahead < p + PREFETCH; ahead++) {
-            Py_ssize_t a = ahead & (m->R - 1);
-            hs[ahead % PREFETCH] = rm_hash(m, m->key[a], m->tag[a]);
-            if (m->val[a] != NULL) __builtin_prefetch(&m->index[hs[ahead % PREFETCH] & mask], 1);
+    Py_ssize_t got = 0;
+    while (got < n && m->live > 0) {
+        Gen *g = &m->gen[0];
+        while (m->first < g->used && got < n) {
+            Py_ssize_t s = m->first++;
+            if (g->val[s] == NULL) continue;
+            bits[got] = g->key[s];
+            vals[got++] = g->val[s];
+            rm_vacate(m, g, s);
         }
-        uint64_t h = hs[p % PREFETCH];
-        Py_ssize_t s = p++ & (m->R - 1);
-        if (m->val[s] == NULL) continue;
-        RKey k = {m->key[s], m->tag[s], m->tag[s] == 2 ? m->big[s] : NULL};
-        rm_unindex(m, rm_find(m, &k, h, NULL));
-        bits[got] = k.bits;
-        vals[got++] = m->val[s];
-        m->val[s] = NULL;
-        rm_drop_key(m, s);
-        m->live--;
+        if (!g->live) rm_let_go(m, 0);  /* (read whole: the next is the oldest; the newest is emptied) */
     }
-    m->tail = p;
-    if (m->tail == m->head) m->tail = m->head = 0;
-    m->version++;
     return got;
 }
 
+/* Every key out; the old values let go last (a value's release cannot see a half-cleared map). */
 static void rm_clear(RecentMap *m) {
-    PyObject **vals = m->val, **bigs = m->big;
-    Py_ssize_t R = m->R;
-    PyObject **fresh = PyMem_Calloc((size_t)R, sizeof(PyObject *));
-    if (fresh == NULL) {  /* (no memory for a new ring: clear this one in place) */
-        for (Py_ssize_t s = 0; s < R; s++) Py_CLEAR(vals[s]);
-        vals = NULL;
-    } else {
-        m->val = fresh;
+    Gen *gs = m->gen;
+    Py_ssize_t n = m->ngen, first = m->first;
+    m->gen = NULL;
+    m->ngen = m->gcap = 0;
+    m->first = 0;
+    m->live = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Gen *g = &gs[i];
+        for (Py_ssize_t s = i == 0 ? first : 0; s < g->used; s++) Py_CLEAR(g->val[s]);
+        if (g->big != NULL)
+            for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
+        gen_free(g);
     }
-    m->big = NULL;
-    memset(m->index, 0, (size_t)m->T * sizeof(uint64_t));
-    m->tail = m->head = m->live = 0;
-    m->version++;
-    if (vals != NULL) {  /* (the old values let go last: a value's release cannot see a half-cleared map) */
-        for (Py_ssize_t s = 0; s < R; s++) Py_XDECREF(vals[s]);
-        PyMem_Free(vals);
-    }
-    if (bigs != NULL) {
-        for (Py_ssize_t s = 0; s < R; s++) Py_XDECREF(bigs[s]);
-        PyMem_Free(bigs);
-    }
+    PyMem_Free(gs);
 }
 
-static Py_ssize_t pow2_at_least(Py_ssize_t n) {
-    Py_ssize_t p = 16;
-    while (p < n && p < ((Py_ssize_t)1 << 30)) p <<= 1;
+static Py_ssize_t pow2_at_most(Py_ssize_t n) {
+    Py_ssize_t p = 1;
+    while (p * 2 <= n) p <<= 1;
     return p;
 }
 
@@ -333,10 +416,10 @@ static int rm_random_seed(uint64_t *out) {
     return ok ? 0 : -1;
 }
 
-/* RecentMap(capacity=16, seed=None): room for `capacity` keys before it grows. Its keys' hashes
- * are seeded (with `seed`, else a random number): keys whose unseeded hashes share their low
- * bits would otherwise all probe from one index slot, a cluster every later key walks (a
- * publisher's crafted removals made each one cost ~10 µs instead of ~0.1). */
+/* RecentMap(capacity=16, seed=None): keys in generations of a quarter of `capacity` (a power of
+ * 2, at least 16), as many as it holds. Its keys' hashes are seeded (with `seed`, else a random
+ * number): keys whose unseeded hashes share their low bits would otherwise all probe from one
+ * index slot, a cluster every later key walks. */
 static PyObject *rm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"capacity", "seed", NULL};
     Py_ssize_t cap = 16;
@@ -359,41 +442,29 @@ static PyObject *rm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     RecentMap *m = (RecentMap *)type->tp_alloc(type, 0);
     if (m == NULL) return NULL;
     m->seed = sd;
-    m->R = pow2_at_least(cap + cap / 4);
-    m->T = pow2_at_least(cap + cap / 2);
-    m->key = PyMem_Malloc((size_t)m->R * sizeof(uint64_t));
-    m->tag = PyMem_Malloc((size_t)m->R);
-    m->val = PyMem_Calloc((size_t)m->R, sizeof(PyObject *));
-    m->index = PyMem_Calloc((size_t)m->T, sizeof(uint64_t));
-    if (m->key == NULL || m->tag == NULL || m->val == NULL || m->index == NULL) {
-        Py_DECREF(m);
-        return PyErr_NoMemory();
-    }
+    m->F = pow2_at_most(cap / 4 < 16 ? 16 : cap / 4);
+    m->T = 2 * m->F;
+    m->W = m->F / 4;
+    m->sbits = 1;
+    while (((Py_ssize_t)1 << m->sbits) <= m->F) m->sbits++;  /* (slot + 1 <= F) */
     return (PyObject *)m;
 }
 
 static int rm_traverse(RecentMap *m, visitproc visit, void *arg) {
-    if (m->val != NULL)
-        for (Py_ssize_t p = m->tail; p < m->head; p++) Py_VISIT(m->val[p & (m->R - 1)]);
+    for (Py_ssize_t i = 0; i < m->ngen; i++)
+        for (Py_ssize_t s = i == 0 ? m->first : 0; s < m->gen[i].used; s++) Py_VISIT(m->gen[i].val[s]);
     return 0;
 }
 
 static int rm_tp_clear(RecentMap *m) {
-    if (m->val != NULL && m->index != NULL) rm_clear(m);
+    rm_clear(m);
     return 0;
 }
 
 static void rm_dealloc(RecentMap *m) {
     PyObject_GC_UnTrack(m);
-    if (m->val != NULL)
-        for (Py_ssize_t p = m->tail; p < m->head; p++) Py_XDECREF(m->val[p & (m->R - 1)]);
-    if (m->big != NULL)
-        for (Py_ssize_t s = 0; s < m->R; s++) Py_XDECREF(m->big[s]);
-    PyMem_Free(m->big);
-    PyMem_Free(m->key);
-    PyMem_Free(m->tag);
-    PyMem_Free(m->val);
-    PyMem_Free(m->index);
+    rm_clear(m);
+    gen_free(&m->spare);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
@@ -485,20 +556,22 @@ static PyObject *rm_list(RecentMap *m, int what) {
     PyObject *out = PyList_New(m->live);
     if (out == NULL) return NULL;
     Py_ssize_t n = 0;
-    for (Py_ssize_t p = m->tail; p < m->head && n < m->live; p++) {
-        Py_ssize_t s = p & (m->R - 1);
-        PyObject *v = m->val[s];
-        if (v == NULL) continue;
-        PyObject *x;
-        if (what == 1) x = Py_NewRef(v);
-        else {
-            PyObject *k = rkey_int(m, s);
-            if (k == NULL) { Py_DECREF(out); return NULL; }
-            x = what == 0 ? k : PyTuple_Pack(2, k, v);
-            if (what == 2) Py_DECREF(k);
-            if (x == NULL) { Py_DECREF(out); return NULL; }
+    for (Py_ssize_t i = 0; i < m->ngen; i++) {
+        const Gen *g = &m->gen[i];
+        for (Py_ssize_t s = i == 0 ? m->first : 0; s < g->used && n < m->live; s++) {
+            PyObject *v = g->val[s];
+            if (v == NULL) continue;
+            PyObject *x;
+            if (what == 1) x = Py_NewRef(v);
+            else {
+                PyObject *k = rkey_int(g, s);
+                if (k == NULL) { Py_DECREF(out); return NULL; }
+                x = what == 0 ? k : PyTuple_Pack(2, k, v);
+                if (what == 2) Py_DECREF(k);
+                if (x == NULL) { Py_DECREF(out); return NULL; }
+            }
+            PyList_SET_ITEM(out, n++, x);
         }
-        PyList_SET_ITEM(out, n++, x);
     }
     return out;
 }
@@ -520,9 +593,17 @@ static PyObject *rm_clear_m(RecentMap *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* The bytes of a generation's arrays (without a side array of big keys). */
+static Py_ssize_t gen_nbytes(const RecentMap *m) {
+    return m->F * (Py_ssize_t)(sizeof(uint64_t) + 1 + sizeof(PyObject *)) + m->T * (Py_ssize_t)sizeof(uint32_t)
+           + m->W * (Py_ssize_t)sizeof(uint64_t);
+}
+
 static PyObject *rm_nbytes(RecentMap *m, void *unused) {
-    return PyLong_FromSsize_t(m->R * (Py_ssize_t)(sizeof(uint64_t) + 1 + sizeof(PyObject *))
-                              + m->T * (Py_ssize_t)sizeof(uint64_t));
+    Py_ssize_t n = (m->ngen + (m->spare.key != NULL)) * gen_nbytes(m) + m->gcap * (Py_ssize_t)sizeof(Gen);
+    for (Py_ssize_t i = 0; i < m->ngen; i++)
+        if (m->gen[i].big != NULL) n += m->F * (Py_ssize_t)sizeof(PyObject *);
+    return PyLong_FromSsize_t(n);
 }
 
 static PyMethodDef rm_methods[] = {
@@ -536,23 +617,33 @@ static PyMethodDef rm_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* The longest run of occupied index slots: the most slots a probe can walk. */
+/* The longest run of occupied index slots in any generation: the most slots a probe can walk. */
 static PyObject *rm_longest_run(RecentMap *m, void *unused) {
-    Py_ssize_t best = 0, run = 0, start = 0;
-    while (start < m->T && m->index[start]) start++;  /* (a run that wraps around is counted whole) */
-    for (Py_ssize_t j = 1; j <= m->T; j++) {
-        if (m->index[(start + j) & (m->T - 1)]) {
-            if (++run > best) best = run;
-        } else {
-            run = 0;
+    Py_ssize_t best = 0;
+    for (Py_ssize_t i = 0; i < m->ngen; i++) {
+        const uint32_t *ix = m->gen[i].index;
+        Py_ssize_t run = 0, start = 0;
+        while (start < m->T && ix[start]) start++;  /* (a run that wraps around is counted whole) */
+        for (Py_ssize_t j = 1; j <= m->T; j++) {
+            if (ix[(start + j) & (m->T - 1)]) {
+                if (++run > best) best = run;
+            } else {
+                run = 0;
+            }
         }
     }
     return PyLong_FromSsize_t(best);
 }
 
+static PyObject *rm_generation(RecentMap *m, void *unused) {
+    return PyLong_FromSsize_t(m->F);
+}
+
 static PyGetSetDef rm_getset[] = {
-    {"nbytes", (getter)rm_nbytes, NULL, "bytes of its ring and index", NULL},
-    {"longest_run", (getter)rm_longest_run, NULL, "the longest run of occupied index slots (a probe walks at most this far)", NULL},
+    {"nbytes", (getter)rm_nbytes, NULL, "bytes of its generations' arrays", NULL},
+    {"longest_run", (getter)rm_longest_run, NULL,
+     "the longest run of occupied index slots in a generation (a probe walks at most this far)", NULL},
+    {"generation", (getter)rm_generation, NULL, "keys a generation holds", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -564,8 +655,8 @@ static PyTypeObject RecentMapType = {
     .tp_name = "kvplay_miss_chains.RecentMap",
     .tp_basicsize = sizeof(RecentMap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "int key -> removal in the order keys came (a dict's behaviour), a ring and an index: "
-              "the RemovedLog's recent map, compiled.",
+    .tp_doc = "int key -> removal in the order keys came (a dict's behaviour), in generations of keys "
+              "with an index and a filter each: the RemovedLog's recent map, compiled.",
     .tp_new = rm_new,
     .tp_dealloc = (destructor)rm_dealloc,
     .tp_traverse = (traverseproc)rm_traverse,
