@@ -2,7 +2,7 @@
 CPython extension built on first use with the host's C compiler (engine/cbuild.py, cached by a
 hash of the source, the flags and the Python it is built for), then imported from the cache.
 
-`scan()`, `flusher()`, `filterer()` and `recent_map()` are None where it cannot be built or loaded (no compiler,
+`scan()`, `flusher()`, `filterer()`, `recent_map()` and `pending()` are None where it cannot be built or loaded (no compiler,
 no Python headers, a failed build) or where `KVPLAY_NATIVE=0`: PodMisses then runs its Python
 loop, which gives the same results at a higher cost (`python -m kvplay.bench.mirror_bench
 --no-socket --misses`, docs/miss.md).
@@ -29,7 +29,7 @@ PLACES = {"tier": 0, "evicted": 1, "cleared": 2, "config": 3, "isolated": 4, "di
 
 NAME = "kvplay_miss_chains"
 SOURCE = Path(__file__).parent / "csrc" / "miss_chains.c"
-HEADERS = [Path(__file__).parent / "csrc" / "recent_map.h"]
+HEADERS = [Path(__file__).parent / "csrc" / "recent_map.h", Path(__file__).parent / "csrc" / "pending.h"]
 FLAGS = ["-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-I" + sysconfig.get_paths()["include"]]
 
 _lock = threading.Lock()
@@ -84,6 +84,14 @@ def recent_map():
     where there is none)."""
     mod = module()
     return None if mod is None else mod.RecentMap
+
+
+def pending():
+    """A new `Pending` (csrc/pending.h): a pod's counts its counters have not been given yet, which
+    the compiled loop adds to and PodMisses settles before its counters are read (None where
+    there is no compiled module)."""
+    mod = module()
+    return None if mod is None else mod.Pending()
 
 
 def flusher():

@@ -154,9 +154,12 @@ class PodMisses:
         self.roots: dict = {}    # first token -> the newest chain with no parent that starts with it
         self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
         self.tiers: dict = {}    # tier -> {"stored", "removed", "hits"} blocks
-        self.sessions: dict = {}  # session -> [blocks by reason (COUNTED's order)..., then tokens]
-        self.evicted_from: Counter = Counter()  # creator -> its blocks evicted
-        self.counts = _new_counts()
+        # (read through the properties `sessions`, `evicted_from` and `counts`, which first settle
+        # what the compiled loop left pending: `_pending`, csrc/pending.h)
+        self._sessions: dict = {}  # session -> [blocks by reason (COUNTED's order)..., then tokens]
+        self._evicted_from: Counter = Counter()  # creator -> its blocks evicted
+        self._counts = _new_counts()
+        self._pending = miss_native.pending()
         self.last_top: str | None = None  # who stored the most in the last batch that stored
         self.by_at: dict = {}  # a batch's time -> who stored the most in it (evicted its removals)
         self._unnamed: list = []  # the tracker's evictions of this batch that named no evicting session
@@ -185,7 +188,7 @@ class PodMisses:
         scan = self._compiled if self.native else None
         if scan is not None:  # (it enters who stored the most, `last_top`, and `by_at`, itself)
             tally, later, fill, whose, evicted, gone = scan(self, batch.events, pod, rep, usual_rm, tracking,
-                                                            batch.ts, MAX_SESSIONS)
+                                                            batch.ts, MAX_SESSIONS, self._pending)
         else:
             tally, later, fill, whose, evicted, gone = self._scan(batch.events, pod, rep, usual_rm, tracking,
                                                                   batch.ts)
@@ -234,7 +237,7 @@ class PodMisses:
         recent_get, blooms, filtered = removed.recent.get, removed.blooms, removed.filtered
         Stored, Removed = ev_.BlockStored, ev_.BlockRemoved
         fill: dict = {}
-        sget = self.sessions.get
+        sget = self._sessions.get
         tally = [0] * (2 * _NC)
         later: list = []
         evicted = False
@@ -433,12 +436,35 @@ class PodMisses:
         return evicted and by is None
 
     def _whose(self, creators: list) -> None:
-        ev_from = self.evicted_from
-        if len(ev_from) < MAX_SESSIONS:
-            ev_from.update(creators)
-        else:
-            for c in creators:
-                ev_from[c if c in ev_from else OTHERS] += 1
+        """Each creator's evicted blocks, each not counted by name yet as OTHERS once
+        `MAX_SESSIONS` are (the compiled loop's `count_whose` and csrc/pending.h do the same)."""
+        ev_from = self._evicted_from
+        for c in creators:
+            ev_from[c if c in ev_from or len(ev_from) < MAX_SESSIONS else OTHERS] += 1
+
+    # --- the counters: what the compiled loop left pending settled first ----------------------
+    def _settle(self) -> None:
+        p = self._pending
+        if p is not None and p.waiting:
+            p.settle(self._evicted_from, self._counts, MAX_SESSIONS)
+
+    @property
+    def sessions(self) -> dict:
+        """session -> [blocks by reason (COUNTED's order)..., then tokens]."""
+        self._settle()
+        return self._sessions
+
+    @property
+    def evicted_from(self) -> Counter:
+        """creator -> its blocks evicted (the first `MAX_SESSIONS` by name)."""
+        self._settle()
+        return self._evicted_from
+
+    @property
+    def counts(self) -> dict:
+        """{"blocks": {reason: n}, "tokens": {reason: n}} over the pod."""
+        self._settle()
+        return self._counts
 
     def _evicted_by(self, ts: float) -> None:
         """Who evicted what the batch at `ts` removed without saying: who stored the most in it
@@ -463,7 +489,7 @@ class PodMisses:
         not cold, in order, then each session's cold blocks, in the order the sessions first
         stored in the batch (so the first `MAX_SESSIONS` sessions are named, in that order);
         the batch's counts (`tally`) too."""
-        sget = self.sessions.get
+        sget = self._sessions.get
         colds: dict = {}
         for user, ri, q, n, size in later:
             if ri >= 0:
@@ -485,7 +511,7 @@ class PodMisses:
 
     def _tally(self, tally: list, rep) -> None:
         """Add a batch's counts (blocks by reason, then tokens) to the pod's and to `rep`'s."""
-        blocks, tokens = self.counts["blocks"], self.counts["tokens"]
+        blocks, tokens = self._counts["blocks"], self._counts["tokens"]
         for i, reason in enumerate(COUNTED):
             n = tally[i]
             if n:
@@ -498,7 +524,7 @@ class PodMisses:
     def _session(self, user: str) -> list:
         """A session's counts, new (`OTHERS`' once `MAX_SESSIONS` are counted by name): blocks
         by reason (`COUNTED`'s order), then tokens."""
-        sessions = self.sessions
+        sessions = self._sessions
         if len(sessions) >= MAX_SESSIONS:
             user = OTHERS
         return sessions.setdefault(user, [0] * (2 * _NC))

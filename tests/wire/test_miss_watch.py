@@ -156,6 +156,32 @@ def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monk
     assert sum(1 for v in s["blocks"].values() if v) >= 5  # most reasons made
 
 
+@pytest.mark.parametrize("named", [3, 4096])
+def test_counts_left_pending_across_batches_settle_to_the_python_loops(named, monkeypatch):
+    """The compiled loop enters its counts later, in sums (csrc/pending.h): read only at the end,
+    after hundreds of batches of a hundred sessions (its tables fill and settle themselves), the
+    counters are the Python loop's, the first `MAX_SESSIONS` named in the order they came."""
+    if miss_native.pending() is None:
+        pytest.skip(f"no compiled loop here ({miss_native.why_not()})")
+    monkeypatch.setattr(mw, "MAX_SESSIONS", named)
+    rng = random.Random(11)
+    fleet = Fleet()
+    wire, mirror = fleet.from_wire("p"), fleet.pod("p")
+    fast, ref = MissWatch(fleet), MissWatch(fleet)
+    ref.pod("p").native = False
+    for seq, events in enumerate(random_stream(rng, 400, users=100, per_batch=10), 1):
+        b = wire(EventBatch(float(seq), events), seq)
+        mirror.apply(b)
+        fast.on_batch("p", b)
+        ref.on_batch("p", b)
+    assert fast.pod("p")._pending.waiting  # (nothing read it yet)
+    agree(fast.pod("p"), ref.pod("p"))
+    assert not fast.pod("p")._pending.waiting
+    pm = fast.pod("p")
+    assert len(pm.evicted_from) > 64 if named > 64 else set(pm.evicted_from) >= {"others"}
+    assert len(pm.sessions) > 64 if named > 64 else len(pm.sessions) <= named + 1
+
+
 def test_a_compiled_chain_reads_as_a_tuple_and_is_no_work_for_the_collector():
     """The compiled loop's chains (csrc/miss_chains.c `Chain`) are read by the Python helpers as
     tuples are: len, [i], [-i], [a:b] (a tuple), iteration, `in`, index(key, start); and, holding

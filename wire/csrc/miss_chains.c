@@ -774,19 +774,18 @@ static void whose_release(Whose *w) {
 }
 
 /* PodMisses._whose(creators) of the creators gathered in `w` then `more`: each creator's evicted
- * blocks into `ev_from` (a Counter), the ones not counted by name yet as OTHERS once
- * `max_sessions` are. */
+ * blocks into `ev_from` (a Counter), each not counted by name yet as OTHERS once `max_sessions`
+ * are. */
 static int count_whose(PyObject *ev_from, const Whose *w, PyObject *more, Py_ssize_t max_sessions) {
     if (!PyDict_Check(ev_from)) {
         PyErr_SetString(PyExc_TypeError, "evicted_from");
         return -1;
     }
-    int full = PyDict_GET_SIZE(ev_from) >= max_sessions;
     Py_ssize_t n = more == NULL ? 0 : PyList_GET_SIZE(more);
     for (Py_ssize_t i = 0; i < w->n + n; i++) {
         PyObject *c = i < w->n ? w->who[i] : PyList_GET_ITEM(more, i - w->n);
         long k = i < w->n ? w->count[i] : 1;
-        if (full) {
+        if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
             int in = PyDict_Contains(ev_from, c);
             if (in < 0) return -1;
             if (!in) c = u_others;
@@ -796,32 +795,24 @@ static int count_whose(PyObject *ev_from, const Whose *w, PyObject *more, Py_ssi
     return 0;
 }
 
-/* PodMisses._tally: the batch's counts into the pod's (`counts`) and the batch's details (`rep`). */
-static int add_tally(PyObject *pm, PyObject *rep, const long *tally) {
+#include "pending.h"
+
+/* PodMisses._tally: the batch's counts into the pod's (`counts`; pending, with `pd`) and the
+ * batch's details (`rep`). */
+static int add_tally(PyObject *pm, PyObject *rep, const long *tally, Pending *pd) {
     int any = 0;
     for (int i = 0; i < NC; i++) any |= tally[i] != 0;
     if (!any) return 0;
-    PyObject *counts = PyObject_GetAttr(pm, s_counts);
-    if (counts == NULL) return -1;
-    PyObject *targets[2] = {counts, rep};
-    int rc = 0;
-    for (int t = 0; t < 2 && !rc; t++) {
-        PyObject *c = targets[t];
-        if (c == Py_None) continue;
-        PyObject *blocks = PyObject_GetItem(c, u_blocks), *tokens = blocks ? PyObject_GetItem(c, u_tokens) : NULL;
-        if (tokens == NULL || !PyDict_Check(blocks) || !PyDict_Check(tokens)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "counts");
-            rc = -1;
-        }
-        for (int i = 0; i < NC && !rc; i++)
-            if (tally[i] && (dict_add_long(blocks, reason_names[i], tally[i]) < 0 ||
-                             dict_add_long(tokens, reason_names[i], tally[i + NC]) < 0))
-                rc = -1;
-        Py_XDECREF(blocks);
-        Py_XDECREF(tokens);
+    if (pd != NULL) {
+        for (int i = 0; i < 2 * NC; i++) pd->tally[i] += tally[i];
+        pd->counted = 1;
+    } else {
+        PyObject *counts = PyObject_GetAttr(pm, s_counts);
+        int rc = counts == NULL ? -1 : tally_into(counts, tally);
+        Py_XDECREF(counts);
+        if (rc < 0) return -1;
     }
-    Py_DECREF(counts);
-    return rc;
+    return rep == Py_None ? 0 : tally_into(rep, tally);
 }
 
 /* A batch's sessions, counted in C and entered at its end (what `fill[user] += n` and the
@@ -890,25 +881,28 @@ static PyObject *fill_dict(const Users *t) {
     return fill;
 }
 
-/* The table's counts into `fill` (when there is one) and the sessions' counts. */
-static int users_enter(Users *t, PyObject *fill) {
+/* The table's counts into `fill` (when there is one) and the sessions' counts (pending, with `pd`). */
+static int users_enter(Users *t, PyObject *fill, Pending *pd) {
     for (int i = 0; i < t->n; i++) {
         User *u = &t->u[i];
         if (fill != NULL && u->fill && dict_add_long(fill, u->user, u->fill) < 0) return -1;
-        if (u->sc != NULL)
+        if (u->sc == NULL) continue;
+        if (pd != NULL) {
+            if (pend_user(pd, u->sc, u->add) < 0) return -1;
+        } else
             for (int j = 0; j < 2 * NC; j++)
                 if (bump(u->sc, j, u->add[j]) < 0) return -1;
     }
     return 0;
 }
 
-/* scan(pm, events, pod, rep, usual_rm, tracking, bts, max_sessions) -> (tally, later, fill, whose, evicted, gone, held)
+/* scan(pm, events, pod, rep, usual_rm, tracking, bts, max_sessions, pending) -> (tally, later, fill, whose, evicted, gone)
  * `tally`: the batch's blocks by reason (COUNTED's order), then tokens (cold ones included);
  * `later`: (session, reason's place or -1, its blocks, the chain's blocks, block size) of the chains
  * of sessions not counted yet. See PodMisses._scan. */
 static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "scan takes 8 arguments");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "scan takes 9 arguments");
         return NULL;
     }
     if (Stored == NULL) {
@@ -916,6 +910,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     PyObject *pm = args[0], *events = args[1], *pod = args[2], *rep = args[3], *bts = args[6];
+    Pending *pd = Py_TYPE(args[8]) == &PendingType ? (Pending *)args[8] : NULL;  /* (None: counted at once) */
     int usual_rm = PyObject_IsTrue(args[4]), tracking = PyObject_IsTrue(args[5]);
     Py_ssize_t max_sessions = PyLong_AsSsize_t(args[7]);
     if (max_sessions == -1 && PyErr_Occurred()) return NULL;
@@ -1451,7 +1446,7 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_DECREF(t);
         }
     }
-    if (users_enter(&users, fill) < 0) goto fail;
+    if (users_enter(&users, fill, pd) < 0) goto fail;
     /* who stored the most in the batch (the first of them: `max(fill, key=fill.get)`), and, when it
      * evicted, the batch's time -> who stored the most in the last batch that stored (`by_at`;
      * PodMisses.apply and _evicted_by do the rest) */
@@ -1485,17 +1480,29 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     /* whose blocks the usual evictions were (PodMisses._whose, at the batch's end): counted as
      * they came (a batch evicts few creators' blocks many times), added in the order each first came */
-    if (wh.n) {
+    if (wh.n && pd != NULL && whose == NULL) {  /* (pending; the full table settled into `ev_from` first) */
+        for (int i = 0; i < wh.n; i++) {
+            if (pd->nw == PEND_WHO) {
+                PyObject *ev_from = NULL;
+                GET(ev_from, pm, s_evicted_from);
+                int rc = pend_settle_who(pd, ev_from, max_sessions);
+                Py_DECREF(ev_from);
+                if (rc < 0) goto fail;
+            }
+            if (pend_who(pd, wh.who[i], wh.count[i]) < 0) goto fail;
+        }
+    } else if (wh.n) {  /* (what is pending first: the creators in the order they came) */
         PyObject *ev_from = NULL;
         GET(ev_from, pm, s_evicted_from);
-        int rc = count_whose(ev_from, &wh, whose, max_sessions);
+        int rc = pd != NULL ? pend_settle_who(pd, ev_from, max_sessions) : 0;
+        if (rc == 0) rc = count_whose(ev_from, &wh, whose, max_sessions);
         Py_DECREF(ev_from);
         if (rc < 0) goto fail;
     }
     {
         PyObject *tl;
         if (later == NULL) {  /* counted here (PodMisses._tally) */
-            if (add_tally(pm, rep, tally) < 0) goto fail;
+            if (add_tally(pm, rep, tally, pd) < 0) goto fail;
             tl = Py_None;
             Py_INCREF(tl);
         } else {
@@ -1593,13 +1600,13 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
         {&s_group_idx, "group_idx"}, {&s_creators, "creators"}, {&s_reason, "reason"}, {&s_by_user, "by_user"},
         {&s_ts, "ts"}, {&s_block_ids, "block_ids"}, {&s_chain_at, "chain_at"}, {&s_heads_at, "heads_at"},
         {&s_offset, "offset"}, {&s_cleared_m, "_cleared"}, {&s_roots, "roots"}, {&s_tier_of, "tier_of"},
-        {&s_sessions, "sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
+        {&s_sessions, "_sessions"}, {&s_mirror, "mirror"}, {&s_key_slot, "key_slot"},
         {&s_tokens, "tokens"}, {&s_v, "v"}, {&s_removed, "removed"}, {&s_recent, "recent"}, {&s_blooms, "blooms"},
         {&s_n, "_n"}, {&s_n_prev, "_n_prev"}, {&s_m, "m"}, {&s_probes, "probes"}, {&s_cur, "_cur"},
         {&s_prev, "_prev"}, {&s_filtered, "filtered"}, {&s_keys, "_keys"}, {&s_special, "_special"},
         {&s_removed_m, "_removed"}, {&s_tier_m, "_tier"}, {&s_track, "_track"}, {&s_capacity, "capacity"},
         {&s_rotate, "rotate"}, {&s_recent_capacity, "recent_capacity"}, {&s_flush_every, "_flush_every"},
-        {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "evicted_from"}, {&s_counts, "counts"},
+        {&s_bloom_for, "bloom_for"}, {&s_evicted_from, "_evicted_from"}, {&s_counts, "_counts"},
         {&u_others, "others"}, {&u_blocks, "blocks"}, {&u_tokens, "tokens"}, {&u_branch, "branch"},
         {&u_diverged, "diverged"}, {&u_isolated, "isolated"}, {&u_config, "config"}, {&u_evicted, "evicted"},
         {&u_tier, "tier"}, {&u_recomputed, "recomputed"}, {&s_by_at, "by_at"}, {&s_last_top, "last_top"},
@@ -1607,7 +1614,7 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
     if ((kinds[1] = PyUnicode_InternFromString("cleared")) == NULL) return NULL;
-    if (PyType_Ready(&RecentMapType) < 0 || PyType_Ready(&ChainType) < 0) return NULL;
+    if (PyType_Ready(&RecentMapType) < 0 || PyType_Ready(&ChainType) < 0 || PyType_Ready(&PendingType) < 0) return NULL;
     kinds[0] = u_evicted;
     kinds[2] = u_config;
     PyObject *f[NFIELDS] = {s_block_hashes, s_parent_block_hash, s_user, s_block_size, s_token_ids, s_extra_keys,
@@ -1615,7 +1622,8 @@ PyMODINIT_FUNC PyInit_kvplay_miss_chains(void) {
     memcpy(field_names, f, sizeof f);
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
-    if (PyModule_AddObjectRef(mod, "Chain", (PyObject *)&ChainType) < 0) {
+    if (PyModule_AddObjectRef(mod, "Chain", (PyObject *)&ChainType) < 0 ||
+        PyModule_AddObjectRef(mod, "Pending", (PyObject *)&PendingType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }
