@@ -20,7 +20,8 @@ requests do.
 `--misses` measures the miss attribution `kvplay watch` runs on each applied batch
 (wire/miss_watch.py) too: decode + translate + apply with it and without it, alternating in one
 process, nine times: the ratio of the best CPU times, and the median of each adjacent pair's ratio
-(on a shared machine the steadier of the two).
+(on a shared machine the steadier of the two); `--inside N` also times each of the attribution's
+calls over N more runs (what it costs itself, less noisy than a difference of two whole runs).
 """
 from __future__ import annotations
 
@@ -157,6 +158,31 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
             attribute(b)
     gc.collect(0)
     return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def measure_inside(payloads: list[bytes], warm: list[bytes] | None = None) -> float:
+    """Seconds spent inside the miss attribution's calls, one per batch, in a run with it on (as
+    `measure_apply(misses=True)` runs; the clock read around each call): what the attribution
+    itself costs, without the other processes' share of the whole run's time."""
+    fleet = Fleet()
+    m = fleet.pod("bench")
+    w = fleet.from_wire("bench")
+    attribute = MissWatch(fleet).pod("bench").apply
+    for seq, p in enumerate(warm or []):
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        attribute(b)
+    base = len(warm or [])
+    gc.collect()
+    clock = time.perf_counter
+    inside = 0.0
+    for seq, p in enumerate(payloads, base):
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        t = clock()
+        attribute(b)
+        inside += clock() - t
+    return inside
 
 
 def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
@@ -393,7 +419,7 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
 
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
         misses: bool = False, warm_events: int | None = None, pairs: int = MISSES_RUNS,
-        content: str = "pattern") -> dict:
+        content: str = "pattern", inside: int = 0) -> dict:
     # a pool already filling up (by default); its hashes count from 1 as the measured stream's do,
     # so a warm-up longer than the pool makes a window that stores again what was evicted
     warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1,
@@ -417,6 +443,10 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
                    misses_events_per_cpu_s=round(events / on_cpu), misses_ratio=round(on_cpu / cpu, 3),
                    misses_ratio_pairs=[round(x, 3) for x in ratios], misses_runs=len(ratios),
                    misses_ratio_median=round(med, 3), misses_ratio_median_ci=[round(lo, 3), round(hi, 3)])
+    if inside:  # (runs of their own: the clock around each call is not in the ratio's)
+        ins = sorted(measure_inside(payloads, warm) for _ in range(inside))
+        out.update(inside_s=round(ins[len(ins) // 2], 4), inside_runs=inside,
+                   inside_share=round(ins[len(ins) // 2] / min(r[0] for r in runs), 3))
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
@@ -450,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure with the miss attribution on (wire/miss_watch.py), alternating with off")
     ap.add_argument("--pairs", type=int, default=MISSES_RUNS, metavar="N",
                     help=f"off and on runs with --misses (default {MISSES_RUNS}; the median's interval narrows with more)")
+    ap.add_argument("--inside", type=int, default=0, metavar="N",
+                    help="also N runs timing each of the attribution's calls: the median time inside them, and its "
+                         "share of the best run without the attribution")
     ap.add_argument("--app", action="store_true",
                     help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
     ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
@@ -473,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         ap.error(f"--pairs must be at least 1 (got {args.pairs})")
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
-            warm_events=args.warm, pairs=args.pairs, content=args.content)
+            warm_events=args.warm, pairs=args.pairs, content=args.content, inside=args.inside)
     if args.json:
         print(json.dumps(r))
     else:
@@ -488,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(off and on alternating, best of {r['misses_runs']} each; each pair "
                   f"{r['misses_ratio_median']:.2f}x median [{lo:.2f}, {hi:.2f}] (the median's interval, "
                   f"at least 95 % where the pairs allow), {pairs[0]:.2f}-{pairs[-1]:.2f})")
+        if "inside_s" in r:
+            print(f"inside the attribution's calls: {1000 * r['inside_s']:.1f} ms (median of {r['inside_runs']} runs), "
+                  f"{100 * r['inside_share']:.1f} % of the best run without it")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:

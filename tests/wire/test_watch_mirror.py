@@ -163,7 +163,8 @@ def test_mirror_bench_prompts_content_reads_as_one_templates_requests():
     assert top_p < 80 <= 256 < top_q < 49_152
     assert pattern["config"] > 0 and pattern["diverged"] == 0
     assert prompts["diverged"] > 0 and prompts["config"] == 0 and prompts["cold"] > 0
-    assert run(1000, 400, socket=False, misses=True, pairs=1, content="prompts")["content"] == "prompts"
+    r = run(1000, 400, socket=False, misses=True, pairs=1, content="prompts", inside=1)
+    assert r["content"] == "prompts" and r["inside_s"] > 0 and r["inside_share"] > 0
     with pytest.raises(ValueError, match="content"):
         synthetic_stream(10, content="words")
 
