@@ -736,26 +736,32 @@ typedef struct {
     int n, last;
 } Whose;
 
+/* The index of `c` among `n` objects (by identity, then by hash and equality); -1 when it is not
+ * there (then *h is its hash), -2 with an exception. */
+static int find_by_value(PyObject *const *objs, const Py_hash_t *hashes, int n, PyObject *c, Py_hash_t *h) {
+    for (int j = 0; j < n; j++)
+        if (objs[j] == c) return j;
+    if ((*h = PyObject_Hash(c)) == -1 && PyErr_Occurred()) return -2;
+    for (int j = 0; j < n; j++) {
+        if (hashes[j] != *h) continue;
+        int eq = PyObject_RichCompareBool(objs[j], c, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) return j;
+    }
+    return -1;
+}
+
 static int whose_add(Whose *w, PyObject *c, PyObject **more) {
     if (w->n && w->who[w->last] == c) {  /* (an event's blocks: mostly one creator's) */
         w->count[w->last]++;
         return 0;
     }
-    for (int j = 0; j < w->n; j++)
-        if (w->who[j] == c) {
-            w->count[w->last = j]++;
-            return 0;
-        }
-    Py_hash_t h = PyObject_Hash(c);
-    if (h == -1 && PyErr_Occurred()) return -1;
-    for (int j = 0; j < w->n; j++) {
-        if (w->hash[j] != h) continue;
-        int eq = PyObject_RichCompareBool(w->who[j], c, Py_EQ);
-        if (eq < 0) return -1;
-        if (eq) {
-            w->count[w->last = j]++;
-            return 0;
-        }
+    Py_hash_t h;
+    int j = find_by_value(w->who, w->hash, w->n, c, &h);
+    if (j == -2) return -1;
+    if (j >= 0) {
+        w->count[w->last = j]++;
+        return 0;
     }
     if (w->n == WHOSE_CACHE) {  /* (the list made on first use) */
         if (*more == NULL && (*more = PyList_New(0)) == NULL) return -1;

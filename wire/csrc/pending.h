@@ -93,21 +93,12 @@ static int pend_user(Pending *p, PyObject *sc, const long *add) {
 
 /* `k` more evicted blocks of creator `c` (the caller settles a full table first: PEND_WHO). */
 static int pend_who(Pending *p, PyObject *c, long k) {
-    for (int i = 0; i < p->nw; i++)
-        if (p->who[i] == c) {
-            p->wcount[i] += k;
-            return 0;
-        }
-    Py_hash_t h = PyObject_Hash(c);
-    if (h == -1 && PyErr_Occurred()) return -1;
-    for (int i = 0; i < p->nw; i++) {
-        if (p->hash[i] != h) continue;
-        int eq = PyObject_RichCompareBool(p->who[i], c, Py_EQ);
-        if (eq < 0) return -1;
-        if (eq) {
-            p->wcount[i] += k;
-            return 0;
-        }
+    Py_hash_t h;
+    int i = find_by_value(p->who, p->hash, p->nw, c, &h);
+    if (i == -2) return -1;
+    if (i >= 0) {
+        p->wcount[i] += k;
+        return 0;
     }
     if (p->nw == PEND_WHO) {
         PyErr_SetString(PyExc_RuntimeError, "pending creators: a full table");
