@@ -123,6 +123,23 @@ def count_events(payloads: list[bytes]) -> tuple[int, int]:
     return events, blocks
 
 
+def _warmed(warm: list[bytes] | None, misses: bool):
+    """A fresh pod's mirror, its FromWire and (with `misses`) its attribution's `apply` (else
+    None), after `warm` went through them, and a full collection: (mirror, from_wire, attribute,
+    the next batch's seq)."""
+    fleet = Fleet()
+    m = fleet.pod("bench")
+    w = fleet.from_wire("bench")
+    attribute = MissWatch(fleet).pod("bench").apply if misses else None
+    for seq, p in enumerate(warm or []):
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        if attribute is not None:
+            attribute(b)
+    gc.collect()
+    return m, w, attribute, len(warm or [])
+
+
 def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
                   misses: bool = False) -> tuple[float, float]:
     """(seconds, this thread's CPU seconds) to decode and apply every payload into a fresh
@@ -136,17 +153,7 @@ def measure_apply(payloads: list[bytes], warm: list[bytes] | None = None,
     as nothing else allocates: 100,000+ objects in a 200,000-event run. Whichever run allocates a
     little more then pays for that whole generation in one 40-80 ms collection, and the other run
     leaves it uncounted.)"""
-    fleet = Fleet()
-    m = fleet.pod("bench")
-    w = fleet.from_wire("bench")
-    attribute = MissWatch(fleet).pod("bench").apply if misses else None
-    for seq, p in enumerate(warm or []):
-        b = w(decode_batch(p), seq)
-        m.apply(b)
-        if attribute is not None:
-            attribute(b)
-    base = len(warm or [])
-    gc.collect()
+    m, w, attribute, base = _warmed(warm, misses)
     t0, c0 = time.perf_counter(), time.thread_time()
     if attribute is None:
         for seq, p in enumerate(payloads, base):
@@ -164,16 +171,7 @@ def measure_inside(payloads: list[bytes], warm: list[bytes] | None = None) -> fl
     """Seconds spent inside the miss attribution's calls, one per batch, in a run with it on (as
     `measure_apply(misses=True)` runs; the clock read around each call): what the attribution
     itself costs, without the other processes' share of the whole run's time."""
-    fleet = Fleet()
-    m = fleet.pod("bench")
-    w = fleet.from_wire("bench")
-    attribute = MissWatch(fleet).pod("bench").apply
-    for seq, p in enumerate(warm or []):
-        b = w(decode_batch(p), seq)
-        m.apply(b)
-        attribute(b)
-    base = len(warm or [])
-    gc.collect()
+    m, w, attribute, base = _warmed(warm, True)
     clock = time.perf_counter
     inside = 0.0
     for seq, p in enumerate(payloads, base):

@@ -779,25 +779,29 @@ static void whose_release(Whose *w) {
     w->n = w->last = 0;
 }
 
-/* PodMisses._whose(creators) of the creators gathered in `w` then `more`: each creator's evicted
- * blocks into `ev_from` (a Counter), each not counted by name yet as OTHERS once `max_sessions`
- * are. */
+/* `k` evicted blocks of creator `c` into `ev_from` (a dict: PodMisses' Counter), as OTHERS when
+ * `c` is not counted by name yet and `max_sessions` are (PodMisses._whose's rule, one creator at
+ * a time). */
+static int whose_into(PyObject *ev_from, PyObject *c, long k, Py_ssize_t max_sessions) {
+    if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
+        int in = PyDict_Contains(ev_from, c);
+        if (in < 0) return -1;
+        if (!in) c = u_others;
+    }
+    return dict_add_long(ev_from, c, k);
+}
+
+/* PodMisses._whose(creators) of the creators gathered in `w` then `more` (`whose_into`). */
 static int count_whose(PyObject *ev_from, const Whose *w, PyObject *more, Py_ssize_t max_sessions) {
     if (!PyDict_Check(ev_from)) {
         PyErr_SetString(PyExc_TypeError, "evicted_from");
         return -1;
     }
     Py_ssize_t n = more == NULL ? 0 : PyList_GET_SIZE(more);
-    for (Py_ssize_t i = 0; i < w->n + n; i++) {
-        PyObject *c = i < w->n ? w->who[i] : PyList_GET_ITEM(more, i - w->n);
-        long k = i < w->n ? w->count[i] : 1;
-        if (PyDict_GET_SIZE(ev_from) >= max_sessions) {
-            int in = PyDict_Contains(ev_from, c);
-            if (in < 0) return -1;
-            if (!in) c = u_others;
-        }
-        if (dict_add_long(ev_from, c, k) < 0) return -1;
-    }
+    for (Py_ssize_t i = 0; i < w->n + n; i++)
+        if (whose_into(ev_from, i < w->n ? w->who[i] : PyList_GET_ITEM(more, i - w->n), i < w->n ? w->count[i] : 1,
+                       max_sessions) < 0)
+            return -1;
     return 0;
 }
 

@@ -40,19 +40,12 @@ static int pend_settle_users(Pending *p) {
     return rc;
 }
 
-/* The creators' evicted blocks into `ev_from` (a Counter): each not counted by name yet, once
- * `max_sessions` are, as "others". */
+/* The creators' evicted blocks into `ev_from` (a Counter), in the order they came (`whose_into`). */
 static int pend_settle_who(Pending *p, PyObject *ev_from, Py_ssize_t max_sessions) {
     int rc = PyDict_Check(ev_from) ? 0 : -1;
     if (rc) PyErr_SetString(PyExc_TypeError, "evicted_from");
     for (int i = 0; i < p->nw; i++) {
-        PyObject *c = p->who[i];
-        if (!rc && PyDict_GET_SIZE(ev_from) >= max_sessions) {
-            int in = PyDict_Contains(ev_from, c);
-            if (in < 0) rc = -1;
-            else if (!in) c = u_others;
-        }
-        if (!rc && dict_add_long(ev_from, c, p->wcount[i]) < 0) rc = -1;
+        if (!rc && whose_into(ev_from, p->who[i], p->wcount[i], max_sessions) < 0) rc = -1;
         Py_DECREF(p->who[i]);
     }
     p->nw = 0;

@@ -181,22 +181,32 @@ static int gen_make(RecentMap *m, Gen *g) {
     return 0;
 }
 
-/* Let generation g go, its values already taken out: its arrays zeroed and kept as the spare
- * (or freed when there is one); its big keys let go. */
-static void gen_drop(RecentMap *m, Gen *g) {
-    if (g->big != NULL) {
+/* The big keys of generation g's slots let go (its side array kept). */
+static void gen_let_bigs_go(Gen *g) {
+    if (g->big != NULL)
         for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
-        PyMem_Free(g->big);
-        g->big = NULL;
-    }
+}
+
+/* Generation g, its values already taken out, empty again: its big keys let go, its index and
+ * filter zeroed (its values are all NULL). */
+static void gen_empty(const RecentMap *m, Gen *g) {
+    gen_let_bigs_go(g);
+    memset(g->index, 0, (size_t)m->T * sizeof(uint32_t));
+    memset(g->filter, 0, (size_t)m->W * sizeof(uint64_t));
+    g->used = g->live = 0;
+}
+
+/* Let generation g go, its values already taken out: emptied and kept as the spare (freed when
+ * there is one). */
+static void gen_drop(RecentMap *m, Gen *g) {
     if (m->spare.key != NULL) {
+        gen_let_bigs_go(g);
         gen_free(g);
         return;
     }
-    memset(g->index, 0, (size_t)m->T * sizeof(uint32_t));
-    memset(g->filter, 0, (size_t)m->W * sizeof(uint64_t));
-    memset(g->val, 0, (size_t)g->used * sizeof(PyObject *));  /* (all NULL already, but cheap) */
-    g->used = g->live = 0;
+    gen_empty(m, g);
+    PyMem_Free(g->big);
+    g->big = NULL;
     m->spare = *g;
     memset(g, 0, sizeof *g);
 }
@@ -204,13 +214,7 @@ static void gen_drop(RecentMap *m, Gen *g) {
 /* Generation i has no live keys: let it go (the newest, which takes keys, is emptied instead). */
 static void rm_let_go(RecentMap *m, Py_ssize_t i) {
     if (i == m->ngen - 1) {  /* the newest: emptied in place */
-        Gen *g = &m->gen[i];
-        if (g->big != NULL) {
-            for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
-        }
-        memset(g->index, 0, (size_t)m->T * sizeof(uint32_t));
-        memset(g->filter, 0, (size_t)m->W * sizeof(uint64_t));
-        g->used = g->live = 0;
+        gen_empty(m, &m->gen[i]);
         if (i == 0) m->first = 0;
         return;
     }
@@ -258,15 +262,7 @@ static int rm_compact(RecentMap *m) {
     Py_ssize_t need = (m->live + m->F - 1) / m->F, made = 0;
     Gen *ng = PyMem_Calloc((size_t)(need ? need : 1), sizeof(Gen));
     int bad = ng == NULL;
-    for (; !bad && made < need; made++) {
-        ng[made].key = PyMem_Malloc((size_t)m->F * sizeof(uint64_t));
-        ng[made].tag = PyMem_Malloc((size_t)m->F);
-        ng[made].val = PyMem_Calloc((size_t)m->F, sizeof(PyObject *));
-        ng[made].index = PyMem_Calloc((size_t)m->T, sizeof(uint32_t));
-        ng[made].filter = PyMem_Calloc((size_t)m->W, sizeof(uint64_t));
-        bad = ng[made].key == NULL || ng[made].tag == NULL || ng[made].val == NULL || ng[made].index == NULL ||
-              ng[made].filter == NULL;
-    }
+    while (!bad && made < need) bad = gen_make(m, &ng[made++]) < 0;
     Py_ssize_t at = 0;  /* (where each big key goes: its generation gets a side array first) */
     for (Py_ssize_t i = 0; !bad && i < m->ngen; i++)
         for (Py_ssize_t s = i == 0 ? m->first : 0; !bad && s < m->gen[i].used; s++) {
@@ -278,7 +274,7 @@ static int rm_compact(RecentMap *m) {
     if (bad) {
         for (Py_ssize_t i = 0; ng != NULL && i < need; i++) gen_free(&ng[i]);
         PyMem_Free(ng);
-        PyErr_NoMemory();
+        if (!PyErr_Occurred()) PyErr_NoMemory();
         return -1;
     }
     Py_ssize_t cur = 0;
@@ -390,8 +386,7 @@ static void rm_clear(RecentMap *m) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Gen *g = &gs[i];
         for (Py_ssize_t s = i == 0 ? first : 0; s < g->used; s++) Py_CLEAR(g->val[s]);
-        if (g->big != NULL)
-            for (Py_ssize_t s = 0; s < g->used; s++) Py_CLEAR(g->big[s]);
+        gen_let_bigs_go(g);
         gen_free(g);
     }
     PyMem_Free(gs);
