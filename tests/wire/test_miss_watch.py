@@ -82,8 +82,8 @@ def agree(*pods) -> None:
         assert list(pm.removed.recent.items()) == list(first.removed.recent.items())
         assert all(type(r) is Removal for _, r in pm.removed.recent.items())
         assert pm.by_at == first.by_at and pm.last_top == first.last_top
-        assert [None if r is None else r[mw.HDR:] for r in pm.chain_at] == \
-            [None if r is None else r[mw.HDR:] for r in first.chain_at]
+        assert [None if r is None else tuple(r) for r in pm.chain_at] == \
+            [None if r is None else tuple(r) for r in first.chain_at]
 
 
 @pytest.mark.skipif(cbuild.compiler() is None or not miss_native.has_headers(),
@@ -156,6 +156,47 @@ def test_the_compiled_loop_agrees_with_the_python_one_on_random_churn(seed, monk
     assert sum(1 for v in s["blocks"].values() if v) >= 5  # most reasons made
 
 
+KEY_KINDS = {  # a server's block hashes, as each kind of server sends them (a stream's small ints mapped)
+    "uint64": lambda h: 2**64 - 1 - h * 7919,  # vLLM's: unsigned, most from 2^63
+    "int64": lambda h: -(2**63) + h * 7919 if h % 2 else h * 7919,  # SGLang's: signed
+    "both": lambda h: -h if h % 2 else 2**63 + h,  # negative and from 2^63 in one chain: no one kind fits
+    "wide": lambda h: 2**64 + h,  # wider than 64 bits (hostile)
+    "hex": lambda h: "%016x" % h,  # vLLM's full digests, as hex
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KEY_KINDS))
+def test_the_compiled_loop_agrees_with_the_python_one_on_keys_of_every_kind(kind):
+    """A compiled chain keeps its keys, and its parent's key, as 64-bit values where they are
+    ints that fit one kind (unsigned or signed), as objects otherwise; either way every count,
+    mark, detail and chain reads as the Python loop's, batch by batch (`Pod`)."""
+    f = KEY_KINDS[kind]
+    mod = miss_native.module()
+    rng = random.Random(7)
+    p = Pod()
+    plain, grouped = set(), set()  # how the compiled chains kept their keys (a group's keys are pairs: objects)
+    for events in random_stream(rng, 150):
+        for e in events:
+            if isinstance(e, (BlockStored, BlockRemoved)):
+                e.block_hashes = [f(h) for h in e.block_hashes]
+            if isinstance(e, BlockStored) and e.parent_block_hash is not None:
+                e.parent_block_hash = f(e.parent_block_hash)
+        p(*events)
+        for c in p.misses.chain_at:
+            if mod is not None and type(c) is mod.Chain:
+                keys = c[mw.HDR:]
+                fits = all(type(k) is int for k in keys) and (all(0 <= k < 2**64 for k in keys) or
+                                                               all(-2**63 <= k < 2**63 for k in keys))
+                assert c.kept()[0] == ("values" if fits else "objects")
+                (grouped if type(keys[0]) is tuple else plain).add((c.kept()[0], type(keys[0])))
+    assert sum(p.misses.summary()["blocks"].values()) > 200
+    if mod is not None:
+        t = str if kind == "hex" else int
+        assert plain == {("values", t)} if kind in ("uint64", "int64") else \
+            {("values", t), ("objects", t)} if kind == "both" else {("objects", t)}
+        assert grouped == {("objects", tuple)}
+
+
 @pytest.mark.parametrize("named", [3, 4096])
 def test_counts_left_pending_across_batches_settle_to_the_python_loops(named, monkeypatch):
     """The compiled loop enters its counts later, in sums (csrc/pending.h): read only at the end,
@@ -207,6 +248,11 @@ def test_a_compiled_chain_reads_as_a_tuple_and_is_no_work_for_the_collector():
         c["a"]
     assert mw._find(c, 13) == (c, 7) and mw._find(c, 99) == (None, -1)
     assert repr(c) == "Chain" + repr(t)
+    assert c.kept() == ("values", "objects")  # (its keys as 64-bit values; its parent, None, as an object)
+    p(st([14], 13, D, "bob"))
+    c2 = p.misses.chain_at[p.mirror.key_slot[14]]
+    assert c2.kept() == ("values", "values") and c2[mw.PARENT] == 13 and c2.index(13) == mw.PARENT
+    assert 13 in c2 and 13.0 in c2 and True not in c2 and c2[mw.HDR:] == (14,)
 
 
 def test_the_compiled_flush_fills_the_filters_bit_for_bit():
