@@ -521,6 +521,26 @@ def test_per_session_and_tier_names_are_bounded(monkeypatch):
     assert sum(d["blocks"]["cold"] for d in s["by_session"].values()) == 20
 
 
+def test_batches_and_tier_keys_remembered_are_bounded_and_forgotten_oldest_first(monkeypatch):
+    """Who evicted in each batch (`by_at`) and which keys another tier holds (`tier_of`) keep
+    their newest entries, at most FORGET_SLACK past their bound, and forget the oldest in one go
+    (both loops alike)."""
+    monkeypatch.setattr(mw, "BY_AT", 40)
+    monkeypatch.setattr(mw, "TIER_KEYS", 30)
+    monkeypatch.setattr(mw, "FORGET_SLACK", 8)
+    p = Pod()
+    sizes = set()
+    for i in range(200):
+        p(st([1000 + i], None, [7 + i % 5] * BS, "alice"), *rm(1000 + i - 1) if i else [],
+          st([5000 + i], None, A, "t", medium="CPU"))
+        pm = p.misses
+        assert set(range(max(2, i + 2 - 40), i + 2)) <= set(pm.by_at)  # the newest 40 batches that evicted (from the 2nd)
+        assert len(pm.by_at) <= 48 and len(pm.tier_of) <= 38
+        assert set(range(5000 + i - min(i, 29), 5000 + i + 1)) <= set(pm.tier_of)
+        sizes.add(len(pm.by_at))
+    assert max(sizes) == 48 and min(s for s in sizes if s >= 40) == 40  # (let go 8 at a time)
+
+
 def test_memory_follows_the_pool_through_churn(monkeypatch):
     monkeypatch.setattr(mw, "SWEEP_SLACK", 64)
     p = Pod()
