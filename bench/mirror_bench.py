@@ -38,6 +38,7 @@ from array import array
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections import deque
 
 import zmq
@@ -181,6 +182,30 @@ def measure_inside(payloads: list[bytes], warm: list[bytes] | None = None) -> fl
         attribute(b)
         inside += clock() - t
     return inside
+
+
+def measure_memory(payloads: list[bytes], warm: list[bytes] | None = None) -> dict:
+    """What the miss attribution holds after the whole stream: the memory Python's allocators
+    hold (tracemalloc) with the mirror alone and with the attribution too, each a fresh pod
+    after a full collection, and the attribution's own `memory` summary."""
+    out = {}
+    for misses in (False, True):
+        gc.collect()
+        tracemalloc.start()
+        m, w, attribute, base = _warmed(warm, misses)
+        for seq, p in enumerate(payloads, base):
+            b = w(decode_batch(p), seq)
+            m.apply(b)
+            if attribute is not None:
+                attribute(b)
+        gc.collect()
+        out["on_mib" if misses else "off_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
+        tracemalloc.stop()
+        if attribute is not None:
+            out["summary"] = attribute.__self__.summary()["memory"]
+        del m, w, attribute
+    out["held_mib"] = round(out["on_mib"] - out["off_mib"], 1)
+    return out
 
 
 def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
@@ -417,7 +442,7 @@ def measure_app(rate: int = 50_000, seconds: float = 10.0, pool_blocks: int = 10
 
 def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True, record: bool = False,
         misses: bool = False, warm_events: int | None = None, pairs: int = MISSES_RUNS,
-        content: str = "pattern", inside: int = 0) -> dict:
+        content: str = "pattern", inside: int = 0, memory: bool = False) -> dict:
     # a pool already filling up (by default); its hashes count from 1 as the measured stream's do,
     # so a warm-up longer than the pool makes a window that stores again what was evicted
     warm = synthetic_stream(pool_blocks // 4 if warm_events is None else warm_events, pool_blocks, seed=1,
@@ -445,6 +470,8 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
         ins = sorted(measure_inside(payloads, warm) for _ in range(inside))
         out.update(inside_s=round(ins[len(ins) // 2], 4), inside_runs=inside,
                    inside_share=round(ins[len(ins) // 2] / min(r[0] for r in runs), 3))
+    if memory:
+        out["memory"] = measure_memory(payloads, warm)
     if socket:
         ds = measure_socket(payloads)
         out.update(socket_s=round(ds, 4), socket_events_per_s=round(events / ds))
@@ -481,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inside", type=int, default=0, metavar="N",
                     help="also N runs timing each of the attribution's calls: the median time inside them, and its "
                          "share of the best run without the attribution")
+    ap.add_argument("--memory", action="store_true",
+                    help="also what the miss attribution holds after the stream (tracemalloc, with and without it)")
     ap.add_argument("--app", action="store_true",
                     help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
     ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
@@ -504,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         ap.error(f"--pairs must be at least 1 (got {args.pairs})")
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
-            warm_events=args.warm, pairs=args.pairs, content=args.content, inside=args.inside)
+            warm_events=args.warm, pairs=args.pairs, content=args.content, inside=args.inside, memory=args.memory)
     if args.json:
         print(json.dumps(r))
     else:
@@ -522,6 +551,13 @@ def main(argv: list[str] | None = None) -> int:
         if "inside_s" in r:
             print(f"inside the attribution's calls: {1000 * r['inside_s']:.1f} ms (median of {r['inside_runs']} runs), "
                   f"{100 * r['inside_share']:.1f} % of the best run without it")
+        if "memory" in r:
+            mem = r["memory"]
+            sm = mem["summary"]
+            print(f"memory: the miss attribution holds {mem['held_mib']} MiB ({mem['on_mib']} against {mem['off_mib']} "
+                  f"MiB without it, tracemalloc): {sm['chain_slots']:,} chain slots, {sm['removed_recent']:,} recent "
+                  f"removals in {sm['removed_recent_bytes'] / 2**20:.2f} MiB, filters {sm['removed_filter_bytes'] / 2**20:.2f} "
+                  f"MiB (false positives at most {sm['false_positive_bound']:.1e})")
         if "socket_s" in r:
             print(f"through ZMQ + Subscriber: {r['socket_events_per_s']:,} events/s")
         if "record_s" in r:

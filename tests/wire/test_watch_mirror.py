@@ -138,6 +138,9 @@ def test_mirror_bench_runs_small():
     r = run(2000, 400, socket=False, misses=True, pairs=3)
     lo, hi = r["misses_ratio_median_ci"]
     assert r["misses_runs"] == 3 and lo <= r["misses_ratio_median"] <= hi
+    mem = run(2000, 400, socket=False, pairs=1, memory=True)["memory"]  # (`--memory`)
+    assert mem["on_mib"] > mem["off_mib"] > 0 and mem["held_mib"] == round(mem["on_mib"] - mem["off_mib"], 1)
+    assert mem["summary"]["chain_slots"] >= 400 and 0 < mem["summary"]["removed_recent"] <= 2000
 
 
 def test_mirror_bench_prompts_content_reads_as_one_templates_requests():
