@@ -27,9 +27,12 @@ def summary_of(fleet: Fleet, sub: Subscriber, misses: MissWatch | None = None) -
     out = fleet.summary()
     for name, s in out["pods"].items():
         info = sub.pod_info(name)
-        s.update({"state": info["state"], **{k: info[k] for k in TROUBLE}})
+        s.update({"state": info["state"], **{k: info[k] for k in TROUBLE}, "mirror_s": round(info["mirror_s"], 6)})
         if misses is not None:
             s["misses"] = misses.pod(name).summary()
+            took = misses.seconds.get(name, 0.0)
+            s["misses"]["cost"] = {"seconds": round(took, 6),
+                                   "of_mirror": round(took / info["mirror_s"], 4) if info["mirror_s"] else None}
     return out
 
 

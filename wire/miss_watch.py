@@ -935,6 +935,7 @@ class MissWatch:
         self.explain = explain
         self.detokenize = detokenize
         self.pods: dict[str, PodMisses] = {}
+        self.seconds: dict[str, float] = {}  # pod -> seconds spent attributing its batches
 
     def pod(self, name: str) -> PodMisses:
         pm = self.pods.get(name)
@@ -943,7 +944,12 @@ class MissWatch:
         return pm
 
     def on_batch(self, pod: str, batch: ev_.EngineBatch, detail: bool = False) -> dict | None:
-        return self.pod(pod).apply(batch, detail)
+        pm = self.pod(pod)  # (made on the first batch: its compiled loop loaded, or built, outside the cost)
+        t = time.perf_counter()
+        try:
+            return pm.apply(batch, detail)
+        finally:
+            self.seconds[pod] = self.seconds.get(pod, 0.0) + time.perf_counter() - t
 
     def summary(self) -> dict:
         return {name: pm.summary() for name, pm in self.pods.items()}

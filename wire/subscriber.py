@@ -145,6 +145,7 @@ class _Pod:
     replay_tries: int = 0       # asks in a row for the same hole
     replays_given_up: int = 0
     left_at: float = 0.0        # when the peer left (a connecting SUB is re-dialled if it stays away)
+    mirror_s: float = 0.0       # seconds spent decoding, translating and applying its batches
     joined: threading.Event = field(default_factory=threading.Event)  # the join replay is over (or none)
 
     @property
@@ -299,7 +300,8 @@ class Subscriber:
         return {"state": p.state, "last_applied": p.last_applied, "last_live": p.last_live,
                 "buffered": len(p.buffer), "lost": p.mirror.lost, "bad_payloads": p.bad_payloads,
                 "bad_events": p.bad_events, "unknown_events": p.unknown_events,
-                "other_medium": p.mirror.other_medium, "replays_given_up": p.replays_given_up}
+                "other_medium": p.mirror.other_medium, "replays_given_up": p.replays_given_up,
+                "mirror_s": p.mirror_s}
 
     def endpoint(self, pod: str) -> str:
         """The pod's SUB endpoint as bound or connected (a wildcard port resolved)."""
@@ -444,11 +446,14 @@ class Subscriber:
         self._start_replay(pod, pod.last_applied)
 
     def _decode(self, pod: _Pod, payload: bytes):
+        t = time.perf_counter()
         try:
             batch = decode_batch(payload)
         except WireError:
             pod.bad_payloads += 1
             return None
+        finally:
+            pod.mirror_s += time.perf_counter() - t
         pod.bad_events += batch.bad_events
         pod.unknown_events += batch.unknown_events
         return batch
@@ -457,6 +462,7 @@ class Subscriber:
         m = pod.mirror
         pod.last_payload = payload
         with self.fleet.lock:
+            t = time.perf_counter()
             try:
                 eb = pod.wire(batch, seq)
                 m.apply(eb)
@@ -464,6 +470,7 @@ class Subscriber:
                 eb = EngineBatch(ts=batch.ts, wire_seq=seq)
                 pod.bad_events += len(batch.events)
                 pod.incomplete = True
+            pod.mirror_s += time.perf_counter() - t
             if replayed:
                 m.replayed += 1
         pod.last_applied = seq

@@ -19,11 +19,13 @@ another tier: `{"blocks": {reason: n}, "tokens": {reason: n}, "recomputed": [{"s
 "hits"}}}`, wire/miss_watch.py) and the last line is the summary
 `{"summary": true, "pods": {POD: {"state", "blocks", "by_session", "stored_by_session", "stored",
 "removed", "gaps", "replayed", "restarts", "lost", "bad_payloads", "bad_events", "unknown_events",
-"other_medium", "misses"}}}` (`lost`: batches known missed; `bad_*`: frames, payloads or events
+"other_medium", "mirror_s", "misses"}}}` (`lost`: batches known missed; `bad_*`: frames, payloads or events
 rejected at decode; `unknown_events`: event types we do not know; `other_medium`: blocks of
-another tier, not mirrored; `misses`: the new blocks by reason — tier, evicted, cleared, config,
+another tier, not mirrored; `mirror_s`: seconds spent decoding, translating and applying the
+pod's batches; `misses`: the new blocks by reason — tier, evicted, cleared, config,
 isolated, diverged, cold — in blocks and tokens, per session, whose blocks were evicted, the
-other tiers, and the attribution's memory). Without it, one line per second per pod.
+other tiers, the attribution's memory, and its cost `{"seconds", "of_mirror"}`: its time on this
+stream, and that time over `mirror_s`). Without it, one line per second per pod.
 `--no-misses` skips the attribution (it costs CPU on a very busy server: see docs/miss.md).
 The watched events are recorded as a session (source "watch") unless `--no-record`.
 Stops after `--duration` seconds (under any load), on Ctrl-C or on SIGTERM (the summary is still
@@ -194,4 +196,8 @@ def main(args) -> int:
             if why:
                 text = misses_text(why["blocks"], why["tiers"])
                 print(f"  new blocks: {why['blocks']['cold']:,} cold" + (f" · {text}" if text else ""))
+                cost = why["cost"]
+                if cost["of_mirror"] is not None:
+                    print(f"  the attribution took {cost['seconds']:.3f} s, {100 * cost['of_mirror']:.1f} % of the "
+                          f"mirror's {s['mirror_s']:.3f} s (--no-misses turns it off)")
     return 0

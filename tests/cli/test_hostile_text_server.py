@@ -93,6 +93,7 @@ def test_watch_human_lines_show_hostile_session_ids_inert(pub, tmp_path):
     assert rc == 0, out
     assert_inert(out)
     assert "blocks cached; held by" in out and "␛" in out  # the session ids, shown
+    assert "the attribution took" in out and "% of the mirror's" in out  # (its cost on this stream)
     sid = sqlite3.connect(db).execute("select id from sessions where source = 'watch'").fetchone()[0]
     # the recording of it: tree, show and the transcript
     rc, out = run_tty(["tree", sid, "--db", db, "--ids"])

@@ -623,6 +623,9 @@ def test_watch_json_reports_recomputes_branches_and_tiers(free_port, pubs, watch
                                        "diverged": 2, "cold": 5}
     assert pod["misses"]["by_session"]["bob"]["tokens"] == {"diverged": 8}
     assert pod["other_medium"] == 1
+    cost = pod["misses"]["cost"]  # (the attribution's time on this stream, and over the mirror's)
+    assert pod["mirror_s"] > 0 and cost["seconds"] > 0
+    assert cost["of_mirror"] == pytest.approx(cost["seconds"] / pod["mirror_s"], rel=0.01)
 
 
 def test_watch_no_misses_skips_the_attribution(free_port, pubs, watch_json):
@@ -639,6 +642,7 @@ def test_watch_no_misses_skips_the_attribution(free_port, pubs, watch_json):
     got = w.until(lambda d: seen.append(d) or len(seen) == 2, feed=feed)
     rest = w.stop()
     assert all("miss" not in d for d in got) and "misses" not in rest[-1]["pods"]["p"]
+    assert rest[-1]["pods"]["p"]["mirror_s"] > 0
 
 
 # --- against kvplay serve: the events alone agree with the engine's own attribution -----------
