@@ -22,6 +22,9 @@ requests do.
 process, nine times: the ratio of the best CPU times, and the median of each adjacent pair's ratio
 (on a shared machine the steadier of the two); `--inside N` also times each of the attribution's
 calls over N more runs (what it costs itself, less noisy than a difference of two whole runs).
+`--watch` instead publishes the stream over ZMQ to a real `kvplay watch` process and prints what
+that watch reports at its end: the attribution's time against its mirror's (decode + translate +
+apply), as a watch of a server reports it.
 """
 from __future__ import annotations
 
@@ -32,7 +35,10 @@ import json
 import multiprocessing
 import os
 import random
+import re
+import signal
 import socket as _socket
+import subprocess
 import sys
 from array import array
 import tempfile
@@ -206,6 +212,56 @@ def measure_memory(payloads: list[bytes], warm: list[bytes] | None = None) -> di
         del m, w, attribute
     out["held_mib"] = round(out["on_mib"] - out["off_mib"], 1)
     return out
+
+
+WATCH_COST = re.compile(r"the attribution took ([0-9.e+-]+) s, ([0-9.]+) % of the mirror's ([0-9.e+-]+) s")
+
+
+def measure_watch(payloads: list[bytes], timeout: float = 600.0) -> dict:
+    """A `kvplay watch` process (human lines, no recording) fed `payloads` over ZMQ as fast as it
+    takes them, stopped once it applied the last: what it reports of the attribution's cost
+    (seconds, and its share of the mirror's decode + translate + apply seconds)."""
+    with _socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        ep = f"tcp://127.0.0.1:{sk.getsockname()[1]}"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.bind(ep)
+    w = subprocess.Popen([sys.executable, "-m", "kvplay", "watch", "--events", ep, "--pod", "bench", "--no-record"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(w.stdout), daemon=True)  # (its lines, as they come)
+    reader.start()
+    last = f"seq {len(payloads)} "
+    try:
+        deadline = time.monotonic() + timeout
+        probe = encode_batch(EventBatch(0.0, []))
+        while not any("[live]" in x for x in lines):  # (empty batches until it is subscribed)
+            if w.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvplay watch did not subscribe")
+            pub.send_multipart(encode_frames("", 0, probe))
+            time.sleep(0.05)
+        for i, p in enumerate(payloads, 1):
+            pub.send_multipart(encode_frames("", i, p), copy=False)
+        while not any(last in x for x in lines):
+            if w.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvplay watch did not apply the whole stream")
+            time.sleep(0.1)
+        w.send_signal(signal.SIGTERM)
+        w.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+        pub.close(0)
+        ctx.term()
+    found = [m for m in map(WATCH_COST.search, lines) if m]
+    if not found:
+        raise RuntimeError("kvplay watch reported no attribution cost")
+    took, share, mirror = (float(x) for x in found[-1].groups())
+    return {"watch_misses_s": took, "watch_mirror_s": mirror, "watch_of_mirror": round(share / 100, 4)}
 
 
 def measure_recording(payloads: list[bytes], db_path: str) -> tuple[float, int]:
@@ -510,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                          "share of the best run without the attribution")
     ap.add_argument("--memory", action="store_true",
                     help="also what the miss attribution holds after the stream (tracemalloc, with and without it)")
+    ap.add_argument("--watch", action="store_true",
+                    help="instead: a kvplay watch process fed the stream over ZMQ, and what it reports the "
+                         "attribution cost (its share of the mirror's time)")
     ap.add_argument("--app", action="store_true",
                     help="instead: the attach app while events arrive at --rate over ZMQ (frame time, loop lag)")
     ap.add_argument("--rate", type=int, default=50_000, help="events/s in all, with --app (default 50,000)")
@@ -532,6 +591,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pairs < 1:
         ap.error(f"--pairs must be at least 1 (got {args.pairs})")
+    if args.watch:
+        payloads = synthetic_stream(args.events, args.pool_blocks, seed=2, content=args.content)
+        events = count_events(payloads)[0]
+        r = {"events": events, "content": args.content, **measure_watch(payloads)}
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"kvplay watch over ZMQ, {events:,} events ({args.content} content): the attribution took "
+                  f"{r['watch_misses_s']} s, {100 * r['watch_of_mirror']:.1f} % of the mirror's {r['watch_mirror_s']} s "
+                  f"(its own report; {time.strftime('%H:%M UTC', time.gmtime())})")
+        return 0
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
             warm_events=args.warm, pairs=args.pairs, content=args.content, inside=args.inside, memory=args.memory)
     if args.json:

@@ -198,6 +198,6 @@ def main(args) -> int:
                 print(f"  new blocks: {why['blocks']['cold']:,} cold" + (f" · {text}" if text else ""))
                 cost = why["cost"]
                 if cost["of_mirror"] is not None:
-                    print(f"  the attribution took {cost['seconds']:.3f} s, {100 * cost['of_mirror']:.1f} % of the "
-                          f"mirror's {s['mirror_s']:.3f} s (--no-misses turns it off)")
+                    print(f"  the attribution took {cost['seconds']:.4g} s, {100 * cost['of_mirror']:.1f} % of the "
+                          f"mirror's {s['mirror_s']:.4g} s (--no-misses turns it off)")
     return 0

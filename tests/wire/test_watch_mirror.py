@@ -172,6 +172,16 @@ def test_mirror_bench_prompts_content_reads_as_one_templates_requests():
         synthetic_stream(10, content="words")
 
 
+def test_mirror_bench_watch_reads_a_real_watchs_own_cost_line():
+    """`--watch`: a `kvplay watch` process fed the stream over ZMQ applies all of it and reports
+    the attribution's time against its mirror's, which the bench reads back."""
+    from kvplay.bench.mirror_bench import measure_watch, synthetic_stream
+
+    r = measure_watch(synthetic_stream(2000, pool_blocks=400, seed=3), timeout=120)
+    assert r["watch_misses_s"] > 0 and r["watch_mirror_s"] > 0
+    assert r["watch_of_mirror"] == pytest.approx(r["watch_misses_s"] / r["watch_mirror_s"], rel=0.2, abs=0.002)
+
+
 def test_mirror_bench_app_runs_small():
     """The attach app fed by two publishers in another process: every event applied, frames
     drawn, one map per pod (no timing asserted: the figures are `kvplay bench` output)."""
