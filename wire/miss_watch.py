@@ -93,7 +93,6 @@ DEPTH, PARENT, USER, SALTED, MARK, HDR = range(6)
 _NONE = repeat(None)  # map(d.pop, keys, _NONE): pop each key, no error when absent
 
 
-
 def _forget_oldest(d: dict, keep: int) -> None:
     """Keep a dict's newest `keep` entries once it holds FORGET_SLACK more, in one go. (Deleting
     the oldest entry each time it grows by one walks, on every call, past the entries deleted
