@@ -545,6 +545,12 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
     return out
 
 
+def _emit(r: dict, as_json: bool, *lines: str) -> int:
+    """A measurement's result: one JSON line, or its lines for people."""
+    print(json.dumps(r) if as_json else "\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvplay.bench.mirror_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--events", type=int, default=200_000)
@@ -579,29 +585,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.app:
         r = measure_app(args.rate, args.seconds, args.pool_blocks, args.pods, args.record,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
-        if args.json:
-            print(json.dumps(r))
-        else:
-            print(f"attach app, {r['pods']} pod(s), {r['pool_blocks']:,} slots each ({r['map']}), "
-                  f"recording {'on' if r['record'] else 'off'}: offered {r['offered_per_s']:,} events/s, "
-                  f"applied {r['applied_per_s']:,} events/s ({'kept up' if r['kept_up'] else 'fell behind'})")
-            print(f"frame time p50 {r['frame_ms_p50']} ms, p95 {r['frame_ms_p95']} ms, max {r['frame_ms_max']} ms "
-                  f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
-                  f"max {r['lag_ms_max']} ms")
-        return 0
+        return _emit(r, args.json,
+                     f"attach app, {r['pods']} pod(s), {r['pool_blocks']:,} slots each ({r['map']}), "
+                     f"recording {'on' if r['record'] else 'off'}: offered {r['offered_per_s']:,} events/s, "
+                     f"applied {r['applied_per_s']:,} events/s ({'kept up' if r['kept_up'] else 'fell behind'})",
+                     f"frame time p50 {r['frame_ms_p50']} ms, p95 {r['frame_ms_p95']} ms, max {r['frame_ms_max']} ms "
+                     f"({r['frames']} frames); event-loop lag p50 {r['lag_ms_p50']} ms, p95 {r['lag_ms_p95']} ms, "
+                     f"max {r['lag_ms_max']} ms")
     if args.pairs < 1:
         ap.error(f"--pairs must be at least 1 (got {args.pairs})")
     if args.watch:
         payloads = synthetic_stream(args.events, args.pool_blocks, seed=2, content=args.content)
         events = count_events(payloads)[0]
         r = {"events": events, "content": args.content, **measure_watch(payloads)}
-        if args.json:
-            print(json.dumps(r))
-        else:
-            print(f"kvplay watch over ZMQ, {events:,} events ({args.content} content): the attribution took "
-                  f"{r['watch_misses_s']} s, {100 * r['watch_of_mirror']:.1f} % of the mirror's {r['watch_mirror_s']} s "
-                  f"(its own report; {time.strftime('%H:%M UTC', time.gmtime())})")
-        return 0
+        return _emit(r, args.json,
+                     f"kvplay watch over ZMQ, {events:,} events ({args.content} content): the attribution took "
+                     f"{r['watch_misses_s']} s, {100 * r['watch_of_mirror']:.1f} % of the mirror's {r['watch_mirror_s']} s "
+                     f"(its own report; {time.strftime('%H:%M UTC', time.gmtime())})")
     r = run(args.events, args.pool_blocks, socket=not args.no_socket, record=args.record, misses=args.misses,
             warm_events=args.warm, pairs=args.pairs, content=args.content, inside=args.inside, memory=args.memory)
     if args.json:
