@@ -78,6 +78,7 @@ def test_watch_real_vllm_reports_a_recompute_after_eviction_and_a_divergence(tmp
     assert why["by_session"]["alice"]["blocks"] == {"cold": len(alice) // BS, "evicted": recomputed}
     assert why["blocks"]["evicted"] >= recomputed and why["evicted_from"].get("alice", 0) >= recomputed
     assert pod["removed"] > 0
+    assert pod["mirror_s"] > 0 and why["cost"]["seconds"] > 0 and why["cost"]["of_mirror"] > 0  # (its cost, reported)
     alice_again = [r for d in got for r in d.get("miss", {}).get("recomputed", ()) if r["session"] == "alice"]
     assert [(r["reason"], r["blocks"]) for r in alice_again] == [("evicted", recomputed)]
     assert alice_again[0]["evicted_by"] in {"carol", "dave", "erin", "frank", "grace"}
