@@ -453,22 +453,19 @@ static inline PyObject *chain_hdr(PyObject *o, int i) {
     return Py_TYPE(o) == &ChainType ? ((ChainObject *)o)->item[i].o : PyTuple_GET_ITEM(o, i);
 }
 
-/* An exact int's 64-bit value: 1 when it is in [0, 2^63), 2 in [2^63, 2^64), 3 negative and from
- * -2^63; 0 when it is no exact int or does not fit (no exception is left set). */
+/* An exact int's 64-bit value, as the recent map reads a key (`rkey_of`): 1 when it is in
+ * [0, 2^63), 2 in [2^63, 2^64), 3 negative and from -2^63; 0 when it is no exact int or does not
+ * fit (no exception is left set). */
 static int int_bits(PyObject *k, uint64_t *b) {
+    RKey r;
     if (!PyLong_CheckExact(k)) return 0;
-    int of;
-    long long v = PyLong_AsLongLongAndOverflow(k, &of);
-    if (!of) {
-        if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-        *b = (uint64_t)v;
-        return v < 0 ? 3 : 1;
+    if (rkey_of(k, &r) < 0) {  /* (an exact int always reads) */
+        PyErr_Clear();
+        return 0;
     }
-    if (of < 0) return 0;
-    unsigned long long u = PyLong_AsUnsignedLongLong(k);
-    if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-    *b = (uint64_t)u;
-    return 2;
+    if (r.tag == 2) return 0;
+    *b = r.bits;
+    return r.tag == 1 ? 3 : r.bits >> 63 ? 2 : 1;
 }
 
 /* A kept value as a new int (NULL with an exception). */
