@@ -40,11 +40,11 @@ import signal
 import socket as _socket
 import subprocess
 import sys
-from array import array
 import tempfile
 import threading
 import time
 import tracemalloc
+from array import array
 from collections import deque
 
 import zmq
@@ -130,6 +130,16 @@ def count_events(payloads: list[bytes]) -> tuple[int, int]:
     return events, blocks
 
 
+def _feed(payloads: list[bytes], m, w, attribute, base: int = 0) -> None:
+    """Decode, translate and apply each payload (seq from `base`), and attribute it when
+    `attribute` is not None."""
+    for seq, p in enumerate(payloads, base):
+        b = w(decode_batch(p), seq)
+        m.apply(b)
+        if attribute is not None:
+            attribute(b)
+
+
 def _warmed(warm: list[bytes] | None, misses: bool):
     """A fresh pod's mirror, its FromWire and (with `misses`) its attribution's `apply` (else
     None), after `warm` went through them, and a full collection: (mirror, from_wire, attribute,
@@ -138,11 +148,7 @@ def _warmed(warm: list[bytes] | None, misses: bool):
     m = fleet.pod("bench")
     w = fleet.from_wire("bench")
     attribute = MissWatch(fleet).pod("bench").apply if misses else None
-    for seq, p in enumerate(warm or []):
-        b = w(decode_batch(p), seq)
-        m.apply(b)
-        if attribute is not None:
-            attribute(b)
+    _feed(warm or [], m, w, attribute)
     gc.collect()
     return m, w, attribute, len(warm or [])
 
@@ -199,11 +205,7 @@ def measure_memory(payloads: list[bytes], warm: list[bytes] | None = None) -> di
         gc.collect()
         tracemalloc.start()
         m, w, attribute, base = _warmed(warm, misses)
-        for seq, p in enumerate(payloads, base):
-            b = w(decode_batch(p), seq)
-            m.apply(b)
-            if attribute is not None:
-                attribute(b)
+        _feed(payloads, m, w, attribute, base)
         gc.collect()
         out["on_mib" if misses else "off_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
         tracemalloc.stop()

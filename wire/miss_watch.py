@@ -51,8 +51,9 @@ is compiled in generations of 4,096 keys with an index and a filter each, 0.63-0
 blocked Bloom filters: 0.75 MiB a reason, a
 false positive rate of about 3.1e-4 over all three); a chain and a parent's newest chain per mirror slot; the newest root chain per first
 token (swept to the cached ones when they outnumber twice the cached blocks); `TIER_KEYS`
-hashes held by other tiers; `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted by name (the
-rest as "others").
+hashes held by other tiers and `BY_AT` batches' evicting sessions (each up to `FORGET_SLACK`
+more, let go that many at a time); `MAX_SESSIONS` sessions and `MAX_TIERS` tiers counted by name
+(the rest as "others").
 """
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ class PodMisses:
         self.chain_at: list = []  # mirror slot -> the chain that last stored a block in it (None)
         self.heads_at: list = []  # mirror slot -> the newest chain stored under the block in it
         self.roots: dict = {}    # first token -> the newest chain with no parent that starts with it
-        self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS)
+        self.tier_of: dict = {}  # key -> the other tier that holds it (the newest TIER_KEYS, and up to FORGET_SLACK more)
         self.tiers: dict = {}    # tier -> {"stored", "removed", "hits"} blocks
         # (read through the properties `sessions`, `evicted_from` and `counts`, which first settle
         # what the compiled loop left pending: `_pending`, csrc/pending.h)
