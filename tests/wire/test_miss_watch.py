@@ -652,6 +652,10 @@ def test_watch_of_kvplay_serve_agrees_with_the_engines_reasons(free_port, serve,
     srv, state = serve(kv_events=cfg, num_blocks=14, block_size=16)
     w = watch_json(srv.url, "--json", "--no-record")  # the endpoints come from GET /kv_event_sources
     w.wait_err("kv_event_sources", timeout=30)
+    # connected and its join replay asked: a batch published before its subscription reached the
+    # server would be missed until a later batch showed the gap (wire/subscriber.py), and the last
+    # batch here has none after it
+    w.wait_err("is replaying", timeout=30)
     rng = [10 + (k * 7) % 90 for k in range(69)]  # 69 tokens: 4 full blocks and 5 tail tokens
 
     def complete(user, ids):
