@@ -21,7 +21,8 @@ requests do.
 (wire/miss_watch.py) too: decode + translate + apply with it and without it, alternating in one
 process, nine times: the ratio of the best CPU times, and the median of each adjacent pair's ratio
 (on a shared machine the steadier of the two); `--inside N` also times each of the attribution's
-calls over N more runs (what it costs itself, less noisy than a difference of two whole runs).
+calls over N more runs (what it costs itself, less noisy than a difference of two whole runs), in
+all and per event.
 `--watch` instead publishes the stream over ZMQ to a real `kvplay watch` process and prints what
 that watch reports at its end: the attribution's time against its mirror's (decode + translate +
 apply), as a watch of a server reports it.
@@ -527,7 +528,8 @@ def run(n_events: int = 200_000, pool_blocks: int = 100_000, socket: bool = True
     if inside:  # (runs of their own: the clock around each call is not in the ratio's)
         ins = sorted(measure_inside(payloads, warm) for _ in range(inside))
         out.update(inside_s=round(ins[len(ins) // 2], 4), inside_runs=inside,
-                   inside_share=round(ins[len(ins) // 2] / min(r[0] for r in runs), 3))
+                   inside_share=round(ins[len(ins) // 2] / min(r[0] for r in runs), 3),
+                   inside_ns_per_event=round(1e9 * ins[len(ins) // 2] / events, 1))
     if memory:
         out["memory"] = measure_memory(payloads, warm)
     if socket:
@@ -622,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"at least 95 % where the pairs allow), {pairs[0]:.2f}-{pairs[-1]:.2f})")
         if "inside_s" in r:
             print(f"inside the attribution's calls: {1000 * r['inside_s']:.1f} ms (median of {r['inside_runs']} runs), "
-                  f"{100 * r['inside_share']:.1f} % of the best run without it")
+                  f"{r['inside_ns_per_event']:.0f} ns an event, {100 * r['inside_share']:.1f} % of the best run without it")
         if "memory" in r:
             mem = r["memory"]
             sm = mem["summary"]

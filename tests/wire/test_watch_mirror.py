@@ -168,6 +168,8 @@ def test_mirror_bench_prompts_content_reads_as_one_templates_requests():
     assert prompts["diverged"] > 0 and prompts["config"] == 0 and prompts["cold"] > 0
     r = run(1000, 400, socket=False, misses=True, pairs=1, content="prompts", inside=1)
     assert r["content"] == "prompts" and r["inside_s"] > 0 and r["inside_share"] > 0
+    # (inside_s is rounded to 0.1 ms: the figure per event is the unrounded one's)
+    assert r["inside_ns_per_event"] == pytest.approx(1e9 * r["inside_s"] / r["events"], abs=1e5 / r["events"] + 0.1)
     with pytest.raises(ValueError, match="content"):
         synthetic_stream(10, content="words")
 
