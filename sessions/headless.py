@@ -97,7 +97,9 @@ class TurnTable:
         self.live = None
         w_user = max([4, *(len(inert(u, limit=64)) for u in users)])
         self.users = users
-        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 36, 7, 6, 0]
+        # (plain lines: "computed" fits "260: 240 cold, 16 isolated from alice, 4 tail"; a longer
+        # cell pushes the rest of its own line only)
+        self.widths = [max(4, len(str(max(turns, default=1)))), w_user, 6, 22, 46, 7, 6, 0]
 
     def table(self):
         return make_table(self.title, [self.rows[t] for t in self.order if t in self.rows],

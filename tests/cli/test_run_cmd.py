@@ -219,3 +219,26 @@ def test_simulate_a_missing_file_says_so(tmp_path, capsys, monkeypatch):
     assert cli(["simulate", "nope.jsonl"]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope.jsonl: no such file" in err and "session id 'NOPE" not in err and len(err.splitlines()) == 1
+
+
+def test_plain_lines_keep_their_columns_with_every_reason_in_computed():
+    """Piped `kvplay run` prints a line per turn as it finishes: the "computed" cell of a turn
+    with three reasons (docs/miss.md's dave) fits its column, so TTFT stays under its header."""
+    import io
+
+    from rich.console import Console
+
+    from kvplay.sessions.headless import TurnTable
+
+    out = io.StringIO()
+    con = Console(file=out, force_terminal=False, width=200)
+    rows = {1: ["1", "alice", "256", "0", "256: 240 cold, 16 tail", "249.8", "53.5", "a reply"],
+            2: ["2", "dave", "260", "0", "260: 240 cold, 16 isolated from alice, 4 tail", "260.7", "45.6", "b"],
+            3: ["3", "alice", "296", "32 (own 32)", "264: 240 evicted, 16 cold, 8 tail", "273.2", "52.3", "c"]}
+    with TurnTable(con, [1, 2, 3], ["alice", "dave"]) as t:
+        for turn, row in rows.items():
+            t.add(turn, row)
+    lines = out.getvalue().splitlines()
+    ends = {line.index("TTFT ms") + len("TTFT ms") if line.startswith("turn") else line.index(row[5]) + len(row[5])
+            for line, row in zip(lines, [None, *rows.values()])}
+    assert len(ends) == 1, lines  # every TTFT right-aligned under its header
