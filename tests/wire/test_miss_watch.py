@@ -197,6 +197,21 @@ def test_the_compiled_loop_agrees_with_the_python_one_on_keys_of_every_kind(kind
         assert grouped == {("objects", tuple)}
 
 
+@pytest.mark.parametrize("kept, other", [(2**64 - 1, -1), (-1, 2**64 - 1)])
+def test_the_same_64_bits_under_the_other_sign_is_another_key(kept, other):
+    """A chain stored under `kept` keeps it as a 64-bit value (unsigned, or signed); once the
+    slot of `kept` holds `other` (the same bits, the other sign), a chain under `other` is not
+    that chain's sibling: cold, as the Python loop says (the compiled one agrees, `Pod`)."""
+    p = Pod()
+    p(st([kept], None, A, "alice"))
+    slot = p.mirror.key_slot[kept]
+    p(st([7], kept, B, "alice"))  # the newest chain under the block in `slot`, its parent kept as a value
+    p(*rm(kept))
+    p(st([other], None, C, "bob"))
+    assert p.mirror.key_slot[other] == slot  # (the slot taken again: its newest chain is still alice's)
+    assert p(st([9], other, B, "carol"))["blocks"] == {"cold": 1}  # (as her sibling it would read "config")
+
+
 @pytest.mark.parametrize("named", [3, 4096])
 def test_counts_left_pending_across_batches_settle_to_the_python_loops(named, monkeypatch):
     """The compiled loop enters its counts later, in sums (csrc/pending.h): read only at the end,
