@@ -473,9 +473,15 @@ static PyObject *value_new(uint64_t u, int kind) {
     return kind == V_I64 ? PyLong_FromLongLong((long long)u) : PyLong_FromUnsignedLongLong(u);
 }
 
+/* Whether a value kept as `kind` can be an exact int of int_bits class `c` (an unsigned value no
+ * negative int, a signed one no int from 2^63). */
+static inline int kind_holds(int kind, int c) {
+    return c && (kind == V_U64 ? c != 3 : c != 2);
+}
+
 /* Whether an exact int of int_bits class `c` and value bits `b` is the value `u` kept as `kind`. */
 static inline int same_value(uint64_t u, int kind, int c, uint64_t b) {
-    return c && b == u && (kind == V_U64 ? c != 3 : c != 2);
+    return b == u && kind_holds(kind, c);
 }
 
 /* Item i of a chain as Python reads it (a new reference). */
@@ -677,7 +683,7 @@ static Py_ssize_t find(PyObject *c, PyObject *key) {
         ChainObject *ch = (ChainObject *)c;
         uint64_t b = 0;
         int k = int_bits(key, &b);
-        if (!k || (ch->kind == V_U64 ? k == 3 : k == 2)) return -1;  /* (no value kept so can be this int) */
+        if (!kind_holds(ch->kind, k)) return -1;  /* (no value kept so can be this int) */
         for (Py_ssize_t i = HDR; i < len; i++)
             if (ch->item[i].u == b) return i;
         return -1;
